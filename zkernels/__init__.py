@@ -1,0 +1,10 @@
+"""zkernels: ZeRO stage 1/2/3 sharded optimizer for PyTorch with fused kernels.
+
+Importing this package has no side effects: no backend is probed, no extension is loaded and
+no environment variable is read until an op runs.
+"""
+from . import ops
+from .layout import FlatLayout
+
+__version__ = "0.1.0"
+__all__ = ["ops", "FlatLayout", "__version__"]

@@ -1,0 +1,10 @@
+"""Fused ops, public: one module per op, each checking its arguments and dispatching to
+Triton (CUDA tensors), the C++ extension (CPU tensors, where built) or the reference."""
+from ._backend import available, choose
+from .adamw import adamw_step, sum_squares
+from .bucket import bucket_pack, bucket_unpack
+from .cast import cast, unscale_and_check_
+from .flatten import flatten, unflatten
+
+__all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
+           "unscale_and_check_", "adamw_step", "sum_squares", "available", "choose"]

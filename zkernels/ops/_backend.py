@@ -1,0 +1,77 @@
+"""The one place where a backend is chosen for a fused op.
+
+Triton on CUDA tensors; the C++ extension (``zkernels._C``) on CPU tensors where it is built
+and implements the op; the reference otherwise. ``ZKERNELS_BACKEND=reference|triton|cpp``
+forces one (read at call time, never at import). Triton on CPU tensors needs
+``TRITON_INTERPRET=1`` set before ``zkernels.kernels`` is first imported.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("zkernels.ops")
+
+BACKENDS = ("reference", "triton", "cpp")
+_MODULES = {"reference": "zkernels.reference", "triton": "zkernels.kernels",
+            "cpp": "zkernels._cpu"}
+
+
+@functools.lru_cache(maxsize=None)
+def _module(backend: str) -> Optional[ModuleType]:
+    """The backend's module, or None where it cannot be imported (no triton, no extension)."""
+    try:
+        return importlib.import_module(_MODULES[backend])
+    except ImportError as exc:
+        log.debug("zkernels backend %r unavailable: %s", backend, exc)
+        return None
+
+
+def available(backend: str) -> bool:
+    """Whether ``backend`` can run here at all."""
+    if backend == "cpp":
+        mod = _module("cpp")
+        return mod is not None and getattr(mod, "AVAILABLE", False)
+    return _module(backend) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(op: str, device_type: str, backend: str) -> None:
+    log.debug("zkernels.ops.%s on %s tensors runs on the %s backend", op, device_type, backend)
+
+
+def choose(op: str, device: torch.device) -> str:
+    """Name of the backend that runs ``op`` for tensors on ``device``."""
+    forced = os.environ.get("ZKERNELS_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"ZKERNELS_BACKEND must be one of {BACKENDS}, got {forced!r}")
+        if forced == "triton" and device.type != "cuda" and \
+                os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+            raise RuntimeError("ZKERNELS_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1")
+        if forced != "reference" and not _has(forced, op):
+            raise RuntimeError(f"ZKERNELS_BACKEND={forced} but that backend is not available "
+                               f"for op {op!r} here")
+        return forced
+    if device.type == "cuda" and _has("triton", op):
+        return "triton"
+    if device.type == "cpu" and _has("cpp", op):
+        return "cpp"
+    return "reference"
+
+
+def _has(backend: str, op: str) -> bool:
+    return available(backend) and hasattr(_module(backend), op)
+
+
+def implementation(op: str, device: torch.device) -> Callable:
+    """The function implementing ``op`` for tensors on ``device``."""
+    backend = choose(op, device)
+    _say_once(op, device.type, backend)
+    return getattr(_module(backend), op)

@@ -1,0 +1,45 @@
+"""Public bucket pack / unpack: checks, then dispatch (see ``_backend``)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _checks
+from ._backend import implementation
+
+
+def _scale(scale) -> float:
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int], *,
+                scale: float = 1.0) -> torch.Tensor:
+    """Place gradients into a rank-aligned bucket, cast and scaled, in one launch. See
+    :func:`zkernels.reference.bucket_pack`."""
+    _checks.tensor("bucket", bucket, one_dim=True)
+    _checks.tensor_list("tensors", tensors, device=bucket.device)
+    _checks.offsets("offsets", list(offsets), [t.numel() for t in tensors], bucket.numel(),
+                    "bucket")
+    scale = _scale(scale)
+    if not tensors:
+        return bucket
+    return implementation("bucket_pack", bucket.device)(tensors, bucket, list(offsets),
+                                                        scale=scale)
+
+
+def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: Sequence[int], *,
+                  scale: float = 1.0) -> Sequence[torch.Tensor]:
+    """Copy slices of a bucket back into tensors, scaled and cast, in one launch. See
+    :func:`zkernels.reference.bucket_unpack`."""
+    _checks.tensor("bucket", bucket, one_dim=True)
+    _checks.tensor_list("outs", outs, device=bucket.device)
+    _checks.offsets("offsets", list(offsets), [t.numel() for t in outs], bucket.numel(),
+                    "bucket")
+    scale = _scale(scale)
+    if not outs:
+        return outs
+    return implementation("bucket_unpack", bucket.device)(bucket, outs, list(offsets),
+                                                          scale=scale)

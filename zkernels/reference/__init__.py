@@ -1,0 +1,13 @@
+"""Plain-PyTorch reference of every fused op: the CPU fallback and the test oracle.
+
+Written for clarity, not speed. Each function has exactly the signature of its Triton launcher
+in ``zkernels.kernels`` and of its public entry point in ``zkernels.ops``. Inputs are assumed
+valid: argument checks live in ``zkernels.ops``.
+"""
+from .adamw import adamw_step, sum_squares
+from .bucket import bucket_pack, bucket_unpack
+from .cast import cast, unscale_and_check_
+from .flatten import flatten, unflatten
+
+__all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
+           "unscale_and_check_", "adamw_step", "sum_squares"]

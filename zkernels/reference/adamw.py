@@ -1,0 +1,78 @@
+"""Reference multi-tensor AdamW over flat fp32 shards, and the fused sum of squares."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+Scalar = Union[float, int, torch.Tensor]
+
+
+def _value(x: Scalar) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float = 0.0, step: Scalar, decoupled: bool = True,
+               grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One AdamW (``decoupled=True``) or Adam-with-L2 (``decoupled=False``) update, in place.
+
+    The arithmetic follows ``torch.optim.AdamW`` (single-tensor path) step for step:
+    ``p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
+    p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``.
+
+    Args:
+        param, exp_avg, exp_avg_sq: 1-D contiguous fp32 buffers of equal length (the master
+            shard and its moments), updated in place.
+        grad: 1-D contiguous, same length, fp32/bf16/fp16; read as fp32, divided by
+            ``grad_scale`` when given.
+        lr, beta1, beta2, eps, weight_decay: hyperparameters.
+        step: the step number after incrementing (1 on the first step), int or tensor.
+        decoupled: AdamW decay when True; classic L2 (``g += wd * p``) when False.
+        grad_scale: optional loss scale to divide the gradient by, float or 1-element tensor.
+        found_inf: optional 1-element tensor; when nonzero the call changes nothing.
+        out: optional 1-D buffer (fp32/bf16/fp16), same length, receiving the updated params
+            cast (round to nearest even) to its dtype.
+
+    Returns:
+        ``param``.
+    """
+    if found_inf is not None and _value(found_inf) != 0.0:
+        return param
+    t = _value(step)
+    g = grad.float()
+    if grad_scale is not None:
+        g = g / _value(grad_scale)
+    if decoupled:
+        param.mul_(1.0 - lr * weight_decay)
+    elif weight_decay != 0.0:
+        g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1 ** t
+    bias_correction2 = 1.0 - beta2 ** t
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if out is not None:
+        out.copy_(param)
+    return param
+
+
+def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all elements of all ``tensors``, accumulated in fp32.
+
+    Args:
+        tensors: contiguous tensors (fp32/bf16/fp16), one device.
+
+    Returns:
+        0-d fp32 tensor on that device (for a global norm: ``sqrt`` of the all-reduced sum).
+    """
+    dev = tensors[0].device if len(tensors) else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    for t in tensors:
+        total += t.float().pow(2).sum()
+    return total
