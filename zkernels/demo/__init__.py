@@ -1,0 +1,1 @@
+"""The training demo: a small GPT trained on a text corpus shipped with the package."""
