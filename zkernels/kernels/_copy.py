@@ -18,17 +18,22 @@ from ._tables import COPY_BLOCK, COPY_WARPS, build_table, native_nan, tl_dtype
 
 
 @triton.jit
-def _scaled(x, scale, DST: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE_NAN: tl.constexpr):
+def _scaled(x, scale, DST: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_ROUTE: tl.constexpr,
+            NATIVE_NAN: tl.constexpr):
     if HAS_SCALE:
         return round_to(x.to(tl.float32) * scale, DST, NATIVE_NAN)
+    elif FP32_ROUTE and x.dtype != DST:
+        # ``(x.float() * 1.0).to(DST)``: same bits as ``x.to(DST)`` except for NaN, whose CPU
+        # pattern depends on the route (see [Note: exact rounding in kernels]).
+        return round_to(x.to(tl.float32), DST, NATIVE_NAN)
     else:
         return convert(x, DST, NATIVE_NAN)
 
 
 @triton.jit
 def _scaled_copy_kernel(meta, scale, num_tensors, num_blocks, SRC: tl.constexpr,
-                        DST: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
-                        NATIVE_NAN: tl.constexpr, BLOCK: tl.constexpr):
+                        DST: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_ROUTE: tl.constexpr,
+                        ALIGNED: tl.constexpr, NATIVE_NAN: tl.constexpr, BLOCK: tl.constexpr):
     """Block ``pid``: ``dst[i] = round(src[i] * scale)`` for its BLOCK elements of one tensor.
 
     ``meta`` columns: source byte address, destination byte address (see ``_tables.py``).
@@ -49,16 +54,16 @@ def _scaled_copy_kernel(meta, scale, num_tensors, num_blocks, SRC: tl.constexpr,
     # pays for the mask.
     if start + BLOCK <= numel:
         x = tl.load(src_ptrs)
-        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, NATIVE_NAN))
+        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN))
     else:
         mask = offs < numel
         x = tl.load(src_ptrs, mask=mask)
-        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, NATIVE_NAN), mask=mask)
+        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN), mask=mask)
 
 
 def scaled_copy(src_addrs: Sequence[int], dst_addrs: Sequence[int], numels: Sequence[int],
                 src_dtype: torch.dtype, dst_dtype: torch.dtype, device: torch.device,
-                scale: float = 1.0) -> None:
+                scale: float = 1.0, fp32_route: bool = False) -> None:
     """One launch: for each i, ``numels[i]`` elements from byte address ``src_addrs[i]``
     (``src_dtype``) to ``dst_addrs[i]`` (``dst_dtype``), times ``scale`` in fp32, cast RNE.
 
@@ -68,6 +73,9 @@ def scaled_copy(src_addrs: Sequence[int], dst_addrs: Sequence[int], numels: Sequ
         src_dtype, dst_dtype: fp32/bf16/fp16.
         device: the device holding every address.
         scale: 1.0 skips the multiply (a pure copy or cast, bit-exact).
+        fp32_route: convert as ``(x.float() * scale).to(dst)`` even when ``scale == 1``
+            (the bucket ops' definition) rather than ``x.to(dst)`` (flatten's); the two differ
+            only in NaN bit patterns on CPU.
     """
     table = build_table([src_addrs, dst_addrs], numels, device, COPY_BLOCK, 2)
     if table.num_blocks == 0:
@@ -75,5 +83,6 @@ def scaled_copy(src_addrs: Sequence[int], dst_addrs: Sequence[int], numels: Sequ
     scale = float(scale)
     _scaled_copy_kernel[(table.num_blocks,)](
         table.meta, scale, table.num_tensors, table.num_blocks, SRC=tl_dtype(src_dtype),
-        DST=tl_dtype(dst_dtype), HAS_SCALE=scale != 1.0, ALIGNED=table.aligned,
-        NATIVE_NAN=native_nan(device), BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)
+        DST=tl_dtype(dst_dtype), HAS_SCALE=scale != 1.0, FP32_ROUTE=fp32_route,
+        ALIGNED=table.aligned, NATIVE_NAN=native_nan(device), BLOCK=COPY_BLOCK,
+        num_warps=COPY_WARPS)

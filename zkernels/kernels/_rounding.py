@@ -9,19 +9,22 @@ even but keeps NaN payloads differently from PyTorch. So finite values and infin
 rounded here on the bit pattern (round to nearest even, overflow to inf, subnormals), which is
 exact on the interpreter and on a GPU alike.
 
-NaN is the one value whose bits PyTorch itself does not define portably: its CPU (vectorized)
-cast writes 0xFFFF for bf16 and ``sign | 0x7E00 | payload >> 13`` for fp16, while on CUDA it
-uses the hardware ``cvt.rn`` instruction (canonical NaN). The launcher passes
-``NATIVE_NAN=True`` for CUDA tensors, so NaN lanes take the compiled cast, which is the very
-instruction PyTorch's CUDA cast uses; on CPU tensors the CPU bit patterns are built here.
+NaN is the one value whose bits PyTorch itself does not define portably. On CPU (measured,
+torch 2.13, x86): fp32 -> bf16 writes 0xFFFF, fp16 -> bf16 writes 0x7FC0, and fp32/bf16 -> fp16
+writes ``sign | 0x7E00 | fp32_payload >> 13``; on CUDA the hardware ``cvt.rn`` instruction
+writes the canonical NaN. The launcher passes ``NATIVE_NAN=True`` for CUDA tensors, so NaN
+lanes take the compiled cast, the very instruction PyTorch's CUDA cast uses; on CPU tensors the
+CPU patterns are built here. Signalling-NaN payloads are not reproduced (PyTorch's CPU upcasts
+quiet them, numpy's do not); arithmetic never produces them.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _bf16_bits(x, NATIVE_NAN: tl.constexpr):
-    """uint32 holding the bf16 bits (low 16) of fp32 ``x`` rounded to nearest even."""
+def _bf16_bits(x, NATIVE_NAN: tl.constexpr, CPU_NAN: tl.constexpr):
+    """uint32 holding the bf16 bits (low 16) of fp32 ``x`` rounded to nearest even; NaN
+    becomes ``CPU_NAN`` unless ``NATIVE_NAN``."""
     b = x.to(tl.uint32, bitcast=True)
     lsb = (b >> 16) & 1
     rounded = (b + 0x7FFF + lsb) >> 16
@@ -29,7 +32,7 @@ def _bf16_bits(x, NATIVE_NAN: tl.constexpr):
     if NATIVE_NAN:
         nan_bits = x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
     else:
-        nan_bits = tl.full(b.shape, 0xFFFF, tl.uint32)
+        nan_bits = tl.full(b.shape, CPU_NAN, tl.uint32)
     return tl.where(is_nan, nan_bits, rounded)
 
 
@@ -63,7 +66,7 @@ def _fp16_bits(x, NATIVE_NAN: tl.constexpr):
 def round_to(x, DST: tl.constexpr, NATIVE_NAN: tl.constexpr):
     """``x`` (fp32) converted to ``DST`` (fp32, bf16 or fp16) exactly as ``Tensor.to`` does."""
     if DST == tl.bfloat16:
-        return _bf16_bits(x, NATIVE_NAN).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return _bf16_bits(x, NATIVE_NAN, 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif DST == tl.float16:
         return _fp16_bits(x, NATIVE_NAN).to(tl.uint16).to(tl.float16, bitcast=True)
     else:
@@ -76,5 +79,9 @@ def convert(x, DST: tl.constexpr, NATIVE_NAN: tl.constexpr):
     and fp16 are exact in fp32, so one rounding, as ``Tensor.to`` does)."""
     if x.dtype == DST:
         return x
+    elif x.dtype == tl.float16 and DST == tl.bfloat16:
+        # PyTorch's CPU half -> bfloat16 cast takes a scalar path with its own NaN (0x7FC0).
+        bits = _bf16_bits(x.to(tl.float32), NATIVE_NAN, 0x7FC0)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return round_to(x.to(tl.float32), DST, NATIVE_NAN)

@@ -27,7 +27,7 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
     esize, base = bucket.element_size(), bucket.data_ptr()
     scaled_copy([t.data_ptr() for t in tensors], [base + int(o) * esize for o in offsets],
                 [t.numel() for t in tensors], tensors[0].dtype, bucket.dtype, bucket.device,
-                scale)
+                scale, fp32_route=True)
     return bucket
 
 
@@ -48,5 +48,6 @@ def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: S
         return outs
     esize, base = bucket.element_size(), bucket.data_ptr()
     scaled_copy([base + int(o) * esize for o in offsets], [t.data_ptr() for t in outs],
-                [t.numel() for t in outs], bucket.dtype, outs[0].dtype, bucket.device, scale)
+                [t.numel() for t in outs], bucket.dtype, outs[0].dtype, bucket.device,
+                scale, fp32_route=True)
     return outs
