@@ -31,34 +31,49 @@ def _scaled(x, scale, DST: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_ROUTE: tl
 
 
 @triton.jit
+def _copy_block(src_ptrs, dst_ptrs, offs, numel, scale, DST: tl.constexpr,
+                HAS_SCALE: tl.constexpr, FP32_ROUTE: tl.constexpr, MASKED: tl.constexpr,
+                NATIVE_NAN: tl.constexpr):
+    if MASKED:
+        mask = offs < numel
+        x = tl.load(src_ptrs, mask=mask)
+        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN), mask=mask)
+    else:
+        x = tl.load(src_ptrs)
+        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN))
+
+
+@triton.jit
 def _scaled_copy_kernel(meta, scale, num_tensors, num_blocks, SRC: tl.constexpr,
                         DST: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_ROUTE: tl.constexpr,
-                        ALIGNED: tl.constexpr, NATIVE_NAN: tl.constexpr, BLOCK: tl.constexpr):
+                        NATIVE_NAN: tl.constexpr, BLOCK: tl.constexpr):
     """Block ``pid``: ``dst[i] = round(src[i] * scale)`` for its BLOCK elements of one tensor.
 
     ``meta`` columns: source byte address, destination byte address (see ``_tables.py``).
     """
     pid = tl.program_id(0)
-    tensor = tl.load(meta + 3 * num_tensors + pid)
-    start = tl.load(meta + 3 * num_tensors + num_blocks + pid)
+    tensor = tl.load(meta + 4 * num_tensors + pid)
+    start = tl.load(meta + 4 * num_tensors + num_blocks + pid)
     src = tl.load(meta + tensor).to(tl.pointer_type(SRC))
     dst = tl.load(meta + num_tensors + tensor).to(tl.pointer_type(DST))
-    numel = tl.load(meta + 2 * num_tensors + tensor)
+    aligned = tl.load(meta + 2 * num_tensors + tensor)
+    numel = tl.load(meta + 3 * num_tensors + tensor)
     offs = start + tl.arange(0, BLOCK)
     src_ptrs = src + offs
     dst_ptrs = dst + offs
-    if ALIGNED:
-        src_ptrs = tl.max_contiguous(tl.multiple_of(src_ptrs, 16), BLOCK)
-        dst_ptrs = tl.max_contiguous(tl.multiple_of(dst_ptrs, 16), BLOCK)
-    # Full blocks go unmasked so that the compiler can vectorize; only a tensor's last block
-    # pays for the mask.
+    # Full blocks go unmasked, aligned ones with the hint, so that the compiler vectorizes;
+    # only a tensor's last block pays for the mask.
     if start + BLOCK <= numel:
-        x = tl.load(src_ptrs)
-        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN))
+        if aligned != 0:
+            _copy_block(tl.max_contiguous(tl.multiple_of(src_ptrs, 16), BLOCK),
+                        tl.max_contiguous(tl.multiple_of(dst_ptrs, 16), BLOCK), offs, numel,
+                        scale, DST, HAS_SCALE, FP32_ROUTE, False, NATIVE_NAN)
+        else:
+            _copy_block(src_ptrs, dst_ptrs, offs, numel, scale, DST, HAS_SCALE, FP32_ROUTE,
+                        False, NATIVE_NAN)
     else:
-        mask = offs < numel
-        x = tl.load(src_ptrs, mask=mask)
-        tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN), mask=mask)
+        _copy_block(src_ptrs, dst_ptrs, offs, numel, scale, DST, HAS_SCALE, FP32_ROUTE, True,
+                    NATIVE_NAN)
 
 
 def scaled_copy(src_addrs: Sequence[int], dst_addrs: Sequence[int], numels: Sequence[int],
@@ -84,5 +99,4 @@ def scaled_copy(src_addrs: Sequence[int], dst_addrs: Sequence[int], numels: Sequ
     _scaled_copy_kernel[(table.num_blocks,)](
         table.meta, scale, table.num_tensors, table.num_blocks, SRC=tl_dtype(src_dtype),
         DST=tl_dtype(dst_dtype), HAS_SCALE=scale != 1.0, FP32_ROUTE=fp32_route,
-        ALIGNED=table.aligned, NATIVE_NAN=native_nan(device), BLOCK=COPY_BLOCK,
-        num_warps=COPY_WARPS)
+        NATIVE_NAN=native_nan(device), BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)

@@ -5,16 +5,21 @@ flatten, unflatten, bucket_pack/unpack and sum_squares touch many tensors of dif
 in ONE launch. The host builds, with vectorized torch ops (no per-block Python loop), one int64
 buffer
 
-    [ column_0 (T) | ... | column_{K-1} (T) | numel (T) | block_tensor (B) | block_start (B) ]
+    [ column_0 (T) | ... | column_{K-1} (T) | aligned (T) | numel (T) |
+      block_tensor (B) | block_start (B) ]
 
 where the K per-tensor columns are byte addresses (``data_ptr`` plus an element offset) or
 small codes, and each of the B blocks is one BLOCK-sized piece of one tensor. The buffer moves
 to the device in one copy; program ``pid`` reads its tensor index and element start, then that
 tensor's row, and casts the addresses with ``.to(tl.pointer_type(...))``. Every program handles
 exactly one block, so no kernel needs a loop with a runtime bound, and the grid and table are
-identical on CPU (interpreter) and GPU. When every address is 16-byte aligned the launcher says
-so (``ALIGNED``), which lets the compiler issue 128-bit loads and stores; blocks start at
-multiples of BLOCK, so the hint then holds for every block.
+identical on CPU (interpreter) and GPU.
+
+``aligned`` is 1 where all of a tensor's addresses are multiples of 16 bytes. A full block of
+such a tensor takes a branch that tells the compiler so (``tl.multiple_of``), and gets 128-bit
+loads and stores; blocks start at multiples of BLOCK, so the hint holds for each of its blocks.
+Other full blocks run unmasked but element-wise, last blocks masked: one misaligned tensor
+(an odd offset in a flat buffer) slows only itself.
 """
 from __future__ import annotations
 
@@ -50,16 +55,14 @@ class BlockTable:
     """The table of [Note: multi-tensor launches], on the kernels' device.
 
     Attributes:
-        meta: 1-D int64 tensor, ``(K + 1) * num_tensors + 2 * num_blocks`` elements.
+        meta: 1-D int64 tensor, ``(K + 2) * num_tensors + 2 * num_blocks`` elements.
         num_tensors: T, rows per column.
         num_blocks: B, the grid size.
-        aligned: every address column entry is a multiple of 16 bytes.
     """
 
     meta: torch.Tensor
     num_tensors: int
     num_blocks: int
-    aligned: bool
 
 
 def build_table(columns: Sequence[Sequence[int]], numels: Sequence[int], device: torch.device,
@@ -68,7 +71,8 @@ def build_table(columns: Sequence[Sequence[int]], numels: Sequence[int], device:
 
     Args:
         columns: K per-tensor integer columns, each of length T; the first
-            ``num_address_columns`` are byte addresses (checked for 16-byte alignment).
+            ``num_address_columns`` are byte addresses (their 16-byte alignment per tensor
+            becomes the ``aligned`` column).
         numels: T element counts (empty tensors get no block).
         device: where the kernels run.
         block: elements per block (the kernel's BLOCK).
@@ -78,18 +82,18 @@ def build_table(columns: Sequence[Sequence[int]], numels: Sequence[int], device:
         the table, already on ``device``.
     """
     num_tensors = len(numels)
-    flat = [int(v) for col in columns for v in col] + [int(n) for n in numels]
-    head = torch.tensor(flat, dtype=torch.int64)
-    counts = (head[len(columns) * num_tensors:] + (block - 1)) // block
+    cols = torch.tensor([[int(v) for v in col] for col in columns],
+                        dtype=torch.int64).reshape(len(columns), num_tensors)
+    aligned = (cols[:num_address_columns] % 16 == 0).all(dim=0).to(torch.int64)
+    numel = torch.tensor([int(n) for n in numels], dtype=torch.int64)
+    counts = (numel + (block - 1)) // block
     block_tensor = torch.repeat_interleave(torch.arange(num_tensors, dtype=torch.int64), counts)
     num_blocks = int(block_tensor.numel())
     first_block = torch.cumsum(counts, 0) - counts
     block_start = (torch.arange(num_blocks, dtype=torch.int64) - first_block[block_tensor]) * block
-    addrs = head[:num_address_columns * num_tensors]
-    aligned = bool((addrs % 16 == 0).all())
-    meta = torch.cat([head, block_tensor, block_start])
+    meta = torch.cat([cols.reshape(-1), aligned, numel, block_tensor, block_start])
     if device.type != "cpu":
         # Pinned + non_blocking: no host sync; the caching host allocator keeps the pinned
         # buffer alive until the copy has run.
         meta = meta.pin_memory().to(device, non_blocking=True)
-    return BlockTable(meta, num_tensors, num_blocks, aligned)
+    return BlockTable(meta, num_tensors, num_blocks)

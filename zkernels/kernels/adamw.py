@@ -167,7 +167,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 @triton.jit
 def _sum_squares_kernel(meta, partials_ptr, num_tensors, num_blocks, SRC: tl.constexpr,
-                        MIXED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                        MIXED: tl.constexpr, BLOCK: tl.constexpr):
     """``partials[pid]`` = fp32 sum of squares of block ``pid``'s elements.
 
     ``meta`` columns: byte address, dtype code (0 fp32, 1 bf16, 2 fp16; see ``_tables.py``).
@@ -175,10 +175,11 @@ def _sum_squares_kernel(meta, partials_ptr, num_tensors, num_blocks, SRC: tl.con
     of its code (the other two loads are fully masked off, so they move no data).
     """
     pid = tl.program_id(0)
-    tensor = tl.load(meta + 3 * num_tensors + pid)
-    start = tl.load(meta + 3 * num_tensors + num_blocks + pid)
+    tensor = tl.load(meta + 4 * num_tensors + pid)
+    start = tl.load(meta + 4 * num_tensors + num_blocks + pid)
     addr = tl.load(meta + tensor)
-    numel = tl.load(meta + 2 * num_tensors + tensor)
+    aligned = tl.load(meta + 2 * num_tensors + tensor)
+    numel = tl.load(meta + 3 * num_tensors + tensor)
     offs = start + tl.arange(0, BLOCK)
     if MIXED:
         code = tl.load(meta + num_tensors + tensor)
@@ -192,14 +193,14 @@ def _sum_squares_kernel(meta, partials_ptr, num_tensors, num_blocks, SRC: tl.con
         total = tl.sum(x * x, axis=0)
     else:
         ptrs = addr.to(tl.pointer_type(SRC)) + offs
-        if ALIGNED:
-            ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), BLOCK)
         if start + BLOCK <= numel:
-            x = tl.load(ptrs).to(tl.float32)
-            total = tl.sum(x * x, axis=0)
+            if aligned != 0:
+                x = tl.load(tl.max_contiguous(tl.multiple_of(ptrs, 16), BLOCK)).to(tl.float32)
+            else:
+                x = tl.load(ptrs).to(tl.float32)
         else:
             x = tl.load(ptrs, mask=offs < numel, other=0.0).to(tl.float32)
-            total = tl.sum(x * x, axis=0)
+        total = tl.sum(x * x, axis=0)
     tl.store(partials_ptr + pid, total)
 
 
@@ -227,6 +228,6 @@ def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     mixed = len(dtypes) > 1
     _sum_squares_kernel[(table.num_blocks,)](
         table.meta, partials, table.num_tensors, table.num_blocks,
-        SRC=tl.float32 if mixed else tl_dtype(tensors[0].dtype), MIXED=mixed,
-        ALIGNED=table.aligned, BLOCK=SUM_BLOCK, num_warps=SUM_WARPS)
+        SRC=tl.float32 if mixed else tl_dtype(tensors[0].dtype), MIXED=mixed, BLOCK=SUM_BLOCK,
+        num_warps=SUM_WARPS)
     return partials.sum()
