@@ -25,7 +25,8 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, nan_payload=
     e = expected.contiguous().view(INT_VIEW[expected.dtype]).cpu()
     differ = a != e
     if not nan_payload:
-        an, en = torch.isnan(actual).cpu().reshape(a.shape), torch.isnan(expected).cpu().reshape(a.shape)
+        an = torch.isnan(actual).cpu().reshape(a.shape)
+        en = torch.isnan(expected).cpu().reshape(a.shape)
         differ = (differ & ~(an & en)) | (an != en)
     bad = differ.nonzero().flatten()
     assert bad.numel() == 0, (f"{bad.numel()} of {a.numel()} elements differ, first at "

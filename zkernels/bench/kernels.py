@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
