@@ -48,8 +48,9 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, offs
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
     # The order of operations is torch.optim.AdamW's single-tensor path (see the reference).
+    # IEEE divisions (``/`` compiles to an approximate one on GPUs), as PyTorch's kernels do.
     if GRAD_SCALE:
-        g = g / grad_scale
+        g = tl.div_rn(g, grad_scale)
     if HAS_WD:
         if DECOUPLED:
             p = p * decay
@@ -61,8 +62,8 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, offs
     else:
         m = g - (g - m) * (1.0 - one_minus_beta1)
     v = v * beta2 + one_minus_beta2 * g * g
-    denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-    p = p + (-step_size) * (m / denom)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p + (-step_size) * tl.div_rn(m, denom)
     tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
