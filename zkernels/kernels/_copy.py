@@ -43,7 +43,8 @@ def _copy_block(src_ptrs, dst_ptrs, offs, numel, scale, DST: tl.constexpr,
         tl.store(dst_ptrs, _scaled(x, scale, DST, HAS_SCALE, FP32_ROUTE, NATIVE_NAN))
 
 
-@triton.jit
+# Sizes are not specialized on: a new bucket or tensor count must not mean a new compile.
+@triton.jit(do_not_specialize=["num_tensors", "num_blocks"])
 def _scaled_copy_kernel(meta, scale, num_tensors, num_blocks, SRC: tl.constexpr,
                         DST: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_ROUTE: tl.constexpr,
                         NATIVE_NAN: tl.constexpr, BLOCK: tl.constexpr):

@@ -71,7 +71,7 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, offs
         tl.store(out_ptr + offs, round_to(p, out_ptr.dtype.element_ty, NATIVE_NAN), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])  # no recompile per shard size
 def _adamw_step_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, found_inf_ptr,
                        grad_scale_ptr, step_ptr, numel, lr, grad_scale, decay, weight_decay,
                        one_minus_beta1, beta2, one_minus_beta2, beta1_hi, beta1_lo, beta2_hi,
@@ -166,7 +166,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     return param
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tensors", "num_blocks"])  # no recompile per size
 def _sum_squares_kernel(meta, partials_ptr, num_tensors, num_blocks, SRC: tl.constexpr,
                         MIXED: tl.constexpr, BLOCK: tl.constexpr):
     """``partials[pid]`` = fp32 sum of squares of block ``pid``'s elements.

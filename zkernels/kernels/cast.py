@@ -12,7 +12,7 @@ from ._rounding import convert, round_to
 from ._tables import COPY_BLOCK, COPY_WARPS, native_nan
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])  # no recompile per size
 def _cast_kernel(x_ptr, out_ptr, numel, NATIVE_NAN: tl.constexpr, BLOCK: tl.constexpr):
     """``out[i] = x[i].to(out.dtype)`` for one BLOCK of the flat tensors."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -70,7 +70,7 @@ def _unscale_block(x_ptr, offs, numel, inv, found_inf_ptr, MASKED: tl.constexpr,
     tl.store(x_ptr + offs, round_to(xf * inv, x_ptr.dtype.element_ty, NATIVE_NAN), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])  # no recompile per size
 def _unscale_and_check_kernel(x_ptr, inv_scale, inv_ptr, found_inf_ptr, numel,
                               INV_IS_TENSOR: tl.constexpr, NATIVE_NAN: tl.constexpr,
                               BLOCK: tl.constexpr):
