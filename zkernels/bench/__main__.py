@@ -35,7 +35,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", nargs="+", default=None, help="ops to run (default: all)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write all rows here")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's current setting)")
+                    help="torch CPU threads (default: 1 when the device is the CPU, where "
+                         "oversubscribed OpenMP threads make timings meaningless; torch's own "
+                         "setting otherwise)")
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
@@ -44,15 +46,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     args = parser().parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     if any(n < 1 for n in args.sizes or []):
         raise SystemExit(f"--sizes must all be >= 1, got {args.sizes}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads is None and device.type == "cpu":
+        args.threads = 1
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     meta = metadata(device)
     print(", ".join(f"{k}={v}" for k, v in meta.items() if k != "kind"))
     rows = [meta]
