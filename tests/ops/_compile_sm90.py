@@ -1,0 +1,85 @@
+"""Compile every Triton kernel for sm_90 and report, as JSON on stdout, per case: whether it
+compiled and whether its PTX has 128-bit global accesses. Run in a process without
+TRITON_INTERPRET (``triton.jit`` decides between interpreter and compiler when it decorates):
+``python -m tests.ops._compile_sm90``.
+"""
+import json
+import re
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from zkernels.kernels._copy import _scaled_copy_kernel
+from zkernels.kernels.adamw import _adamw_step_kernel, _sum_squares_kernel
+from zkernels.kernels.cast import _cast_kernel, _unscale_and_check_kernel
+
+TABLE_SIG = {"meta": "*i64", "num_tensors": "i32", "num_blocks": "i32"}
+ADAMW_SCALARS = ("lr", "grad_scale", "decay", "weight_decay", "one_minus_beta1", "beta2",
+                 "one_minus_beta2", "beta1_hi", "beta1_lo", "beta2_hi", "beta2_lo", "step_size",
+                 "bias_correction2_sqrt", "eps")
+ADAMW_SIG = {"param_ptr": "*fp32", "grad_ptr": "*bf16", "exp_avg_ptr": "*fp32",
+             "exp_avg_sq_ptr": "*fp32", "out_ptr": "*bf16", "found_inf_ptr": "*fp32",
+             "grad_scale_ptr": "*fp32", "step_ptr": "*fp32", "numel": "i32",
+             **{k: "fp32" for k in ADAMW_SCALARS}}
+ADAMW_ALL = dict(GRAD_SCALE=True, GRAD_SCALE_IS_TENSOR=True, STEP_IS_TENSOR=True,
+                 HAS_FOUND_INF=True, DECOUPLED=True, HAS_WD=True, LERP_SMALL_WEIGHT=True,
+                 HAS_OUT=True, NATIVE_NAN=True, BLOCK=2048)
+ADAMW_NONE = dict(ADAMW_ALL, GRAD_SCALE=False, GRAD_SCALE_IS_TENSOR=False, STEP_IS_TENSOR=False,
+                  HAS_FOUND_INF=False, DECOUPLED=False, LERP_SMALL_WEIGHT=False, HAS_OUT=False)
+
+# (kernel, runtime signature, constexprs, expect 128-bit accesses); pointer arguments are
+# declared 16-byte aligned, as Triton specializes them for tensors from the caching allocator.
+CASES = {
+    "copy_f32_bf16_scaled": (_scaled_copy_kernel, {**TABLE_SIG, "scale": "fp32"},
+                             dict(SRC=tl.float32, DST=tl.bfloat16, HAS_SCALE=True,
+                                  FP32_ROUTE=True, NATIVE_NAN=True, BLOCK=4096), True),
+    "copy_f32_f16_scaled": (_scaled_copy_kernel, {**TABLE_SIG, "scale": "fp32"},
+                            dict(SRC=tl.float32, DST=tl.float16, HAS_SCALE=True,
+                                 FP32_ROUTE=True, NATIVE_NAN=True, BLOCK=4096), True),
+    "copy_f32_f32": (_scaled_copy_kernel, {**TABLE_SIG, "scale": "fp32"},
+                     dict(SRC=tl.float32, DST=tl.float32, HAS_SCALE=False, FP32_ROUTE=False,
+                          NATIVE_NAN=True, BLOCK=4096), True),
+    "copy_f16_bf16": (_scaled_copy_kernel, {**TABLE_SIG, "scale": "fp32"},
+                      dict(SRC=tl.float16, DST=tl.bfloat16, HAS_SCALE=False, FP32_ROUTE=False,
+                           NATIVE_NAN=True, BLOCK=4096), True),
+    "cast_f32_f16": (_cast_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp16", "numel": "i32"},
+                     dict(NATIVE_NAN=True, BLOCK=4096), True),
+    "cast_bf16_f32": (_cast_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp32", "numel": "i32"},
+                      dict(NATIVE_NAN=True, BLOCK=4096), True),
+    "unscale_bf16": (_unscale_and_check_kernel,
+                     {"x_ptr": "*bf16", "inv_scale": "fp32", "inv_ptr": "*fp32",
+                      "found_inf_ptr": "*fp32", "numel": "i32"},
+                     dict(INV_IS_TENSOR=True, NATIVE_NAN=True, BLOCK=4096), True),
+    "adamw_all_options": (_adamw_step_kernel, ADAMW_SIG, ADAMW_ALL, True),
+    "adamw_no_options": (_adamw_step_kernel, ADAMW_SIG, ADAMW_NONE, True),
+    "sum_squares_bf16": (_sum_squares_kernel, {**TABLE_SIG, "partials_ptr": "*fp32"},
+                         dict(SRC=tl.bfloat16, MIXED=False, BLOCK=4096), True),
+    "sum_squares_mixed": (_sum_squares_kernel, {**TABLE_SIG, "partials_ptr": "*fp32"},
+                          dict(SRC=tl.float32, MIXED=True, BLOCK=4096), False),
+}
+
+
+def compile_case(name):
+    fn, runtime_sig, constexprs, _ = CASES[name]
+    names = list(fn.arg_names)
+    missing = [n for n in names if n not in runtime_sig and n not in constexprs]
+    if missing:
+        return {"ok": False, "error": f"case signature lacks {missing}"}
+    signature = {n: runtime_sig.get(n, "constexpr") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if runtime_sig.get(n, "").startswith("*")}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                            attrs=aligned), target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # reported, and the test fails on it
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    ptx = compiled.asm["ptx"]
+    return {"ok": ".entry" in ptx and bool(compiled.asm.get("cubin")),
+            "wide": bool(re.search(r"(ld|st)\.global(\.\w+)*\.v4\.b32", ptx))}
+
+
+if __name__ == "__main__":
+    json.dump({name: compile_case(name) for name in (sys.argv[1:] or CASES)}, sys.stdout)

@@ -1,0 +1,38 @@
+"""Fixtures of the op tests: every op runs on every backend and is compared with
+``zkernels.reference``.
+
+Backends:
+    kernels    ``zkernels.kernels`` called directly (Triton: interpreter on CPU, compiled on CUDA)
+    triton     ``zkernels.ops`` with ``ZKERNELS_BACKEND=triton`` (checks + dispatch + Triton)
+    reference  ``zkernels.ops`` with ``ZKERNELS_BACKEND=reference`` (checks + dispatch + oracle)
+"""
+import importlib
+
+import pytest
+import torch
+
+BACKENDS = ("kernels", "triton", "reference")
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param != "reference":
+        pytest.importorskip("triton")
+    if request.param != "kernels":
+        monkeypatch.setenv("ZKERNELS_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture
+def impl(backend):
+    """``impl(name)``: the function under test for this backend."""
+    module = importlib.import_module("zkernels.kernels" if backend == "kernels" else "zkernels.ops")
+    return lambda name: getattr(module, name)
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    """``zkernels.ops`` on the reference backend, for argument-check tests."""
+    monkeypatch.setenv("ZKERNELS_BACKEND", "reference")
+    return importlib.import_module("zkernels.ops")

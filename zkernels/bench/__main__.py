@@ -1,0 +1,81 @@
+"""``python -m zkernels.bench``: run the benchmark sections, print a table per section and
+write every row (after one metadata row) as JSON.
+
+[Note: benchmark sections]
+A section is a module ``zkernels.bench.<name>`` listed in ``SECTIONS`` that defines
+``run(args) -> list[dict]``: one dict per measurement, JSON-serializable, with at least
+``section`` and, for timings, ``median_ms``/``min_ms``/``max_ms``. ``args`` is the namespace
+parsed here: ``sizes`` (list of element counts, or None for the section's own defaults),
+``ops`` (names to run, or None for all), ``threads``, ``repeat``, ``warmup``, ``device``
+(None: CUDA when present, else CPU). A section may define ``COLUMNS`` (the keys its table
+shows, in order) and ``legend(rows) -> str | None`` (printed under its table).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional, Sequence
+
+import torch
+
+from ._common import format_table, metadata, write_json
+
+SECTIONS = ["kernels"]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m zkernels.bench",
+                                 description="zkernels microbenchmarks (see [Note: benchmark "
+                                             "sections] in zkernels/bench/__main__.py)")
+    ap.add_argument("--sections", nargs="+", default=None, choices=SECTIONS,
+                    help=f"sections to run (default: all of {SECTIONS})")
+    ap.add_argument("--sizes", nargs="+", type=int, default=None,
+                    help="element counts (default: each section's own, sized to the device)")
+    ap.add_argument("--ops", nargs="+", default=None, help="ops to run (default: all)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write all rows here")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: 1 when the device is the CPU, where "
+                         "oversubscribed OpenMP threads make timings meaningless; torch's own "
+                         "setting otherwise)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed calls per measurement")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
+    args = parser().parse_args(argv)
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+    if any(n < 1 for n in args.sizes or []):
+        raise SystemExit(f"--sizes must all be >= 1, got {args.sizes}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads is None and device.type == "cpu":
+        args.threads = 1
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    meta = metadata(device)
+    print(", ".join(f"{k}={v}" for k, v in meta.items() if k != "kind"))
+    rows = [meta]
+    for name in args.sections or SECTIONS:
+        module = importlib.import_module(f"{__package__}.{name}")
+        section_rows = module.run(args)
+        rows.extend(section_rows)
+        columns = getattr(module, "COLUMNS", None) or sorted({k for r in section_rows for k in r})
+        print(f"\n== {name} ({len(section_rows)} rows)")
+        print(format_table(section_rows, columns))
+        legend = getattr(module, "legend", None)
+        text = legend(section_rows) if legend else None
+        if text:
+            print("peers:\n" + text)
+    if args.json:
+        write_json(args.json, rows)
+        print(f"\nwrote {len(rows)} rows to {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,223 @@
+"""Benchmark section "kernels": each fused op of ``zkernels.ops`` against the PyTorch way of
+doing the same thing, measured in the same run, plus the device's plain copy bandwidth.
+
+On CUDA the Triton kernels run; on CPU the reference path (and the ``cpp`` backend where
+``zkernels.ops.available("cpp")`` and it implements the op). GB/s counts the bytes an op must
+read and write at least (see each case); ``frac_copy`` is that as a fraction of a large
+``dst.copy_(src)`` measured the same way, the practical ceiling of a memory-bound op.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..layout import FlatLayout
+from ._common import gbps, timeit
+
+NUM_TENSORS = 32
+DEFAULT_SIZES = {"cpu": [1 << 18, 1 << 21], "cuda": [1 << 24, 1 << 26]}
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+PEERS = {
+    "flatten": "torch.cat(tensors, out=flat)",
+    "unflatten": "torch._foreach_copy_(outs, flat.split(numels))",
+    "bucket_pack": "torch._foreach_copy_(bucket views, torch._foreach_mul(grads, 1/8))",
+    "bucket_unpack": "torch._foreach_copy_(grads, bucket views); torch._foreach_mul_(grads, 8)",
+    "cast": "out.copy_(x)  (fp32 -> bf16)",
+    "unscale": "torch._amp_foreach_non_finite_check_and_unscale_",
+    "adamw": "torch.optim.AdamW(fused=True).step(); out.copy_(param)  (bf16 out)",
+    "sum_squares": "torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))) ** 2",
+}
+OPS = tuple(PEERS)
+
+
+class Case(NamedTuple):
+    """One op at one size: the zkernels call, its PyTorch peer, and the bytes each moves."""
+
+    zkernels: Callable[[], object]
+    peer: Callable[[], object]
+    num_bytes: int
+
+
+def split_numels(numel: int, num_tensors: int = NUM_TENSORS) -> List[int]:
+    """``numel`` split into tensors of mixed sizes (weights 1..4, the rest to the last one):
+    many sizes, none aligned to a block."""
+    weights = [1 + i % 4 for i in range(num_tensors)]
+    sizes = [numel * w // sum(weights) for w in weights]
+    sizes[-1] += numel - sum(sizes)
+    return sizes
+
+
+def _build(op: str, numel: int, device: torch.device) -> Case:
+    f32, bf16 = torch.float32, torch.bfloat16
+    numels = split_numels(numel)
+    rand = lambda n, dtype=f32: torch.randn(n, device=device).to(dtype)  # noqa: E731
+    if op in ("flatten", "unflatten"):
+        ts = [rand(n) for n in numels]
+        flat = rand(numel)
+        if op == "flatten":
+            return Case(lambda: ops.flatten(ts, out=flat), lambda: torch.cat(ts, out=flat),
+                        8 * numel)
+        return Case(lambda: ops.unflatten(flat, out=ts),
+                    lambda: torch._foreach_copy_(ts, list(flat.split(numels))), 8 * numel)
+    if op in ("bucket_pack", "bucket_unpack"):
+        # A rank-aligned bf16 bucket of 8 ranks, 16-byte aligned tensors.
+        layout = FlatLayout.build(numels, world_size=8, align=8)
+        grads = [rand(n) for n in numels]
+        bucket = torch.zeros(layout.padded_numel, dtype=bf16, device=device)
+        views = [bucket[o:o + n] for o, n in zip(layout.offsets, numels)]
+        if op == "bucket_pack":
+            return Case(lambda: ops.bucket_pack(grads, bucket, layout.offsets, scale=0.125),
+                        lambda: torch._foreach_copy_(views, torch._foreach_mul(grads, 0.125)),
+                        6 * numel)
+
+        def unpack_peer():
+            torch._foreach_copy_(grads, views)
+            torch._foreach_mul_(grads, 8.0)
+        return Case(lambda: ops.bucket_unpack(bucket, grads, layout.offsets, scale=8.0),
+                    unpack_peer, 6 * numel)
+    if op == "cast":
+        x, out = rand(numel), torch.empty(numel, dtype=bf16, device=device)
+        return Case(lambda: ops.cast(x, out=out), lambda: out.copy_(x), 6 * numel)
+    if op == "unscale":
+        # inv_scale 1: a full read-modify-write pass that never drifts into subnormals.
+        x, found = rand(numel), torch.zeros(1, device=device)
+        inv = torch.ones(1, device=device)
+        return Case(lambda: ops.unscale_and_check_(x, inv, found),
+                    lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv),
+                    8 * numel)
+    if op == "adamw":
+        return _adamw_case(numel, device)
+    if op == "sum_squares":
+        ts = [rand(n) for n in numels]
+        return Case(lambda: ops.sum_squares(ts),
+                    lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))) ** 2,
+                    4 * numel)
+    raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def _adamw_case(numel: int, device: torch.device) -> Case:
+    # Read p, g, m, v (16 B), write p, m, v (12 B) and the bf16 compute copy (2 B).
+    p, g = torch.randn(numel, device=device), torch.randn(numel, device=device) * 1e-3
+    m, v = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    steps = [0]
+
+    def mine():
+        steps[0] += 1
+        ops.adamw_step(p, g, m, v, step=steps[0], out=out, **HYPER)
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.clone()
+    opt = torch.optim.AdamW([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], fused=True)
+
+    def peer():
+        opt.step()
+        out.copy_(param.detach())
+    return Case(mine, peer, 30 * numel)
+
+
+@contextlib.contextmanager
+def forced_backend(name: str) -> Iterator[None]:
+    """Run ``zkernels.ops`` on backend ``name`` (the documented ZKERNELS_BACKEND switch)."""
+    old = os.environ.get("ZKERNELS_BACKEND")
+    os.environ["ZKERNELS_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ZKERNELS_BACKEND"]
+        else:
+            os.environ["ZKERNELS_BACKEND"] = old
+
+
+def backends(device: torch.device) -> List[str]:
+    """The zkernels paths measured on ``device``."""
+    if device.type == "cuda":
+        return ["triton"]
+    return ["reference"] + (["cpp"] if ops.available("cpp") else [])
+
+
+_OP_NAMES = {"unscale": "unscale_and_check_", "adamw": "adamw_step"}
+
+
+def copy_bandwidth(numel: int, device: torch.device, repeat: int, warmup: int) -> dict:
+    """The plain device copy ``dst.copy_(src)`` of ``numel`` fp32 (read + write bytes)."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    t = timeit(lambda: dst.copy_(src), device, repeat, warmup)
+    return dict(section="kernels", op="copy_", numel=numel, backend="torch",
+                num_bytes=8 * numel, gbps=gbps(8 * numel, t["median_ms"]), frac_copy=1.0, **t)
+
+
+def run(args) -> List[dict]:
+    """Measure every op of ``args.ops`` (default all) at every size of ``args.sizes`` (default
+    per device type), ``args.repeat`` timed calls after ``args.warmup``, on ``args.device``.
+
+    Returns:
+        the copy-bandwidth row of each size, then one row per (op, size, backend) with the
+        peer's time, the ratio to it and the fraction of that size's copy bandwidth.
+    """
+    device = torch.device(getattr(args, "device", None) or
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    sizes: Sequence[int] = args.sizes or DEFAULT_SIZES[device.type]
+    selected = args.ops or list(OPS)
+    unknown = [o for o in selected if o not in OPS]
+    if unknown:
+        raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS)}")
+    # Per size: small sizes run from cache, so the ceiling differs with the size.
+    copy_gbps = {}
+    rows = []
+    for numel in sizes:
+        rows.append(copy_bandwidth(numel, device, args.repeat, args.warmup))
+        copy_gbps[numel] = rows[-1]["gbps"]
+        _free(device)
+    for op in selected:
+        for numel in sizes:
+            rows.extend(_measure(op, numel, device, args.repeat, args.warmup, copy_gbps[numel]))
+            _free(device)
+    return rows
+
+
+def _measure(op: str, numel: int, device: torch.device, repeat: int, warmup: int,
+             copy_gbps: float) -> List[dict]:
+    case = _build(op, numel, device)
+    peer = timeit(case.peer, device, repeat, warmup)
+    rows = []
+    for backend in backends(device):
+        try:
+            with forced_backend(backend):
+                ops.choose(_OP_NAMES.get(op, op), device)
+                t = timeit(case.zkernels, device, repeat, warmup)
+        except RuntimeError as exc:  # backend lacks this op here: no row, said in the table
+            if "not available" not in str(exc):
+                raise
+            continue
+        rate = gbps(case.num_bytes, t["median_ms"])
+        rows.append(dict(section="kernels", op=op, numel=numel, backend=backend,
+                         num_bytes=case.num_bytes, gbps=rate, frac_copy=rate / copy_gbps,
+                         peer=PEERS[op], peer_median_ms=peer["median_ms"],
+                         peer_gbps=gbps(case.num_bytes, peer["median_ms"]),
+                         speedup=peer["median_ms"] / t["median_ms"], **t))
+    return rows
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+COLUMNS = ["op", "numel", "backend", "median_ms", "min_ms", "max_ms", "gbps", "frac_copy",
+           "peer_median_ms", "peer_gbps", "speedup"]
+
+
+def legend(rows: Sequence[dict]) -> Optional[str]:
+    """What each op's peer is (the table's 'peer_*' and 'speedup' columns)."""
+    used = [op for op in OPS if any(r.get("op") == op for r in rows)]
+    return "\n".join(f"  {op:>13}: {PEERS[op]}" for op in used) or None

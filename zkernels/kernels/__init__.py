@@ -1,0 +1,13 @@
+"""Fused Triton kernels, one module per op; each launcher has exactly the signature of its
+reference in ``zkernels.reference`` and is called by ``zkernels.ops`` after validation.
+
+Importing this module needs triton; on CPU tensors the kernels need ``TRITON_INTERPRET=1``
+set before the first import (``triton.jit`` reads it when it decorates).
+"""
+from .adamw import adamw_step, sum_squares
+from .bucket import bucket_pack, bucket_unpack
+from .cast import cast, unscale_and_check_
+from .flatten import flatten, unflatten
+
+__all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
+           "unscale_and_check_", "adamw_step", "sum_squares"]
