@@ -101,9 +101,16 @@ class CMakeBuild(build_ext):
             args.append(f"-DZKERNELS_NCCL_ROOT={self._nccl_root}")
         jobs = os.environ.get("ZKERNELS_BUILD_JOBS") or str(os.cpu_count() or 1)
         targets = [ext.name.rsplit(".", 1)[-1] for ext in self.extensions]
-        subprocess.run(args, check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs, "--target", *targets],
-                       check=True)
+        try:
+            subprocess.run(args, check=True)
+            subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs, "--target",
+                            *targets], check=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            hint = ("ZKERNELS_CUDA=0 skips the NCCL engine; " if cuda else "") + \
+                "ZKERNELS_SKIP_EXT=1 installs without the native extension (the CPU optimizer " \
+                "step then runs the much slower PyTorch reference)"
+            raise RuntimeError(f"building zkernels' native extension failed ({exc}); {hint}") \
+                from exc
 
 
 def _extensions():
