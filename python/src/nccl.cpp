@@ -52,10 +52,11 @@ Handle reduce_scatter(Engine& e, const py::object& output, const py::object& inp
   same_dtype(out, in);
   zk::py_binding::require_numel(in, out.numel * e.world_size(), "output's numel * world_size");
   const RedOp red = parse_op(op);
+  const DType dtype = zk::py_binding::float_dtype(out, true);
   py::gil_scoped_release release;
   return e.reduce_scatter(reinterpret_cast<void*>(out.data_ptr),
-                          reinterpret_cast<const void*>(in.data_ptr), out.numel,
-                          zk::py_binding::float_dtype(out, true), red, as_stream(stream));
+                          reinterpret_cast<const void*>(in.data_ptr), out.numel, dtype, red,
+                          as_stream(stream));
 }
 
 Handle all_gather(Engine& e, const py::object& output, const py::object& input,
@@ -64,18 +65,20 @@ Handle all_gather(Engine& e, const py::object& output, const py::object& input,
   const TensorArg in = comm_tensor(e, input, "input");
   same_dtype(out, in);
   zk::py_binding::require_numel(out, in.numel * e.world_size(), "input's numel * world_size");
+  const DType dtype = zk::py_binding::float_dtype(out, true);
   py::gil_scoped_release release;
   return e.all_gather(reinterpret_cast<void*>(out.data_ptr),
-                      reinterpret_cast<const void*>(in.data_ptr), in.numel,
-                      zk::py_binding::float_dtype(out, true), as_stream(stream));
+                      reinterpret_cast<const void*>(in.data_ptr), in.numel, dtype,
+                      as_stream(stream));
 }
 
 Handle all_reduce(Engine& e, const py::object& tensor, const std::string& op, uintptr_t stream) {
   const TensorArg t = comm_tensor(e, tensor, "tensor");
   const RedOp red = parse_op(op);
+  const DType dtype = zk::py_binding::float_dtype(t, true);
   py::gil_scoped_release release;
-  return e.all_reduce(reinterpret_cast<void*>(t.data_ptr), t.numel,
-                      zk::py_binding::float_dtype(t, true), red, as_stream(stream));
+  return e.all_reduce(reinterpret_cast<void*>(t.data_ptr), t.numel, dtype, red,
+                      as_stream(stream));
 }
 
 }  // namespace
