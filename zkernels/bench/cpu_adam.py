@@ -5,7 +5,8 @@ native AdamW (28 B/param: read p, g, m, v; write p, m, v), ``torch.optim.AdamW(f
 and ``(foreach=True)``, DeepSpeed's ``DeepSpeedCPUAdam`` when importable, and the whole
 offloaded step (bf16 grads in, unscale, AdamW, params out as bf16) natively in one pass
 against torch's separate casts (``grad.float() / scale``, fused AdamW, ``out.copy_(param)``).
-Medians over repeats with min/max; GB/s counts the bytes the step must move at least.
+Candidates are timed in interleaved rounds (load drifting over the run hits all alike);
+medians with min/max; GB/s counts the bytes the step must move at least.
 
 Self-contained timing/table code: ``run(args)`` returns the rows, ``main()`` prints the table
 and writes JSON (``python -m zkernels.bench.cpu_adam --help``).
@@ -40,16 +41,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _time(fn: Callable[[], None], repeats: int, warmup: int) -> Dict[str, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
+def _time_interleaved(fns: Dict[str, Callable[[], None]], repeats: int,
+                      warmup: int) -> Dict[str, Dict[str, float]]:
+    """Median/min/max ms of each callable, timed in rounds (a, b, c, a, b, c, ...) so that
+    load from other processes drifting over the run hits every candidate alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return dict(median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times),
-                max_ms=1e3 * max(times))
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: dict(median_ms=1e3 * statistics.median(ts), min_ms=1e3 * min(ts),
+                       max_ms=1e3 * max(ts)) for name, ts in times.items()}
 
 
 def _row(name: str, numel: int, threads: int, bytes_per: int, t: Dict[str, float],
@@ -59,80 +65,83 @@ def _row(name: str, numel: int, threads: int, bytes_per: int, t: Dict[str, float
                 bytes_per_elem=bytes_per, gbps=gbps, **t, **extra)
 
 
-def _bandwidth(n: int, threads: int, reps: int, warm: int) -> dict:
-    a, b = torch.rand(n), torch.rand(n)
-    t = _time(lambda: a.add_(b, alpha=1e-3), reps, warm)
-    return _row("bandwidth a.add_(b, alpha=s)", n, threads, 12, t)
-
-
-def _state(n: int):
-    gen = torch.Generator().manual_seed(0)
+def _state(n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=gen)
     return p, torch.randn(n, generator=gen), torch.zeros(n), torch.rand(n) * 1e-3
 
 
-def _native_adam(n: int, threads: int, reps: int, warm: int) -> dict:
+def _torch_opt(cls, n: int, grad: Optional[torch.Tensor] = None, **kw):
+    p, g, _, _ = _state(n)
+    param = torch.nn.Parameter(p)
+    param.grad = g if grad is None else grad
+    return param, cls([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                      eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], **kw)
+
+
+def _stepper(p, g, m, v, **kw) -> Callable[[], None]:
     from zkernels import _cpu
-    p, g, m, v = _state(n)
     step = [0]
 
     def fn():
         step[0] += 1
-        _cpu.adamw_step(p, g, m, v, step=step[0], **HYPER)
-    return _row("zkernels cpu adamw (fp32 grads)", n, threads, ADAM_BYTES, _time(fn, reps, warm))
+        _cpu.adamw_step(p, g, m, v, step=step[0], **HYPER, **kw)
+    return fn
 
 
-def _torch_adam(n: int, threads: int, reps: int, warm: int, mode: str) -> dict:
-    p, g, _, _ = _state(n)
-    param = torch.nn.Parameter(p)
-    param.grad = g
-    opt = torch.optim.AdamW([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
-                            **{mode: True})
-    return _row(f"torch.optim.AdamW({mode}=True)", n, threads, ADAM_BYTES,
-                _time(opt.step, reps, warm))
-
-
-def _deepspeed_adam(n: int, threads: int, reps: int, warm: int) -> Optional[dict]:
+def _plain_rows(n: int, threads: int, reps: int, warm: int) -> List[dict]:
+    """Bandwidth, native AdamW and its optimizer peers, timed interleaved."""
+    a, b = torch.rand(n), torch.rand(n)
+    fns = {BW: lambda: a.add_(b, alpha=1e-3), NATIVE: _stepper(*_state(n))}
+    keep = []  # optimizers and params stay alive for the whole timing
+    for name, mode in ((FUSED, "fused"), (FOREACH, "foreach")):
+        keep.append(_torch_opt(torch.optim.AdamW, n, **{mode: True}))
+        fns[name] = keep[-1][1].step
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except Exception:  # noqa: BLE001 - not installed or its op fails to build: no row
-        return None
-    p, g, _, _ = _state(n)
-    param = torch.nn.Parameter(p)
-    param.grad = g
-    opt = DeepSpeedCPUAdam([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                           eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
-                           adamw_mode=True)
-    return _row("deepspeed DeepSpeedCPUAdam", n, threads, ADAM_BYTES, _time(opt.step, reps, warm))
+        keep.append(_torch_opt(DeepSpeedCPUAdam, n, adamw_mode=True))
+        fns[DEEPSPEED] = keep[-1][1].step
+    except Exception:  # noqa: BLE001 - not installed, or its op cannot build here: no row
+        pass
+    t = _time_interleaved(fns, reps, warm)
+    rows = {name: _row(name, n, threads, 12 if name == BW else ADAM_BYTES, t[name])
+            for name in fns}
+    mine = rows[NATIVE]
+    mine.update(peer=BW, frac_of_bandwidth=mine["gbps"] / rows[BW]["gbps"],
+                speedup_vs_torch_fused=rows[FUSED]["median_ms"] / mine["median_ms"])
+    return list(rows.values())
 
 
-def _offload(n: int, threads: int, reps: int, warm: int) -> List[dict]:
-    from zkernels import _cpu
+def _offload_rows(n: int, threads: int, reps: int, warm: int) -> List[dict]:
+    """The offloaded step: bf16 grads in, unscale, AdamW, bf16 params out."""
     scale = 1024.0
     p, g32, m, v = _state(n)
     grad = (g32 * scale).to(torch.bfloat16)
     del g32
     out = torch.empty(n, dtype=torch.bfloat16)
-    step = [0]
-
-    def native():
-        step[0] += 1
-        _cpu.adamw_step(p, grad, m, v, step=step[0], grad_scale=scale, out=out, **HYPER)
-    mine = _row("offload step: zkernels one pass (bf16 g in, bf16 p out)", n, threads,
-                OFFLOAD_BYTES, _time(native, reps, warm))
-    param = torch.nn.Parameter(p)
-    opt = torch.optim.AdamW([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], fused=True)
+    param, opt = _torch_opt(torch.optim.AdamW, n, fused=True)
+    out_torch = torch.empty(n, dtype=torch.bfloat16)
 
     def separate():
         param.grad = grad.float() / scale
         opt.step()
-        out.copy_(param.detach())
-    peer = _row("offload step: torch fused AdamW + separate casts", n, threads, OFFLOAD_BYTES,
-                _time(separate, reps, warm))
-    mine.update(peer=peer["name"], speedup=peer["median_ms"] / mine["median_ms"])
+        out_torch.copy_(param.detach())
+    fns = {OFF_NATIVE: _stepper(p, grad, m, v, grad_scale=scale, out=out),
+           OFF_TORCH: separate}
+    t = _time_interleaved(fns, reps, warm)
+    mine = _row(OFF_NATIVE, n, threads, OFFLOAD_BYTES, t[OFF_NATIVE])
+    peer = _row(OFF_TORCH, n, threads, OFFLOAD_BYTES, t[OFF_TORCH])
+    mine.update(peer=OFF_TORCH, speedup=peer["median_ms"] / mine["median_ms"])
     return [mine, peer]
+
+
+BW = "bandwidth a.add_(b, alpha=s)"
+NATIVE = "zkernels cpu adamw (fp32 grads)"
+FUSED = "torch.optim.AdamW(fused=True)"
+FOREACH = "torch.optim.AdamW(foreach=True)"
+DEEPSPEED = "deepspeed DeepSpeedCPUAdam"
+OFF_NATIVE = "offload step: zkernels one pass (bf16 g in, bf16 p out)"
+OFF_TORCH = "offload step: torch fused AdamW + separate casts"
 
 
 def _meta() -> dict:
@@ -177,16 +186,8 @@ def run(args: Optional[argparse.Namespace] = None) -> List[dict]:
     meta, rows = _meta(), []
     try:
         for n in args.numels:
-            reps, warm = args.repeats, args.warmup
-            bw = _bandwidth(n, args.threads, reps, warm)
-            mine = _native_adam(n, args.threads, reps, warm)
-            mine.update(peer=bw["name"], frac_of_bandwidth=mine["gbps"] / bw["gbps"])
-            peers = [_torch_adam(n, args.threads, reps, warm, "fused"),
-                     _torch_adam(n, args.threads, reps, warm, "foreach")]
-            ds = _deepspeed_adam(n, args.threads, reps, warm)
-            peers += [ds] if ds else []
-            mine["speedup_vs_torch_fused"] = peers[0]["median_ms"] / mine["median_ms"]
-            rows += [bw, mine, *peers, *_offload(n, args.threads, reps, warm)]
+            rows += _plain_rows(n, args.threads, args.repeats, args.warmup)
+            rows += _offload_rows(n, args.threads, args.repeats, args.warmup)
     finally:
         torch.set_num_threads(before)
     return [dict(r, **meta) for r in rows]
