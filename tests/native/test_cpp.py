@@ -1,5 +1,6 @@
-"""Runs the C++ tests (CTest) from pytest: configures the root CMakeLists.txt into a temporary
-folder with only the CPU library and its tests, builds, and runs ctest. The C++ test forces
+"""Runs the C++ tests (CTest) from pytest: configures the root CMakeLists.txt into
+build/native-ctest-<generator> (gitignored, kept between runs so a rerun only rebuilds what changed) with
+only the CPU library and its tests, builds, and runs ctest. The C++ test forces
 every SIMD path the CPU supports in turn (bit-exact against its own scalar reference)."""
 import os
 import shutil
@@ -17,13 +18,14 @@ def _run(cmd, cwd, timeout):
     return proc.stdout
 
 
-def test_ctest_cpu_adam(tmp_path):
+def test_ctest_cpu_adam():
     if skip_ext_requested():
         pytest.skip("ZKERNELS_SKIP_EXT=1: installed without the native extension")
     cmake = shutil.which("cmake")
     assert cmake, "cmake is needed to build the C++ tests (pip install cmake)"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    build = tmp_path / "build"
+    # one folder per generator: CMake refuses to switch generators in a configured folder
+    build = ROOT / "build" / ("native-ctest-ninja" if generator else "native-ctest-make")
     _run([cmake, "-S", str(ROOT), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
           "-DZKERNELS_BUILD_PYTHON=OFF", "-DZKERNELS_CUDA=OFF", "-DZKERNELS_BUILD_TESTS=ON"],
          ROOT, 300)
