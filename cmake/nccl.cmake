@@ -14,10 +14,9 @@ message(STATUS "zkernels: NCCL ${ZK_NCCL_INCLUDE_DIR} ${ZK_NCCL_LIBRARY}")
 # Where the loader finds libnccl.so.2 at run time: the folder it was built against, and the
 # nvidia-nccl wheel's folder relative to an installed zkernels/ (site-packages/nvidia/nccl/lib).
 # When torch (CUDA) is imported first its libnccl.so.2 is already loaded and is reused.
-set(ZK_NCCL_RPATH "${_nccl_lib_dir};\$ORIGIN/../nvidia/nccl/lib" PARENT_SCOPE)
 set(ZK_NCCL_RPATH "${_nccl_lib_dir};\$ORIGIN/../nvidia/nccl/lib")
 
-add_library(zk_nccl_engine STATIC csrc/nccl/engine.cpp)
+add_library(zk_nccl_engine STATIC csrc/nccl/engine.cpp csrc/nccl/handle.cpp)
 target_include_directories(zk_nccl_engine PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc
                                                  ${ZK_NCCL_INCLUDE_DIR})
 target_compile_options(zk_nccl_engine PRIVATE -O2 -Wall -Wextra)

@@ -27,7 +27,7 @@ struct Coeffs {
   float neg_step_size;  // -lr / (1 - beta1^t)
 };
 
-// Everything a tile function needs: pointers already offset to nothing (tiles index them).
+// Everything a tile function needs; a tile updates elements [begin, end) of the full buffers.
 struct Kernel {
   Coeffs c;
   float* param;

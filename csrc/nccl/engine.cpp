@@ -5,136 +5,23 @@
 #include <cstring>
 #include <utility>
 
+#include "nccl/detail.h"
+
 namespace zk::nccl {
 
-using Clock = std::chrono::steady_clock;
-
-namespace {
-
-[[noreturn]] void throw_cuda(const char* call, cudaError_t err) {
-  throw Error(std::string("CUDA error in ") + call + ": " + cudaGetErrorName(err) + ": " +
-              cudaGetErrorString(err));
-}
-
-void cuda_check(const char* call, cudaError_t err) {
-  if (err != cudaSuccess) throw_cuda(call, err);
-}
-
-std::string nccl_message(const char* call, ncclResult_t r, ncclComm_t comm) {
-  std::string msg = std::string("NCCL error in ") + call + ": " + ncclGetErrorString(r);
-  const char* last = ncclGetLastError(comm);
-  if (last != nullptr && last[0] != '\0') msg += std::string(" (") + last + ")";
-  return msg;
-}
-
-// Makes `device` current for the scope and restores the caller's device after: the engine
-// must not change which device torch's code on this thread sees.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check("cudaGetDevice", cudaGetDevice(&previous_));
-    if (previous_ != device) cuda_check("cudaSetDevice", cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
-ncclDataType_t nccl_dtype(DType d) {
-  switch (d) {
-    case DType::kBFloat16: return ncclBfloat16;
-    case DType::kFloat16: return ncclFloat16;
-    default: return ncclFloat32;
-  }
-}
-
-ncclRedOp_t nccl_op(RedOp op) {
-  switch (op) {
-    case RedOp::kAvg: return ncclAvg;
-    case RedOp::kMax: return ncclMax;
-    default: return ncclSum;
-  }
-}
-
-Clock::duration seconds(double s) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-}  // namespace
-
-namespace detail {
-
-struct WorkState {
-  std::string name;
-  int device = 0;
-  cudaEvent_t done = nullptr;
-  Clock::time_point deadline;
-  double timeout_s = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool completed = false;
-  bool timed_out = false;
-  std::string error;  // nonempty: failed
-
-  ~WorkState() {
-    if (done != nullptr) cudaEventDestroy(done);  // fine while pending: released when reached
-  }
-  void finish(const std::string& err, bool timeout) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (completed || !error.empty()) return;
-      if (err.empty()) completed = true;
-      error = err;
-      timed_out = timeout;
-    }
-    cv.notify_all();
-  }
-  [[noreturn]] void raise_error() const {
-    if (timed_out) throw TimeoutError(error);
-    throw Error(error);
-  }
-};
-
-}  // namespace detail
+using detail::Clock;
+using detail::cuda_check;
+using detail::DeviceGuard;
+using detail::nccl_dtype;
+using detail::nccl_message;
+using detail::nccl_op;
+using detail::seconds;
 
 std::string make_unique_id() {
   ncclUniqueId id;
   const ncclResult_t r = ncclGetUniqueId(&id);
   if (r != ncclSuccess) throw Error(nccl_message("ncclGetUniqueId", r, nullptr));
   return std::string(id.internal, sizeof(id.internal));
-}
-
-// ---- Handle -------------------------------------------------------------------------------
-
-void Handle::wait(cudaStream_t stream) const {
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    if (!state_->error.empty()) state_->raise_error();
-  }
-  DeviceGuard guard(state_->device);
-  cuda_check("cudaStreamWaitEvent", cudaStreamWaitEvent(stream, state_->done, 0));
-}
-
-void Handle::synchronize() const {
-  // The watchdog completes or fails every pending work within the timeout; the extra margin
-  // only guards against a watchdog that cannot run at all.
-  const auto limit = Clock::now() + seconds(2 * state_->timeout_s + 5.0);
-  std::unique_lock<std::mutex> lock(state_->mu);
-  while (!state_->completed && state_->error.empty()) {
-    if (state_->cv.wait_until(lock, limit) == std::cv_status::timeout &&
-        !state_->completed && state_->error.empty()) {
-      throw TimeoutError(state_->name + ": no completion or failure reported within " +
-                         std::to_string(2 * state_->timeout_s + 5.0) + " s");
-    }
-  }
-  if (!state_->error.empty()) state_->raise_error();
-}
-
-bool Handle::is_completed() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (!state_->error.empty()) state_->raise_error();
-  return state_->completed;
 }
 
 // ---- Engine -------------------------------------------------------------------------------
