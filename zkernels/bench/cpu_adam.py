@@ -161,6 +161,8 @@ def _meta() -> dict:
     from zkernels import _cpu
     isa = _cpu._C.cpu_best_isa() if _cpu.AVAILABLE else "none"
     return dict(machine=model, num_cpus=os.cpu_count(), torch=torch.__version__,
+                omp_num_threads=os.environ.get("OMP_NUM_THREADS", "unset"),
+                load_avg_1min=os.getloadavg()[0],
                 python=platform.python_version(), git_rev=rev or "unknown", cpu_isa=isa,
                 time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"))
@@ -213,8 +215,10 @@ def table(rows: List[dict]) -> str:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     rows = run(args)
-    print(f"# {rows[0]['machine']} | torch {rows[0]['torch']} | isa {rows[0]['cpu_isa']} | "
-          f"git {rows[0]['git_rev']} | {rows[0]['time_utc']}")
+    r0 = rows[0]
+    print(f"# {r0['machine']} ({r0['num_cpus']} CPUs, load {r0['load_avg_1min']:.1f} at start)"
+          f" | torch {r0['torch']} | isa {r0['cpu_isa']} | OMP_NUM_THREADS "
+          f"{r0['omp_num_threads']} | git {r0['git_rev']} | {r0['time_utc']}")
     print(table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
