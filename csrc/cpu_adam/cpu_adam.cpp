@@ -91,6 +91,9 @@ Isa parse_isa(const std::string& name) {
 }
 
 bool isa_supported(Isa isa) {
+#if !defined(__x86_64__)
+  return isa == Isa::kAuto || isa == Isa::kScalar;  // the SIMD paths are x86-64 only
+#else
   __builtin_cpu_init();
   switch (isa) {
     case Isa::kAuto:
@@ -104,6 +107,7 @@ bool isa_supported(Isa isa) {
              __builtin_cpu_supports("avx512dq");
   }
   return false;
+#endif
 }
 
 Isa best_isa() {

@@ -1,9 +1,10 @@
 // AVX2 path (+ FMA-era F16C): 8 elements per iteration, the last < 8 elements of a tile go
 // through the scalar update (AVX2 has no cheap masked 16-bit loads). Same operations in the
 // same order as detail::update, so the results are bit-identical to the scalar path.
-#include <immintrin.h>
-
 #include "kernel.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
 
 #define ZK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define ZK_AVX2_INLINE ZK_AVX2 __attribute__((always_inline)) inline
@@ -94,3 +95,11 @@ void run_avx2(const Kernel& k, int64_t begin, int64_t end) {
 }
 
 }  // namespace zk::cpu::detail
+
+#else  // not x86-64: isa_supported() never reports this path, so this is never called
+
+namespace zk::cpu::detail {
+void run_avx2(const Kernel& k, int64_t begin, int64_t end) { run_scalar_range(k, begin, end); }
+}  // namespace zk::cpu::detail
+
+#endif

@@ -1,9 +1,10 @@
 // AVX-512 path (F + BW + VL): 16 elements per iteration, masked loads/stores for the tail so
 // no scalar epilogue runs. Built with a per-function target attribute: the rest of the
 // library stays baseline x86-64 and this code runs only after __builtin_cpu_supports says so.
-#include <immintrin.h>
-
 #include "kernel.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
 
 #define ZK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define ZK_AVX512_INLINE ZK_AVX512 __attribute__((always_inline)) inline
@@ -92,3 +93,11 @@ void run_avx512(const Kernel& k, int64_t begin, int64_t end) {
 }
 
 }  // namespace zk::cpu::detail
+
+#else  // not x86-64: isa_supported() never reports this path, so this is never called
+
+namespace zk::cpu::detail {
+void run_avx512(const Kernel& k, int64_t begin, int64_t end) { run_scalar_range(k, begin, end); }
+}  // namespace zk::cpu::detail
+
+#endif
