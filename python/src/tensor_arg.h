@@ -4,6 +4,7 @@
 // links libtorch (see [Note: no torch headers] in main.cpp).
 #pragma once
 
+#include <pybind11/gil_safe_call_once.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -25,10 +26,35 @@ struct TensorArg {
   bool contiguous = false;
 };
 
+// torch.Tensor and the float dtypes, looked up once per process (the dtype of every argument
+// is then an identity comparison instead of a string conversion).
+struct TorchTypes {
+  py::object tensor, float32, bfloat16, float16;
+};
+
+inline const TorchTypes& torch_types() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<TorchTypes> storage;
+  return storage
+      .call_once_and_store_result([] {
+        const py::module_ torch = py::module_::import("torch");
+        return TorchTypes{torch.attr("Tensor"), torch.attr("float32"), torch.attr("bfloat16"),
+                          torch.attr("float16")};
+      })
+      .get_stored();
+}
+
+inline std::string dtype_str(const py::object& dtype) {
+  const TorchTypes& tt = torch_types();
+  if (dtype.is(tt.float32)) return "float32";
+  if (dtype.is(tt.bfloat16)) return "bfloat16";
+  if (dtype.is(tt.float16)) return "float16";
+  const std::string s = py::str(dtype).cast<std::string>();
+  return s.rfind("torch.", 0) == 0 ? s.substr(6) : s;
+}
+
 // Reads `obj` as a tensor; TypeError naming `name` when it is not a torch.Tensor.
 inline TensorArg tensor_arg(const py::handle& obj, const char* name) {
-  const py::object tensor_type = py::module_::import("torch").attr("Tensor");
-  if (!py::isinstance(obj, tensor_type)) {
+  if (!py::isinstance(obj, torch_types().tensor)) {
     throw py::type_error(std::string(name) + " must be a torch.Tensor, got " +
                          py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
   }
@@ -36,8 +62,7 @@ inline TensorArg tensor_arg(const py::handle& obj, const char* name) {
   t.name = name;
   t.data_ptr = obj.attr("data_ptr")().cast<uintptr_t>();
   t.numel = obj.attr("numel")().cast<int64_t>();
-  std::string dt = py::str(obj.attr("dtype")).cast<std::string>();
-  t.dtype = dt.rfind("torch.", 0) == 0 ? dt.substr(6) : dt;
+  t.dtype = dtype_str(obj.attr("dtype"));
   const py::object device = obj.attr("device");
   t.device_type = device.attr("type").cast<std::string>();
   const py::object index = device.attr("index");
