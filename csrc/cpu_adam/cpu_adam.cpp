@@ -1,0 +1,149 @@
+// CPU AdamW: argument checks, coefficients, run-time path choice and OpenMP tiling.
+#include "cpu_adam.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernel.h"
+
+namespace zk::cpu {
+namespace {
+
+// Elements per OpenMP work item: 64 KiB of each fp32 stream, a multiple of every vector width
+// so that only the last tile has a ragged end. Below two tiles the call stays on one thread:
+// waking the pool costs more than the update.
+constexpr int64_t kTileNumel = 16384;
+
+void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+detail::Coeffs coefficients(const AdamWConfig& cfg) {
+  detail::Coeffs c{};
+  c.inv_scale = static_cast<float>(1.0 / cfg.grad_scale);
+  c.decay = static_cast<float>(cfg.decoupled ? 1.0 - cfg.lr * cfg.weight_decay : 1.0);
+  c.wd = static_cast<float>(cfg.weight_decay);
+  c.l2 = !cfg.decoupled && cfg.weight_decay != 0.0;
+  const double w = 1.0 - cfg.beta1;
+  c.lerp_weight = static_cast<float>(w);
+  c.lerp_one_minus = 1.0f - c.lerp_weight;  // torch computes 1 - weight in the op's type
+  c.lerp_small = std::fabs(c.lerp_weight) < 0.5f;
+  c.beta2 = static_cast<float>(cfg.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - cfg.beta2);
+  const double bc1 = 1.0 - std::pow(cfg.beta1, cfg.step);
+  const double bc2 = 1.0 - std::pow(cfg.beta2, cfg.step);
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = static_cast<float>(cfg.eps);
+  c.neg_step_size = static_cast<float>(-cfg.lr / bc1);
+  return c;
+}
+
+void check(const AdamWBuffers& b, const AdamWConfig& cfg) {
+  require(b.numel >= 0, "numel must be >= 0, got " + std::to_string(b.numel));
+  if (b.numel > 0) {
+    require(b.param != nullptr, "param must not be null");
+    require(b.grad != nullptr, "grad must not be null");
+    require(b.exp_avg != nullptr, "exp_avg must not be null");
+    require(b.exp_avg_sq != nullptr, "exp_avg_sq must not be null");
+  }
+  require(cfg.step >= 1.0, "step must be >= 1 (the step number after incrementing), got " +
+                               std::to_string(cfg.step));
+  require(cfg.beta1 >= 0.0 && cfg.beta1 < 1.0,
+          "beta1 must be in [0, 1), got " + std::to_string(cfg.beta1));
+  require(cfg.beta2 >= 0.0 && cfg.beta2 < 1.0,
+          "beta2 must be in [0, 1), got " + std::to_string(cfg.beta2));
+  require(std::isfinite(cfg.grad_scale) && cfg.grad_scale > 0.0,
+          "grad_scale must be finite and > 0, got " + std::to_string(cfg.grad_scale));
+}
+
+using TileFn = void (*)(const detail::Kernel&, int64_t, int64_t);
+
+TileFn tile_function(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return detail::run_avx512;
+    case Isa::kAvx2: return detail::run_avx2;
+    default: return detail::run_scalar_range;
+  }
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAuto: return "auto";
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::kAuto, Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (name == isa_name(isa)) return isa;
+  }
+  throw std::invalid_argument("isa must be one of auto, scalar, avx2, avx512; got '" + name +
+                              "'");
+}
+
+bool isa_supported(Isa isa) {
+#if !defined(__x86_64__)
+  return isa == Isa::kAuto || isa == Isa::kScalar;  // the SIMD paths are x86-64 only
+#else
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::kAuto:
+    case Isa::kScalar: return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return isa_supported(Isa::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+#endif
+}
+
+Isa best_isa() {
+  if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
+  if (isa_supported(Isa::kAvx2)) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+Isa adamw_step(const AdamWBuffers& b, const AdamWConfig& cfg, Isa isa, int num_threads) {
+  check(b, cfg);
+  if (isa == Isa::kAuto) isa = best_isa();
+  require(isa_supported(isa), std::string("isa '") + isa_name(isa) +
+                                  "' was forced but this CPU does not support it");
+  require(num_threads >= 0, "num_threads must be >= 0, got " + std::to_string(num_threads));
+  if (b.numel == 0 || (b.found_inf != nullptr && *b.found_inf != 0.0f)) return isa;
+
+  const detail::Kernel k{coefficients(cfg), b.param,      b.grad, b.grad_dtype,
+                         b.exp_avg,         b.exp_avg_sq, b.out,  b.out_dtype};
+  const TileFn fn = tile_function(isa);
+  const int64_t num_tiles = (b.numel + kTileNumel - 1) / kTileNumel;
+  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min(wanted, num_tiles)));
+  if (threads == 1) {
+    fn(k, 0, b.numel);
+    return isa;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    fn(k, t * kTileNumel, std::min(b.numel, (t + 1) * kTileNumel));
+  }
+  return isa;
+}
+
+uint16_t float_to_bf16(float x) { return detail::to_bf16(x); }
+uint16_t float_to_fp16(float x) { return detail::to_fp16(x); }
+float bf16_to_float(uint16_t h) { return detail::from_bf16(h); }
+float fp16_to_float(uint16_t h) { return detail::from_fp16(h); }
+
+}  // namespace zk::cpu

@@ -1,0 +1,140 @@
+// Internal to csrc/cpu_adam: the per-step coefficients, the scalar element update that every
+// path reproduces, and the per-path tile functions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_adam.h"
+
+namespace zk::cpu::detail {
+
+// Step-invariant coefficients, computed once per call in double and rounded to float the way
+// torch rounds a Python scalar applied to a float tensor.
+struct Coeffs {
+  float inv_scale;      // 1 / grad_scale (exact for the power-of-two scales GradScaler uses)
+  float decay;          // 1 - lr * wd for AdamW, 1 otherwise
+  float wd;             // L2 coefficient (used only when l2)
+  bool l2;              // classic Adam with L2 and wd != 0
+  float lerp_weight;    // 1 - beta1
+  float lerp_one_minus; // 1 - lerp_weight, for torch's lerp when the weight is >= 0.5
+  bool lerp_small;      // torch.lerp's branch: |weight| < 0.5
+  float beta2;
+  float one_minus_beta2;
+  float inv_sqrt_bc2;   // 1 / sqrt(1 - beta2^t)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^t)
+};
+
+// Everything a tile function needs; a tile updates elements [begin, end) of the full buffers.
+struct Kernel {
+  Coeffs c;
+  float* param;
+  const void* grad;
+  DType grad_dtype;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* out;  // nullptr: no copy
+  DType out_dtype;
+};
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+inline uint16_t to_bf16(float x) {
+  uint32_t u = bits_of(x);
+  if (std::isnan(x)) return 0xFFFF;  // what torch's vectorized fp32->bf16 cast writes
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+// IEEE binary16, round to nearest even, as vcvtps2ph does it (NaN: quiet, payload kept).
+inline uint16_t to_fp16(float x) {
+  const uint32_t u = bits_of(x);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 -> inf
+  if (a < 0x38800000u) {                                               // fp16 subnormal range
+    if (a <= 0x33000000u) return static_cast<uint16_t>(sign);          // <= 2^-25 -> 0 (tie)
+    const uint32_t e = a >> 23;
+    const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 126u - e;  // value * 2^24 = m * 2^(e - 126)
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<uint16_t>(sign | r);
+  }
+  const uint32_t v = a - 0x38000000u;  // rebias the exponent from 127 to 15
+  return static_cast<uint16_t>(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
+}
+
+inline float from_fp16(uint16_t h) {
+  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu;
+  const uint32_t m = h & 0x3FFu;
+  if (e == 0x1Fu) {  // inf, or NaN made quiet as vcvtph2ps does
+    return float_of(sign | 0x7F800000u | (m << 13) | (m != 0 ? 0x400000u : 0u));
+  }
+  if (e != 0) return float_of(sign | ((e + 112u) << 23) | (m << 13));
+  // zero or subnormal: m * 2^-24, exact in fp32
+  const float mag = static_cast<float>(m) * 5.9604644775390625e-8f;
+  return float_of(sign | bits_of(mag));
+}
+
+inline float load_grad(const void* grad, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kBFloat16: return from_bf16(static_cast<const uint16_t*>(grad)[i]);
+    case DType::kFloat16: return from_fp16(static_cast<const uint16_t*>(grad)[i]);
+    default: return static_cast<const float*>(grad)[i];
+  }
+}
+
+inline void store_out(void* out, DType dt, int64_t i, float p) {
+  switch (dt) {
+    case DType::kBFloat16: static_cast<uint16_t*>(out)[i] = to_bf16(p); break;
+    case DType::kFloat16: static_cast<uint16_t*>(out)[i] = to_fp16(p); break;
+    default: static_cast<float*>(out)[i] = p; break;
+  }
+}
+
+// The update of one element; the SIMD paths perform exactly these operations in this order.
+inline void update(const Coeffs& c, float g, float& p, float& m, float& v) {
+  g = g * c.inv_scale;
+  if (c.l2) g = g + c.wd * p;
+  p = p * c.decay;
+  const float diff = g - m;
+  m = c.lerp_small ? m + c.lerp_weight * diff : g - diff * c.lerp_one_minus;
+  v = v * c.beta2 + (c.one_minus_beta2 * g) * g;
+  const float denom = std::sqrt(v) * c.inv_sqrt_bc2 + c.eps;
+  p = p + c.neg_step_size * (m / denom);
+}
+
+inline void run_scalar_range(const Kernel& k, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    float p = k.param[i], m = k.exp_avg[i], v = k.exp_avg_sq[i];
+    update(k.c, load_grad(k.grad, k.grad_dtype, i), p, m, v);
+    k.param[i] = p;
+    k.exp_avg[i] = m;
+    k.exp_avg_sq[i] = v;
+    if (k.out) store_out(k.out, k.out_dtype, i, p);
+  }
+}
+
+// Tile functions, one per path: update elements [begin, end).
+void run_avx2(const Kernel& k, int64_t begin, int64_t end);
+void run_avx512(const Kernel& k, int64_t begin, int64_t end);
+
+}  // namespace zk::cpu::detail

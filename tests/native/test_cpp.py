@@ -1,0 +1,39 @@
+"""Runs the C++ tests (CTest) from pytest: configures the root CMakeLists.txt into
+build/native-ctest-<generator> (gitignored, kept between runs so a rerun only rebuilds what changed) with
+only the CPU library and its tests, builds, and runs ctest. The C++ test forces
+every SIMD path the CPU supports in turn (bit-exact against its own scalar reference)."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from .conftest import ROOT, skip_ext_requested
+
+
+def _run(cmd, cwd, timeout):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n" \
+                                 f"{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_ctest_cpu_adam():
+    if skip_ext_requested():
+        pytest.skip("ZKERNELS_SKIP_EXT=1: installed without the native extension")
+    cmake = shutil.which("cmake")
+    assert cmake, "cmake is needed to build the C++ tests (pip install cmake)"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # one folder per generator: CMake refuses to switch generators in a configured folder
+    build = ROOT / "build" / ("native-ctest-ninja" if generator else "native-ctest-make")
+    _run([cmake, "-S", str(ROOT), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
+          "-DZKERNELS_BUILD_PYTHON=OFF", "-DZKERNELS_CUDA=OFF", "-DZKERNELS_BUILD_TESTS=ON"],
+         ROOT, 300)
+    _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 1)], ROOT, 600)
+    ctest = os.path.join(os.path.dirname(cmake), "ctest")
+    out = _run([ctest if os.path.exists(ctest) else "ctest", "--test-dir", str(build), "--output-on-failure", "-V"], ROOT, 300)
+    assert "conversions ok" in out and "errors ok" in out, out
+    for isa in ("scalar", "avx2", "avx512"):
+        assert f"PATH {isa} ok" in out or f"PATH {isa} unsupported" in out, out
+    best = out.split("best path: ")[1].split()[0]
+    assert f"PATH {best} ok" in out, out  # the path production runs was among those tested
