@@ -1,7 +1,8 @@
 """One rank of the ZeRO step benchmark: build every method, warm up, time steps round-robin.
 
-Round-robin (step i of every method, then step i + 1 of every method) keeps a change in the
-machine's background load from landing on one method only: this CPU is shared.
+Round-robin (step i of every method, then step i + 1 of every method, the order rotated by one
+each step) keeps a change in the machine's background load from landing on one method only,
+and no method always runs right after the same other one: this CPU is shared.
 Each timed step is ``barrier; t0; forward+backward; optimizer step; zero_grad; barrier; t1``,
 so every rank's time includes waiting for the slowest one. Reading stats and memory after the
 optimizer step is left out of the time.
@@ -58,8 +59,10 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
         x, y = _batch(step, rank, opts["seed"], opts["batch_size"], cfg.block_size,
                       cfg.vocab_size)
         timed = step >= opts["warmup"]
-        for name, m in methods.items():
-            res = results[name]
+        names = list(methods)
+        shift = step % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            m, res = methods[name], results[name]
             meter.reset()
             bucket_log.clear()
             dist.barrier()

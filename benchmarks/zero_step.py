@@ -31,8 +31,9 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
-    # ~100 ms per step per rank on one core of the 2-core dev machine (2.7 M parameters)
-    "small": {"model": dict(n_layer=6, n_head=6, n_embd=192, block_size=64), "batch_size": 8},
+    # 0.83 M parameters: ~35 ms of compute per step alone on one core, ~100-150 ms per step
+    # with 2 ranks (one core each, DDP) on the shared 2-core dev machine
+    "small": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64), "batch_size": 8},
     # seconds for the whole run: a smoke check
     "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=32), "batch_size": 4},
 }
@@ -42,7 +43,7 @@ ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspee
 def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per method")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per method first")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -172,7 +173,9 @@ def main(argv=None) -> int:
           f"{args.threads_per_rank} thread, batch {config['batch_size']}x"
           f"{config['model']['block_size']} per rank, {args.warmup} warm-up + {args.steps} "
           f"timed steps, methods {','.join(args.methods)}", flush=True)
+    meta["load_average_before"] = os.getloadavg()
     per_rank = _launch(opts, n, args.timeout_s)
+    meta["load_average_after"] = os.getloadavg()
     rows = [summarize(m, [r[m] for r in per_rank], n) for m in args.methods]
     add_ratios(rows)
     print(format_table(rows))
