@@ -4,7 +4,8 @@ Per row: step time = max over ranks of each timed step (each includes the closin
 so the ranks agree to a few µs), then median and min/max over steps; bytes sent per rank per
 step by kind (median over timed steps, then the mean over ranks; every rank's own figure is
 kept); memory per rank by kind (the rank holding the most, every rank's figure kept); final
-loss = mean over ranks of the last step's loss. Ratios are to DDP in the same run.
+loss = mean over ranks of the last step's loss. Ratios are to DDP in the same run: of the medians (the issue's bar), and the median of
+per-step ratios (paired, steadier on a loaded machine).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
         "method": name,
         "step_time_s": {"median": statistics.median(times), "min": min(times),
                         "max": max(times), "num_steps": len(times)},
+        "step_times_s": times,
         "final_loss": statistics.fmean(r["losses"][-1] for r in per_rank),
         "notes": [],
     }
@@ -82,6 +84,10 @@ def add_ratios(rows: List[dict]) -> None:
         if "error" in r or ddp is None:
             continue
         r["step_time_ratio_to_ddp"] = r["step_time_s"]["median"] / ddp["step_time_s"]["median"]
+        # Step i of every method ran back to back (round-robin), so the median of per-step
+        # ratios cancels most of the background-load drift of a shared machine.
+        r["step_time_ratio_to_ddp_paired"] = statistics.median(
+            t / d for t, d in zip(r["step_times_s"], ddp["step_times_s"]))
         ddp_bytes = ddp["comm_bytes_per_rank"]["total"]
         r["traffic_ratio_to_ddp"] = (r["comm_bytes_per_rank"]["total"] / ddp_bytes
                                      if ddp_bytes else None)
