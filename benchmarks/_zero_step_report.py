@@ -16,6 +16,7 @@ from _comm_meter import KINDS
 
 TIME_BAR = 1.10          # the bar: step time within 10% of DDP
 TRAFFIC_TOLERANCE = 1e-3  # "equal to DDP" up to rank-alignment padding (0.1%)
+LOSS_TOLERANCE = 1e-4     # fp32 round-off after a few dozen AdamW steps, far below any bug
 MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "buffers", "total")
 ZK_COMM_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "total")
 
@@ -92,6 +93,11 @@ def add_ratios(rows: List[dict]) -> None:
         r["traffic_ratio_to_ddp"] = (r["comm_bytes_per_rank"]["total"] / ddp_bytes
                                      if ddp_bytes else None)
         r["within_10pct_of_ddp"] = r["step_time_ratio_to_ddp"] <= TIME_BAR
+        # Same data, same initial weights, fp32 AdamW: every method should land on DDP's loss.
+        r["final_loss_diff_to_ddp"] = r["final_loss"] - ddp["final_loss"]
+        if abs(r["final_loss_diff_to_ddp"]) > LOSS_TOLERANCE:
+            r["notes"].append(f"final loss differs from DDP's by {r['final_loss_diff_to_ddp']:.2e}"
+                              f" (> {LOSS_TOLERANCE:g}): not training the same model")
         tr = r["traffic_ratio_to_ddp"]
         r["traffic_equal_to_ddp"] = tr is not None and abs(tr - 1.0) <= TRAFFIC_TOLERANCE
 
