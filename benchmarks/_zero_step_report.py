@@ -1,0 +1,152 @@
+"""Turn the ranks' raw step records into JSON rows and the terminal table.
+
+Per row: step time = max over ranks of each timed step (each includes the closing barrier,
+so the ranks agree to a few µs), then median and min/max over steps; bytes sent per rank per
+step by kind (median over timed steps, then the mean over ranks; every rank's own figure is
+kept); memory per rank by kind (the rank holding the most, every rank's figure kept); final
+loss = mean over ranks of the last step's loss. Ratios are to DDP in the same run: of the medians (the issue's bar), and the median of
+per-step ratios (paired, steadier on a loaded machine).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from _comm_meter import KINDS
+
+TIME_BAR = 1.10          # the issue's bar: step time within 10% of DDP
+TRAFFIC_TOLERANCE = 1e-3  # "equal to DDP" up to rank-alignment padding (0.1%)
+LOSS_TOLERANCE = 1e-4     # fp32 round-off after a few dozen AdamW steps, far below any bug
+MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "buffers", "total")
+ZK_COMM_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "total")
+
+
+def _median_by_key(dicts: List[dict], keys) -> Dict[str, int]:
+    return {k: int(statistics.median(d.get(k, 0) for d in dicts)) for k in keys}
+
+
+def _varies(dicts: List[dict], key: str) -> bool:
+    return len({d.get(key) for d in dicts}) > 1
+
+
+def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
+    """One JSON row from every rank's record of method ``name``."""
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        return {"method": name, "error": errors[0]}
+    times = [max(r["times_s"][i] for r in per_rank) for i in range(len(per_rank[0]["times_s"]))]
+    row: dict = {
+        "method": name,
+        "step_time_s": {"median": statistics.median(times), "min": min(times),
+                        "max": max(times), "num_steps": len(times)},
+        "step_times_s": times,
+        "final_loss": statistics.fmean(r["losses"][-1] for r in per_rank),
+        "notes": [],
+    }
+    comm_keys = KINDS + ("total",)
+    by_rank = [_median_by_key([s["bytes"] for s in r["meter"]], comm_keys) for r in per_rank]
+    row["comm_bytes_per_rank"] = {k: statistics.fmean(b[k] for b in by_rank) for k in comm_keys}
+    row["comm_bytes_by_rank"] = by_rank
+    row["comm_calls_per_step_rank0"] = per_rank[0]["meter"][-1]["calls"]
+    if any(_varies([s["bytes"] for s in r["meter"]], "total") for r in per_rank):
+        row["notes"].append("traffic varied between timed steps (median reported)")
+    if row["comm_bytes_per_rank"]["total"] == 0 and world_size > 1:
+        row["comm_intercepted"] = False
+        row["notes"].append("no collective seen by the Python meter: traffic NOT measured")
+    else:
+        row["comm_intercepted"] = True
+    mems = [r["memory"] for r in per_rank]
+    row["memory_bytes_by_rank"] = mems
+    row["memory_bytes_per_rank"] = {k: max(m.get(k, 0) for m in mems) for k in MEMORY_KINDS}
+    hook = [statistics.median(r["hook_bucket_bytes"]) for r in per_rank]
+    if any(hook):
+        # DDP's buckets as its comm hook saw them, in the meter's convention: a cross-check
+        # that the meter caught every bucket all-reduce.
+        expect = statistics.fmean(hook) * 2 * (world_size - 1) / world_size
+        row["ddp_hook_all_reduce_bytes_per_rank"] = expect
+        if abs(expect - row["comm_bytes_per_rank"]["all_reduce"]) > 0.5:
+            row["notes"].append("DDP hook bucket bytes disagree with the meter's all-reduce")
+    zk = [r["zk_stats"] for r in per_rank]
+    if zk[0][0] is not None:
+        comm = [_median_by_key([s["comm_bytes"] for s in steps], ZK_COMM_KINDS) for steps in zk]
+        row["zk_stats_comm_bytes_per_rank"] = {
+            k: statistics.fmean(c[k] for c in comm) for k in ZK_COMM_KINDS}
+        row["zk_stats_last"] = zk[0][-1]
+        meter_total = row["comm_bytes_per_rank"]["total"]
+        if abs(row["zk_stats_comm_bytes_per_rank"]["total"] - meter_total) > 0.5:
+            row["notes"].append("zkernels stats() traffic differs from the meter's")
+    return row
+
+
+def add_ratios(rows: List[dict]) -> None:
+    """Step-time and traffic ratios to the DDP row, and the issue's pass/fail flags."""
+    ddp = next((r for r in rows if r["method"] == "ddp" and "error" not in r), None)
+    for r in rows:
+        if "error" in r or ddp is None:
+            continue
+        r["step_time_ratio_to_ddp"] = r["step_time_s"]["median"] / ddp["step_time_s"]["median"]
+        # Step i of every method ran back to back (round-robin), so the median of per-step
+        # ratios cancels most of the background-load drift of a shared machine.
+        r["step_time_ratio_to_ddp_paired"] = statistics.median(
+            t / d for t, d in zip(r["step_times_s"], ddp["step_times_s"]))
+        ddp_bytes = ddp["comm_bytes_per_rank"]["total"]
+        r["traffic_ratio_to_ddp"] = (r["comm_bytes_per_rank"]["total"] / ddp_bytes
+                                     if ddp_bytes else None)
+        r["within_10pct_of_ddp"] = r["step_time_ratio_to_ddp"] <= TIME_BAR
+        # Same data, same initial weights, fp32 AdamW: every method should land on DDP's loss.
+        r["final_loss_diff_to_ddp"] = r["final_loss"] - ddp["final_loss"]
+        if abs(r["final_loss_diff_to_ddp"]) > LOSS_TOLERANCE:
+            r["notes"].append(f"final loss differs from DDP's by {r['final_loss_diff_to_ddp']:.2e}"
+                              f" (> {LOSS_TOLERANCE:g}): not training the same model")
+        tr = r["traffic_ratio_to_ddp"]
+        r["traffic_equal_to_ddp"] = tr is not None and abs(tr - 1.0) <= TRAFFIC_TOLERANCE
+
+
+def _mb(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _yn(flag) -> str:
+    return "-" if flag is None else ("yes" if flag else "no")
+
+
+def format_table(rows: List[dict]) -> str:
+    """Fixed-width table: times in ms, bytes in MiB per rank per step, memory in MiB."""
+    head = (f"{'method':<11} {'step ms':>8} {'[min-max]':>15} {'xDDP':>6} {'<=1.10':>6} "
+            f"{'sent MiB':>8} {'AR':>6} {'RS':>6} {'AG':>6} {'BC':>6} {'xDDP':>7} {'=DDP':>5} "
+            f"{'mem MiB':>7} {'param':>6} {'grad':>6} {'mast':>6} {'optim':>6} {'buf':>6} "
+            f"{'loss':>7}")
+    lines = [head, "-" * len(head)]
+    notes = []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['method']:<11} FAILED: {r['error'].splitlines()[0]}")
+            continue
+        t, c, m = r["step_time_s"], r["comm_bytes_per_rank"], r["memory_bytes_per_rank"]
+        tr = r.get("traffic_ratio_to_ddp")
+        sent = _mb(c["total"]) if r["comm_intercepted"] else "n/a"
+        spread = f"[{t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f}]"
+        traffic = "-" if tr is None else f"{tr:.4f}"
+        lines.append(
+            f"{r['method']:<11} {t['median'] * 1e3:8.1f} "
+            f"{spread:>15} "
+            f"{r.get('step_time_ratio_to_ddp', float('nan')):6.3f} "
+            f"{_yn(r.get('within_10pct_of_ddp')):>6} {sent:>8} "
+            f"{_mb(c['all_reduce']):>6} {_mb(c['reduce_scatter']):>6} "
+            f"{_mb(c['all_gather']):>6} {_mb(c['broadcast']):>6} "
+            f"{traffic:>7} {_yn(r.get('traffic_equal_to_ddp')):>5} "
+            f"{_mb(m['total']):>7} {_mb(m['params']):>6} {_mb(m['grads']):>6} "
+            f"{_mb(m['master']):>6} {_mb(m['optimizer_states']):>6} {_mb(m['buffers']):>6} "
+            f"{r['final_loss']:7.4f}")
+        if "zk_stats_comm_bytes_per_rank" in r:
+            z = r["zk_stats_comm_bytes_per_rank"]
+            notes.append(f"{r['method']}: zkernels stats() sent MiB/rank/step: total "
+                         f"{_mb(z['total'])} (RS {_mb(z['reduce_scatter'])}, AG "
+                         f"{_mb(z['all_gather'])}, AR {_mb(z['all_reduce'])}); meter: "
+                         f"{_mb(c['total'])}")
+        if "ddp_hook_all_reduce_bytes_per_rank" in r:
+            notes.append(f"{r['method']}: DDP comm hook buckets -> all-reduce MiB/rank/step "
+                         f"{_mb(r['ddp_hook_all_reduce_bytes_per_rank'])}; meter: "
+                         f"{_mb(c['all_reduce'])}")
+        notes.extend(f"{r['method']}: {n}" for n in r["notes"])
+    return "\n".join(lines + [""] + notes)

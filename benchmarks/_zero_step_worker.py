@@ -1,0 +1,109 @@
+"""One rank of the ZeRO step benchmark: build every method, warm up, time steps round-robin.
+
+Round-robin (step i of every method, then step i + 1 of every method, the order rotated by one
+each step) keeps a change in the machine's background load from landing on one method only,
+and no method always runs right after the same other one: this CPU is shared.
+Each timed step is ``barrier; t0; forward+backward; optimizer step; zero_grad; barrier; t1``,
+so every rank's time includes waiting for the slowest one. Reading stats and memory after the
+optimizer step is left out of the time.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from _comm_meter import CommMeter
+
+
+def _batch(step: int, rank: int, seed: int, batch_size: int, block_size: int,
+           vocab_size: int) -> tuple:
+    """Random tokens, the same for every method: one micro-batch per (rank, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+    x = torch.randint(0, vocab_size, (batch_size, block_size), generator=g)
+    y = torch.randint(0, vocab_size, (batch_size, block_size), generator=g)
+    return x, y
+
+
+def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
+    # Imported only now, with the meter installed: a module that binds a collective at import
+    # time (``from torch.distributed import ...``) then binds the wrapped one.
+    from zkernels.demo.model import GPTConfig
+    from _zero_step_methods import MethodUnavailable, all_ranks_ok, build
+
+    cfg = GPTConfig(**opts["model"])
+    bucket_log: list = []
+    methods, results = {}, {}
+    for name in opts["methods"]:
+        error = None
+        try:
+            methods[name] = build(name, cfg, opts["seed"], opts["lr"], world_size,
+                                  bucket_log.append)
+        except MethodUnavailable as exc:
+            error = str(exc)
+        except Exception:  # noqa: BLE001 - reported in the table, the run goes on
+            error = "failed to build:\n" + traceback.format_exc()
+        if not all_ranks_ok(error is None):
+            methods.pop(name, None)
+            results[name] = {"error": error or "failed to build on another rank"}
+        else:
+            results[name] = {"times_s": [], "meter": [], "hook_bucket_bytes": [],
+                             "zk_stats": [], "losses": []}
+
+    num_steps = opts["warmup"] + opts["steps"]
+    for step in range(num_steps):
+        x, y = _batch(step, rank, opts["seed"], opts["batch_size"], cfg.block_size,
+                      cfg.vocab_size)
+        timed = step >= opts["warmup"]
+        names = list(methods)
+        shift = step % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            m, res = methods[name], results[name]
+            meter.reset()
+            bucket_log.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            meter.enabled = True
+            loss = m.forward_backward(x, y)
+            m.update()
+            meter.enabled = False
+            t_paused = time.perf_counter()
+            stats = m.zk_stats()
+            if step == num_steps - 1:
+                res["memory"] = m.memory()
+            t_resumed = time.perf_counter()
+            meter.enabled = True
+            m.zero_grad()
+            meter.enabled = False
+            dist.barrier()
+            t1 = time.perf_counter()
+            if timed:
+                res["times_s"].append((t1 - t0) - (t_resumed - t_paused))
+                res["meter"].append(meter.snapshot())
+                res["hook_bucket_bytes"].append(sum(bucket_log))
+                res["zk_stats"].append(stats)
+            res["losses"].append(float(loss))
+    return results
+
+
+def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
+    """Process entry point: sends ``(rank, True, results)`` or ``(rank, False, traceback)``."""
+    try:
+        torch.set_num_threads(opts["threads_per_rank"])
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=opts["pg_timeout_s"]))
+        meter = CommMeter()
+        try:
+            with meter.installed():
+                result = _run(rank, world_size, opts, meter)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))

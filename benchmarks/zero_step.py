@@ -1,0 +1,205 @@
+"""One training step of a small GPT on CPU, 2 gloo ranks: DDP, torch's ZeroRedundancyOptimizer,
+FSDP2 and zkernels ZeRO stage 1/2 side by side, with step time, bytes sent and memory per rank.
+
+    python benchmarks/zero_step.py                       # small config, all methods
+    python benchmarks/zero_step.py --steps 3 --config tiny --methods ddp,zk_stage2
+
+Prints a table and writes JSON (``--json``, default ``bench_results/zero_step.json``):
+``{"meta": {machine, cpu, threads_per_rank, versions, git revision, UTC time, config,
+comm_bytes_convention}, "rows": [{method, step_time_s {median, min, max}, comm_bytes_per_rank
+{all_reduce, reduce_scatter, all_gather, broadcast, other, total}, memory_bytes_per_rank
+{params, grads, master, optimizer_states, buffers, total}, final_loss, step_time_ratio_to_ddp,
+step_time_ratio_to_ddp_paired, traffic_ratio_to_ddp, within_10pct_of_ddp, traffic_equal_to_ddp,
+...}]}``.
+The issue's bar: zkernels stage 1/2 step time within 10% of DDP, traffic equal to DDP's.
+All methods train in fp32 with AdamW on the same data from the same initial weights, so the
+final losses agree to round-off: a quick sign that every row trained the same model.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    # 0.83 M parameters: ~35 ms of compute per step alone on one core, ~100-150 ms per step
+    # with 2 ranks (one core each, DDP) on the shared 2-core dev machine
+    "small": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64), "batch_size": 8},
+    # seconds for the whole run: a smoke check
+    "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=32), "batch_size": 4},
+}
+ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed")
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per method first")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    p.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+    p.add_argument("--json", default="bench_results/zero_step.json", help="output path")
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0,
+                   help="kill every rank after this long instead of hanging")
+    args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad or not methods:
+        p.error(f"--methods: expected a comma-separated subset of {ALL_METHODS}, got {bad}")
+    if "ddp" not in methods:
+        methods.insert(0, "ddp")  # every ratio is to DDP measured in the same run
+    args.methods = methods
+    for name in ("steps", "world_size", "threads_per_rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def _git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(opts: dict, world_size: int, timeout_s: float) -> list:
+    """Spawn the ranks; return each rank's results, or raise with the failing rank's trace."""
+    from _zero_step_worker import worker
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, opts, queue), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except Exception as exc:  # queue.Empty
+                raise RuntimeError(f"ranks did not finish within {timeout_s}s") from exc
+            (results if ok else errors)[rank] = payload
+            if errors:
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if not errors else 1)
+            if proc.is_alive():
+                proc.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    # Run from anywhere: the ranks import zkernels from this checkout (spawn copies sys.path).
+    for path in (str(REPO_ROOT), str(REPO_ROOT / "benchmarks")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from zkernels.demo.model import GPT, GPTConfig
+    from _comm_meter import __doc__ as convention_doc
+    from _zero_step_report import add_ratios, format_table, summarize
+
+    config = CONFIGS[args.config]
+    num_params = sum(p.numel() for p in GPT(GPTConfig(**config["model"])).parameters())
+    opts = {"model": config["model"], "batch_size": config["batch_size"],
+            "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
+            "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
+            "pg_timeout_s": min(120.0, args.timeout_s)}
+    n = args.world_size
+    meta = {
+        "benchmark": "zero_step",
+        "utc_time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": _git_revision(),
+        "machine": {"hostname": platform.node(), "platform": platform.platform(),
+                    "arch": platform.machine(), "num_cpus": os.cpu_count()},
+        "cpu": _cpu_model(),
+        "threads_per_rank": args.threads_per_rank,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "backend": "gloo", "device": "cpu", "world_size": n, "dtype": "float32",
+        "config": args.config, "model": config["model"], "batch_size_per_rank":
+            config["batch_size"], "num_params": num_params,
+        "data": "random tokens, one micro-batch per rank per step, same for every method",
+        "steps": args.steps, "warmup": args.warmup, "optimizer": f"AdamW(lr={args.lr})",
+        # 2Ψ per step in the ring convention: what DDP and ZeRO-1/2 should each send per rank
+        "data_parallel_bytes_per_rank": 2 * num_params * 4 * (n - 1) / n,
+        "comm_bytes_convention": convention_doc.split("[Note: byte convention]")[1]
+                                 .split("\n\n")[0].strip(),
+        "step_time": "max over ranks of barrier-to-barrier time per step; median, min, max",
+    }
+    print(f"zero_step: {args.config} GPT ({num_params / 1e6:.2f} M params), {n} gloo ranks x "
+          f"{args.threads_per_rank} thread, batch {config['batch_size']}x"
+          f"{config['model']['block_size']} per rank, {args.warmup} warm-up + {args.steps} "
+          f"timed steps, methods {','.join(args.methods)}", flush=True)
+    meta["load_average_before"] = os.getloadavg()
+    per_rank = _launch(opts, n, args.timeout_s)
+    meta["load_average_after"] = os.getloadavg()
+    rows = [summarize(m, [r[m] for r in per_rank], n) for m in args.methods]
+    add_ratios(rows)
+    print(format_table(rows))
+    print(f"\nAR/RS/AG/BC: all-reduce / reduce-scatter / all-gather / broadcast MiB sent per "
+          f"rank per step (ring convention; mean over ranks); memory: the fullest rank. "
+          f"<=1.10: step time within 10% of DDP; =DDP: traffic equal to DDP's (within 0.1%). "
+          f"Data-parallel ideal 2Ψ(N-1)/N = {meta['data_parallel_bytes_per_rank'] / 2**20:.2f} "
+          f"MiB.")
+    for r in rows:
+        if r["method"] in ("zk_stage1", "zk_stage2"):
+            verdict = ("not measured: " + r["error"].splitlines()[0]) if "error" in r else (
+                f"within 10%: {'yes' if r['within_10pct_of_ddp'] else 'no'} "
+                f"(x{r['step_time_ratio_to_ddp']:.3f}; paired per-step "
+                f"x{r['step_time_ratio_to_ddp_paired']:.3f}), traffic = DDP: "
+                f"{'yes' if r['traffic_equal_to_ddp'] else 'no'}"
+                f" (x{r['traffic_ratio_to_ddp'] or float('nan'):.4f})")
+            print(f"{r['method']}: {verdict}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
