@@ -19,9 +19,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._common import format_table, metadata, write_json
+from ._common import SectionUnavailable, format_table, metadata, write_json
 
-SECTIONS = ["kernels"]
+SECTIONS = ["kernels", "cpu_adam"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,7 +62,11 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     rows = [meta]
     for name in args.sections or SECTIONS:
         module = importlib.import_module(f"{__package__}.{name}")
-        section_rows = module.run(args)
+        try:
+            section_rows = module.run(args)
+        except SectionUnavailable as exc:
+            print(f"\n== {name}: skipped: {exc}")
+            continue
         rows.extend(section_rows)
         columns = getattr(module, "COLUMNS", None) or sorted({k for r in section_rows for k in r})
         print(f"\n== {name} ({len(section_rows)} rows)")

@@ -55,6 +55,10 @@ def timeit(fn: Callable[[], object], device: torch.device, repeat: int = 5,
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times))
 
 
+class SectionUnavailable(RuntimeError):
+    """A section cannot run here (e.g. its backend is not built): reported, then skipped."""
+
+
 def gbps(num_bytes: int, ms: float) -> float:
     """Gigabytes (1e9) per second for ``num_bytes`` moved in ``ms`` milliseconds."""
     return num_bytes / (ms * 1e-3) / 1e9 if ms > 0 else float("inf")

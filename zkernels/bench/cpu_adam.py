@@ -14,28 +14,34 @@ and writes JSON (``python -m zkernels.bench.cpu_adam --help``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ._common import SectionUnavailable, metadata
+
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 ADAM_BYTES = 28          # fp32 p, g, m, v read + p, m, v written
 OFFLOAD_BYTES = 12 + 2 + 12 + 2  # p, m, v read, bf16 grad read, p, m, v written, bf16 out
 
 
+DEFAULT_NUMELS = [16 * 2**20, 64 * 2**20]
+# The table ``python -m zkernels.bench`` prints for this section (see [Note: benchmark sections]).
+COLUMNS = ["name", "numel", "threads", "median_ms", "min_ms", "max_ms", "gbps",
+           "frac_of_bandwidth", "speedup_vs_torch_fused", "speedup"]
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--numels", type=int, nargs="+", default=[16 * 2**20, 64 * 2**20])
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help=f"parameter counts (default {DEFAULT_NUMELS})")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default="bench_results/cpu_adam.json")
     return ap
@@ -145,34 +151,19 @@ OFF_TORCH = "offload step: torch fused AdamW + separate casts"
 
 
 def _meta() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except OSError:
-        rev = ""
+    """The shared metadata row plus what matters for a CPU-bound run."""
     from zkernels import _cpu
-    isa = _cpu._C.cpu_best_isa() if _cpu.AVAILABLE else "none"
-    return dict(machine=model, num_cpus=os.cpu_count(), torch=torch.__version__,
+    return dict(metadata(torch.device("cpu")), kind="meta", cpu_isa=_cpu._C.cpu_best_isa(),
                 omp_num_threads=os.environ.get("OMP_NUM_THREADS", "unset"),
-                load_avg_1min=os.getloadavg()[0],
-                python=platform.python_version(), git_rev=rev or "unknown", cpu_isa=isa,
-                time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"))
+                load_avg_1min=os.getloadavg()[0])
 
 
 def run(args: Optional[argparse.Namespace] = None) -> List[dict]:
     """Measure every row at ``args.threads`` threads (torch and native alike).
 
     Args:
-        args: ``parser()``'s namespace (numels, threads, repeats, warmup); None: defaults.
+        args: ``parser()``'s namespace or ``python -m zkernels.bench``'s (sizes, threads,
+            repeat, warmup); None: defaults.
 
     Returns:
         One dict per row: name, numel, threads, median/min/max ms, gbps, and for the native
@@ -180,19 +171,21 @@ def run(args: Optional[argparse.Namespace] = None) -> List[dict]:
     """
     from zkernels import _cpu
     if not _cpu.AVAILABLE:
-        raise RuntimeError(f"zkernels._C is not built ({_cpu.IMPORT_ERROR}); "
+        raise SectionUnavailable(f"zkernels._C is not built ({_cpu.IMPORT_ERROR}); "
                            "run `python setup.py build_ext --inplace` or `pip install -e .`")
     args = args if args is not None else parser().parse_args([])
     before = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    threads = args.threads or before
+    torch.set_num_threads(threads)
     meta, rows = _meta(), []
     try:
-        for n in args.numels:
-            rows += _plain_rows(n, args.threads, args.repeats, args.warmup)
-            rows += _offload_rows(n, args.threads, args.repeats, args.warmup)
+        for n in args.sizes or DEFAULT_NUMELS:
+            rows += _plain_rows(n, threads, args.repeat, args.warmup)
+            rows += _offload_rows(n, threads, args.repeat, args.warmup)
     finally:
         torch.set_num_threads(before)
-    return [dict(r, **meta) for r in rows]
+    return [dict(r, section="cpu_adam", **{k: meta[k] for k in ("cpu_isa", "load_avg_1min")})
+            for r in rows]
 
 
 def table(rows: List[dict]) -> str:
@@ -215,11 +208,10 @@ def table(rows: List[dict]) -> str:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     rows = run(args)
-    r0 = rows[0]
-    print(f"# {r0['machine']} ({r0['num_cpus']} CPUs, load {r0['load_avg_1min']:.1f} at start)"
-          f" | torch {r0['torch']} | isa {r0['cpu_isa']} | OMP_NUM_THREADS "
-          f"{r0['omp_num_threads']} | git {r0['git_rev']} | {r0['time_utc']}")
+    meta = _meta()
+    print(", ".join(f"{k}={v}" for k, v in meta.items() if k != "kind"))
     print(table(rows))
+    rows = [meta] + rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
