@@ -14,6 +14,12 @@ def collectives(rank, ws):
     gives the same sum), in place (shard = slice of the full buffer) and not."""
     comm = make_comm(None, torch.device("cpu"))
     assert isinstance(comm, TorchComm) and comm.rank == rank and comm.world_size == ws
+    try:  # the native engine is for CUDA buffers only, built or not
+        make_comm(None, torch.device("cpu"), backend="nccl")
+    except (RuntimeError, ValueError) as exc:
+        assert "CUDA" in str(exc) or "_C_nccl" in str(exc), exc
+    else:
+        raise AssertionError("backend='nccl' accepted CPU buffers")
     meter = VolumeMeter()
     mc = MeteredComm(comm, meter)
     n = 5

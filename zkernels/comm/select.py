@@ -9,11 +9,11 @@ import torch.distributed as dist
 from .base import Comm
 from .local import LocalComm
 
-BACKENDS = ("torch",)
+BACKENDS = ("auto", "torch", "nccl")
 
 
 def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
-              device: Optional[torch.device] = None, backend: str = "torch") -> Comm:
+              device: Optional[torch.device] = None, backend: str = "auto") -> Comm:
     """The :class:`Comm` for ``process_group`` and buffers on ``device``.
 
     Args:
@@ -21,7 +21,9 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
             torch.distributed is not initialized and no group is given, the world is this one
             process (:class:`LocalComm`).
         device: device of the flat buffers (CUDA gets a side stream for collectives).
-        backend: ``"torch"`` (torch.distributed: gloo/NCCL).
+        backend: ``"torch"`` (torch.distributed: gloo/NCCL), ``"nccl"`` (the native engine
+            of ``zkernels._C_nccl``: its own communicator and comm stream), or ``"auto"``:
+            the native engine for CUDA buffers where it is built, torch.distributed otherwise.
 
     Returns:
         an object implementing :class:`zkernels.comm.base.Comm`.
@@ -33,5 +35,16 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
         if process_group is not None:
             raise ValueError("process_group was given but torch.distributed is not initialized")
         return LocalComm()
+    if backend == "auto":
+        backend = "nccl" if device is not None and device.type == "cuda" and _native_built() \
+            else "torch"
+    if backend == "nccl":
+        from .nccl import NcclComm
+        return NcclComm(process_group, device=device)
     from .torch_comm import TorchComm
     return TorchComm(process_group, device)
+
+
+def _native_built() -> bool:
+    from . import nccl
+    return nccl.AVAILABLE
