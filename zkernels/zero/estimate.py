@@ -11,14 +11,15 @@ fp32 master copy (4 bytes); in pure fp32 the parameter is its own master (DESIGN
     grads             pΨ              pΨ             rΨ/N           rΨ/N
     master            4Ψ (mixed)      4Ψ/N           4Ψ/N           4Ψ/N
     optimizer_states  8Ψ              8Ψ/N           8Ψ/N           8Ψ/N
-    buffers           bucket          rΨ/N + bucket  bucket         bucket
+    buffers           0               rΨ/N + bucket  bucket         bucket
     gathered_peak     -               -              -              2·p·(largest unit)
 
 ``model_states_bytes`` (params + grads + master + optimizer_states) is the ZeRO paper's
 quantity: with p = r = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and
 16Ψ/N. At stage 1 the reduced gradient shard (rΨ/N) is a buffer: the paper reduce-scatters in
 place into the fp16 gradient; we keep a separate shard so that the fp32 sum does not round
-through the compute dtype. ``buffers`` adds ``bucket_bytes`` for the one bucket being reduced
+through the compute dtype. Data parallel means DDP with ``gradient_as_bucket_view=True``: its
+buckets are the gradients, so no buffer is counted. ``buffers`` adds ``bucket_bytes`` for the one bucket being reduced
 (and, at stage 1, the shard). At stage 3 each gathered unit (a layer) is live while it computes
 and the next one is prefetched: ``gathered_peak`` = 2 units in the compute dtype.
 
@@ -198,7 +199,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,
                      master=MASTER_BYTES * n_psi if mixed else 0,
-                     optimizer_states=ADAM_STATE_BYTES * n_psi, buffers=bucket, gathered=0)
+                     optimizer_states=ADAM_STATE_BYTES * n_psi, buffers=0, gathered=0)
     else:
         kinds = dict(params=p * n_psi if stage < 3 else p * shard,
                      grads=p * n_psi if stage == 1 else r * shard,
