@@ -9,7 +9,8 @@ import torch
 from tests._dist import run_ranks
 from zkernels.zero.auto import (RungNotAvailableError, host_available_bytes,
                                 measure_budget_bytes, resolve_auto_stage)
-from zkernels.zero.estimate import NoRungFitsError, estimate_memory
+from zkernels.zero.estimate import estimate_memory
+from zkernels.zero.ladder import NoRungFitsError
 
 BUCKET = 4096
 

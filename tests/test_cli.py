@@ -28,7 +28,7 @@ def _rows(text):
 def test_plan_paper_example_subprocess():
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-m", "zkernels", "plan", "--params", "7.5e9",
-                          "--world-size", "64", "--param-dtype", "fp16",
+                          "--world-size", "64", "--paper",
                           "--device-memory", "24GiB"], capture_output=True, text=True,
                          env=env, timeout=120, check=True).stdout
     rows, chosen = _rows(out)
@@ -37,7 +37,7 @@ def test_plan_paper_example_subprocess():
     assert states["stage 1"] == "31.4"
     assert states["stage 2"] == "16.6"
     assert states["stage 3"] == "1.9"
-    # 24 GiB = 25.8 GB, 90% usable = 23.2 GB: stage 1 (31.7 GB with buffers) does not fit.
+    # 24 GiB = 25.8 GB, 90% usable = 23.2 GB: stage 1 (31.4 GB + buffers) does not fit.
     assert chosen == "stage 2"
     assert "stage 2 is the lowest rung that fits" in out
 
@@ -48,7 +48,7 @@ def test_plan_paper_example_subprocess():
 def test_plan_marks_the_lowest_rung_that_fits(capsys, tmp_path, memory, expected):
     path = tmp_path / "plan.json"
     rc = zk_main(["plan", "--params", "7.5e9", "--world-size", "64", "--device-memory", memory,
-                  "--json", str(path)])
+                  "--paper", "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0
     assert _rows(out)[1] == expected

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from zkernels.zero.estimate import (RUNGS, NoRungFitsError, choose_rung, estimate_memory,
-                                    largest_unit_numel)
+from zkernels.zero.estimate import estimate_memory, largest_unit_numel
+from zkernels.zero.ladder import RUNGS, NoRungFitsError, choose_rung
 
 PSI, N = 7_500_000_000, 64
 
@@ -15,12 +15,19 @@ def test_paper_example_exact(stage, expected):
     # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 (fp16 params and grads, fp32 Adam):
     # 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 1e9 bytes).
     est = estimate_memory(PSI, N, stage, param_dtype=torch.float16,
-                          reduce_dtype=torch.float16, bucket_bytes=0)
+                          reduce_dtype=torch.float16, grad_shard_dtype=torch.float16,
+                          bucket_bytes=0)
     assert est.model_states_bytes == expected
     assert round(est.model_states_bytes / 1e9, 1) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}[stage]
     # K = 12 split as fp32 master (4) + two fp32 Adam states (8).
     assert est.master_bytes == 4 * PSI // (1 if stage == 0 else N)
     assert est.optimizer_states_bytes == 8 * PSI // (1 if stage == 0 else N)
+
+
+def test_zkernels_keeps_an_fp32_gradient_shard():
+    # ZeroOptimizer accumulates reduced gradients in fp32: 4Ψ/N where the paper keeps 2Ψ/N.
+    e2 = estimate_memory(PSI, N, 2, param_dtype="fp16", reduce_dtype="fp16", bucket_bytes=0)
+    assert e2.model_states_bytes == 2 * PSI + 16 * PSI // N
 
 
 def test_traffic_per_step():
@@ -41,11 +48,16 @@ def test_pure_fp32_design_note():
     e1, e2, e3 = (estimate_memory(psi, n, s, bucket_bytes=bucket) for s in (1, 2, 3))
     assert e1.master_bytes == e2.master_bytes == e3.master_bytes == 0
     assert e1.model_states_bytes == 4 * psi + 4 * psi + 8 * shard
-    assert e1.buffers_bytes == 4 * shard + bucket
+    # Stage 1 reduce-scatters its fp32 flat gradient in place: no pool, the shard is transient.
+    assert e1.buffers_bytes == 0 and e1.transient_bytes == 4 * shard
     assert e2.model_states_bytes == 4 * psi + 12 * shard
-    assert e2.buffers_bytes == bucket
+    assert e2.buffers_bytes == 2 * bucket and e2.transient_bytes == 0
     assert e3.model_states_bytes == 16 * shard
-    assert e1.device_bytes == e1.model_states_bytes + e1.buffers_bytes
+    assert e1.device_bytes == e1.model_states_bytes + 4 * shard
+    assert e1.held_device_bytes == e1.model_states_bytes
+    # Casting to a different reduce dtype needs the two bucket buffers at stage 1 too.
+    assert estimate_memory(psi, n, 1, param_dtype="bf16", bucket_bytes=bucket).buffers_bytes \
+        == 2 * bucket
 
 
 def test_offload_moves_states_off_the_device():
@@ -56,9 +68,9 @@ def test_offload_moves_states_off_the_device():
     assert cpu.device_bytes == 0 and cpu.host_bytes == e3.model_states_bytes
     assert nvme.disk_bytes == e3.params_bytes + e3.master_bytes + e3.optimizer_states_bytes
     assert nvme.host_bytes == e3.grads_bytes and nvme.disk_io_bytes > 0
-    assert cpu.host_device_bytes == 4 * (PSI // N)     # bf16 grad shard down, bf16 params up
+    assert cpu.host_device_bytes == 6 * (PSI // N)     # fp32 grad shard down, bf16 params up
     e2cpu = estimate_memory(PSI, N, 2, offload="cpu", **kw)
-    assert e2cpu.device_bytes == 2 * PSI and e2cpu.host_bytes == 14 * (PSI // N)
+    assert e2cpu.device_bytes == 2 * PSI and e2cpu.host_bytes == 16 * (PSI // N)
 
 
 def test_model_input_counts_tied_weights_once_and_units():

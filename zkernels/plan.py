@@ -14,8 +14,8 @@ import sys
 from dataclasses import asdict
 from typing import List, Optional
 
-from .zero.estimate import (RUNGS, NoRungFitsError, choose_rung, estimate_memory,
-                            parse_dtype)
+from .zero.estimate import estimate_memory, parse_dtype
+from .zero.ladder import RUNGS, NoRungFitsError, choose_rung
 
 IMPLEMENTED_STAGES = (1, 2)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -90,11 +90,13 @@ def _fmt(value: float, unit: int) -> str:
     return f"{v:.1f}" if v >= 1 or v == 0 else f"{v:.3g}"
 
 
-def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, bucket_bytes: int,
+def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shard_dtype,
+                 bucket_bytes: int,
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`."""
-    kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+    kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+              grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes)
     rows = [estimate_memory(model, world_size, 0, **kw)]
     rows += [estimate_memory(model, world_size, s, offload=o, **kw) for s, o in RUNGS]
     choice = None
@@ -110,14 +112,14 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, bucket_by
 
 def render(rows, choice, unit_name: str = "GB") -> str:
     unit = _UNITS[unit_name.lower()]
-    cols = ["rung", "params", "grads", "master", "optim", "states", "buffers", "device",
-            "host", "disk", "comm/step"]
+    cols = ["rung", "params", "grads", "master", "optim", "states", "buffers", "transient",
+            "device", "host", "disk", "comm/step"]
     chosen = None if choice is None or isinstance(choice, Exception) else choice[0]
     body = []
     for e in rows:
         mark = "*" if chosen == (e.stage, e.offload) else " "
         vals = [e.params_bytes, e.grads_bytes, e.master_bytes, e.optimizer_states_bytes,
-                e.model_states_bytes, e.buffers_bytes + e.gathered_peak_bytes, e.device_bytes,
+                e.model_states_bytes, e.buffers_bytes, e.transient_bytes, e.device_bytes,
                 e.host_bytes, e.disk_bytes, e.comm_bytes]
         body.append([f"{mark} {e.name}"] + [_fmt(v, unit) for v in vals])
     widths = [max(len(r[i]) for r in body + [cols]) for i in range(len(cols))]
@@ -138,8 +140,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--world-size", type=int, required=True, help="ranks N")
     ap.add_argument("--param-dtype", default="bf16", help="compute dtype: bf16 (default), "
                     "fp16, or fp32 (no master copy)")
-    ap.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype "
-                    "(default: the param dtype, the ZeRO paper's recipe)")
+    ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype (fp32, "
+                    "ZeroOptimizer's default)")
+    ap.add_argument("--grad-shard-dtype", default="fp32", help="dtype of the gradient shard "
+                    "kept at stages 2-3 (fp32, as ZeroOptimizer keeps it)")
+    ap.add_argument("--paper", action="store_true", help="the ZeRO paper's recipe: fp16 "
+                    "params, gradients reduced and sharded in fp16 (overrides the dtypes)")
     ap.add_argument("--bucket-bytes", default="25MiB", help="gradient bucket size (25MiB)")
     ap.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB, "
                     "24GiB: marks the lowest rung that fits")
@@ -154,11 +160,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
         model = args.params if args.params is not None else load_model_spec(args.model)
+        if args.paper:
+            args.param_dtype = args.reduce_dtype = args.grad_shard_dtype = "fp16"
         pdt = parse_dtype(args.param_dtype, "--param-dtype")
-        rdt = parse_dtype(args.reduce_dtype, "--reduce-dtype") if args.reduce_dtype else pdt
+        rdt = parse_dtype(args.reduce_dtype, "--reduce-dtype")
+        gdt = parse_dtype(args.grad_shard_dtype, "--grad-shard-dtype")
         size = lambda s, n: None if s is None else parse_bytes(s, n)  # noqa: E731
         rows, choice = ladder_table(
-            model, args.world_size, param_dtype=pdt, reduce_dtype=rdt,
+            model, args.world_size, param_dtype=pdt, reduce_dtype=rdt, grad_shard_dtype=gdt,
             bucket_bytes=size(args.bucket_bytes, "--bucket-bytes"),
             device_bytes=size(args.device_memory, "--device-memory"), headroom=args.headroom,
             host_bytes=size(args.host_memory, "--host-memory"), disk_bytes=size(args.disk,
@@ -167,10 +176,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
     e0 = rows[0]
-    print(f"{e0.num_params:,} params, {args.world_size} ranks, params {pdt}, grads reduced in "
-          f"{rdt}, fp32 Adam{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per "
-          f"rank (states = params + grads + master + optim; buffers include the stage-3 "
-          f"gathered units; comm = bytes sent per step)")
+    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+    print(f"{e0.num_params:,} params, {args.world_size} ranks, params {name(pdt)}, grads "
+          f"reduced in {name(rdt)} and sharded in {name(gdt)}, fp32 AdamW"
+          f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
+          f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
+          f"step only (stage 1's reduced shards, stage 3's gathered layers); device = peak; "
+          f"comm = bytes sent per step")
     print(render(rows, choice, args.unit))
     if isinstance(choice, Exception):
         print(f"\nnothing fits: {choice}")

@@ -23,7 +23,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .estimate import RUNGS, choose_rung, count_params, rung_name
+from .estimate import count_params, rung_name
+from .ladder import RUNGS, choose_rung
 
 log = logging.getLogger("zkernels.zero")
 
