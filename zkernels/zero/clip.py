@@ -1,0 +1,57 @@
+"""Global gradient norm across shards, overflow detection and the clip coefficient, folded
+into one scalar ``grad_scale`` that AdamW divides every gradient by.
+
+[Note: one all-reduce for the norm and the overflow flag]
+Each rank sums the squares of its gradient shards (one ``sum_squares`` launch; padding is zero
+and tied parameters live once in one bucket, so each gradient element is counted exactly
+once across ranks) and ONE all-reduce (sum) gives every rank the global sum. An inf or NaN
+anywhere on any rank makes that sum inf or NaN on every rank (squares are >= 0, so an inf
+cannot cancel), so the same scalar is the found-inf flag (what an all-reduce(max) of per-rank
+flags would give) and every rank skips the same steps. Squares of finite fp32 gradients
+overflow only above ~1.8e19 per element, which no trainable gradient reaches.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from .. import ops
+from ..comm.base import Comm
+
+GradScale = Union[None, float, torch.Tensor]
+
+
+def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: float,
+                            loss_scale: Optional[float],
+                            max_grad_norm: Optional[float]) -> Tuple[GradScale, bool]:
+    """What to divide the gradient shards by, and whether the step must be skipped.
+
+    Args:
+        shards: this rank's reduced gradient shards ([shard_numel] each).
+        comm: collectives of the data-parallel group.
+        divisor: factor not yet divided out of ``shards`` (N or 1; see precision.py's Note).
+        loss_scale: the current loss scale (fp16), or None.
+        max_grad_norm: clip the global norm to this, or None.
+
+    Returns:
+        ``(grad_scale, skip)``: ``grad_scale`` is None (nothing to divide), a float, or a
+        1-element fp32 tensor on the shards' device (when clipping, so no host sync is
+        needed); ``skip`` is True when any rank has an inf/NaN gradient (only checked with a
+        loss scale, as ``torch.amp.GradScaler`` does).
+    """
+    scale = divisor * (loss_scale if loss_scale is not None else 1.0)
+    if loss_scale is None and max_grad_norm is None:
+        return (None if scale == 1.0 else scale), False
+    sq = ops.sum_squares(shards).reshape(1)
+    comm.all_reduce(sq, op="sum").wait()
+    if loss_scale is not None and not math.isfinite(float(sq.item())):
+        return None, True
+    if max_grad_norm is None:
+        return scale, False
+    norm = sq.sqrt() / scale
+    # torch.nn.utils.clip_grad_norm_'s coefficient, clamped so clipping never scales up.
+    coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+    return scale / coef, False
+

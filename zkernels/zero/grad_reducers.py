@@ -1,0 +1,241 @@
+"""Gradient strategies: what happens to gradients between backward and the optimizer update.
+
+Stage 1 (:class:`FullGradReducer`) keeps full gradients until ``step()``; stage 2
+(:class:`ShardedGradReducer`) reduces them bucket by bucket *during* backward and keeps only
+this rank's shard. The optimizer talks to either through the same four members: ``sync``
+(False inside ``no_sync``), ``finish()``, ``zero_grad()`` and the tensors they hold (for
+``stats()``). Stage 3 and offload add strategies here instead of branches in shared code.
+
+[Note: gradient accumulation]
+Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype) and communicates
+only in ``step()``, so ``no_sync`` changes nothing for it. Stage 2 under ``no_sync`` leaves
+``param.grad`` alone: full gradients accumulate in the param dtype exactly as in DDP/FSDP's
+``no_sync``, and the next synced backward's hooks (or ``step()``) pack the accumulated sum and
+reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed), would
+save the full-gradient memory during accumulation but pay the whole reduce-scatter on every
+micro-step; ``no_sync`` is asked to skip communication, so it trades memory for traffic like
+DDP. Two synced backwards without ``zero_grad`` add their reduced shards (fp32) as torch adds
+gradients.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .. import ops
+from ..comm.base import Comm
+from .buckets import Bucket
+from .precision import MixedPrecision
+from .reduce_pool import ReducePool
+
+NUM_REDUCE_BUFFERS = 2  # buckets in flight: one filling, one reducing, as DDP/FSDP do
+
+
+class FullGradReducer:
+    """Stage 1: ``param.grad`` is a view into a flat gradient buffer per bucket (param dtype),
+    so autograd accumulates straight into the bucket layout and ``step()`` reduce-scatters it
+    with no pack copy when the reduce dtype is the gradient's (fp32 or bf16). Otherwise
+    (a different reduce dtype, or fp16 which must be pre-divided: see precision.py's Note)
+    ``step()`` casts each bucket, times 1/N, into a pooled reduce buffer first.
+    The reduced shards exist only during ``step()``.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket], comm: Comm, precision: MixedPrecision) -> None:
+        self.sync = True
+        self._buckets = list(buckets)
+        self._comm = comm
+        dev = buckets[0].compute.device
+        self.grads = [torch.zeros(b.layout.padded_numel, dtype=precision.param_dtype, device=dev)
+                      for b in buckets]
+        self._views = [ops.unflatten(g, [p.shape for p in b.params], offsets=b.layout.offsets)
+                       for b, g in zip(buckets, self.grads)]
+        self._direct = (precision.reduce_dtype == precision.param_dtype
+                        and precision.reduce_dtype != torch.float16)
+        self._pool = None if self._direct else ReducePool(
+            comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype, dev,
+            NUM_REDUCE_BUFFERS)
+        self._attach(zero_foreign=True)
+
+    def _attach(self, zero_foreign: bool) -> None:
+        """Point every ``param.grad`` at its view again. A gradient someone replaced (e.g.
+        ``model.zero_grad()`` set it to None, then backward made a new tensor) is copied in."""
+        for b, views in zip(self._buckets, self._views):
+            for p, v in zip(b.params, views):
+                g = p.grad
+                if g is not None and g.data_ptr() == v.data_ptr():
+                    continue
+                if g is None or zero_foreign:
+                    v.zero_()
+                else:
+                    v.copy_(g)
+                p.grad = v
+
+    def zero_grad(self) -> None:
+        for g in self.grads:
+            g.zero_()
+        self._attach(zero_foreign=True)
+
+    def finish(self) -> Tuple[List[torch.Tensor], float]:
+        """Reduce-scatter every bucket's gradient.
+
+        Returns:
+            this rank's reduced shard per bucket ([shard_numel], reduce dtype) and the divisor
+            still to apply (N where the sum was not pre-divided, else 1).
+        """
+        self._attach(zero_foreign=False)
+        n = self._comm.world_size
+        if self._direct:
+            shards, handles = [], []
+            for b, g in zip(self._buckets, self.grads):
+                out = torch.empty(b.layout.shard_numel, dtype=g.dtype, device=g.device)
+                handles.append(self._comm.reduce_scatter(out, g))
+                shards.append(out)
+            for h in handles:
+                h.wait()
+            return shards, float(n)
+        shards: List[torch.Tensor] = [None] * len(self._buckets)  # type: ignore[list-item]
+        for b, g in zip(self._buckets, self.grads):
+            buf = self._pool.acquire(b.layout.padded_numel)
+            ops.bucket_pack([g], buf, [0], scale=1.0 / n)
+            self._pool.launch(buf, b.shard_slice,
+                              lambda s, i=b.index: shards.__setitem__(i, s.clone()))
+        self._pool.drain()
+        return shards, 1.0
+
+    def held_grads(self) -> List[torch.Tensor]:
+        return list(self.grads)
+
+    def held_buffers(self) -> List[torch.Tensor]:
+        return list(self._pool.buffers) if self._pool is not None else []
+
+
+class ShardedGradReducer:
+    """Stage 2: a post-accumulate-grad hook packs each gradient (times 1/N, cast to the reduce
+    dtype) into its bucket's pooled reduce buffer as backward produces it and frees the full
+    gradient (``param.grad = None``); a bucket whose gradients are all packed starts its async
+    reduce-scatter at once, in bucket order (every rank issues the same collectives in the same
+    order), while backward goes on. The reduced shard is added into a persistent fp32 gradient
+    shard per bucket, the only gradient memory held between steps.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket], comm: Comm, precision: MixedPrecision) -> None:
+        self.sync = True
+        self._buckets = list(buckets)
+        self._comm = comm
+        dev = buckets[0].compute.device
+        self.shards = [torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=dev)
+                       for b in buckets]
+        self._filled = [False] * len(buckets)  # shard holds a reduced gradient since zero_grad
+        self._where: Dict[int, Tuple[int, int]] = {
+            id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
+        self._pool = ReducePool(comm, max(b.layout.padded_numel for b in buckets),
+                                precision.reduce_dtype, dev, NUM_REDUCE_BUFFERS)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
+                       for b in buckets for p in b.params]
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        self._bufs: List = [None] * len(self._buckets)
+        self._packed = [set() for _ in self._buckets]
+        self._next = 0  # first bucket not yet launched this round
+
+    def _round_started(self) -> bool:
+        return self._next > 0 or any(b is not None for b in self._bufs)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.sync or p.grad is None:
+            return
+        bi, pi = self._where[id(p)]
+        if bi < self._next or pi in self._packed[bi]:
+            # A second gradient for a parameter this round (two backwards, some parameter
+            # unused in the first): close the round, start a new one.
+            self._flush_round()
+        self._pack(bi, pi)
+        if len(self._packed[bi]) == len(self._buckets[bi].params):
+            self._launch_ready()
+
+    def _pack(self, bi: int, pi: int) -> None:
+        b = self._buckets[bi]
+        if self._bufs[bi] is None:
+            self._bufs[bi] = self._pool.acquire(b.layout.padded_numel)
+        p = b.params[pi]
+        g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+        ops.bucket_pack([g], self._bufs[bi], [b.layout.offsets[pi]],
+                        scale=1.0 / self._comm.world_size)
+        p.grad = None
+        self._packed[bi].add(pi)
+
+    def _launch_ready(self) -> None:
+        while (self._next < len(self._buckets)
+               and len(self._packed[self._next]) == len(self._buckets[self._next].params)):
+            self._launch(self._next)
+        if self._next == len(self._buckets):
+            self._reset_round()
+
+    def _launch(self, bi: int) -> None:
+        b = self._buckets[bi]
+        if self._bufs[bi] is None:  # no gradient at all on this rank: reduce zeros
+            self._bufs[bi] = self._pool.acquire(b.layout.padded_numel)
+        self._pool.launch(self._bufs[bi], b.shard_slice, lambda s: self._accumulate(bi, s))
+        self._bufs[bi] = None
+        self._next = bi + 1
+
+    def _accumulate(self, bi: int, reduced: torch.Tensor) -> None:
+        if self._filled[bi]:
+            self.shards[bi].add_(reduced)
+        else:
+            self.shards[bi].copy_(reduced)
+            self._filled[bi] = True
+
+    def _flush_round(self) -> None:
+        """Launch every bucket not launched this round, packing gradients still held (from
+        ``no_sync`` micro-steps, or parameters whose hook has not run)."""
+        for bi in range(self._next, len(self._buckets)):
+            b = self._buckets[bi]
+            for pi, p in enumerate(b.params):
+                if p.grad is not None and pi not in self._packed[bi]:
+                    self._pack(bi, pi)
+            self._launch(bi)
+        self._reset_round()
+
+    def finish(self) -> Tuple[List[torch.Tensor], float]:
+        """Launch what backward left, wait for everything in flight.
+
+        Returns:
+            the fp32 gradient shard per bucket ([shard_numel], already divided by N) and 1.0.
+        """
+        if self._round_started() or any(p.grad is not None for b in self._buckets
+                                         for p in b.params):
+            self._flush_round()
+        self._pool.drain()
+        for bi, filled in enumerate(self._filled):
+            if not filled:  # no backward since zero_grad on this (and every) rank
+                self.shards[bi].zero_()
+        return self.shards, 1.0
+
+    def zero_grad(self) -> None:
+        self._pool.drain()
+        for bi, buf in enumerate(self._bufs):
+            if buf is not None:
+                self._pool.release(buf)
+        self._reset_round()
+        self._filled = [False] * len(self._buckets)
+        for b in self._buckets:
+            for p in b.params:
+                p.grad = None
+
+    def held_grads(self) -> List[torch.Tensor]:
+        return list(self.shards)
+
+    def held_buffers(self) -> List[torch.Tensor]:
+        return list(self._pool.buffers)
+
+
+def make_grad_reducer(stage: int, buckets: Sequence[Bucket], comm: Comm,
+                      precision: MixedPrecision):
+    """The gradient strategy of ``stage`` (1 or 2)."""
+    reducers = {1: FullGradReducer, 2: ShardedGradReducer}
+    if stage not in reducers:
+        raise ValueError(f"stage must be one of {tuple(reducers)}, got {stage!r}")
+    return reducers[stage](buckets, comm, precision)

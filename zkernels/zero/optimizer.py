@@ -1,0 +1,216 @@
+"""``ZeroOptimizer``: ZeRO stage 1/2 AdamW as a ``torch.optim.Optimizer``.
+
+The class is thin: buckets (``buckets.py``) own the flat compute buffer, the master shard and
+the moments; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers
+this rank's reduced gradient shard per bucket; ``clip.py`` folds the 1/N, the loss scale and
+the clip coefficient into one divisor; then one fused AdamW per bucket shard and one
+all-gather per bucket rebuild the parameters, which are views of the compute buffers.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .. import ops
+from ..comm import MeteredComm, VolumeMeter, make_comm
+from . import state as _state
+from .buckets import align_numel, bucket_capacity, build_bucket, plan_buckets
+from .clip import grad_scale_and_overflow
+from .grad_reducers import make_grad_reducer
+from .params import resolve_param_groups
+from .precision import LossScaleConfig, LossScaler, MixedPrecision
+from .stats import memory_bytes
+
+STAGES = (1, 2)
+
+
+def resolve_stage(stage) -> int:
+    """The ZeRO stage to build (1 or 2). Stage 3 and ``"auto"`` come with later issues."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    return int(stage)
+
+
+def _check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
+    if not float(lr) >= 0.0:
+        raise ValueError(f"{where}lr must be >= 0, got {lr}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(0.0 <= float(b) < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas must be a pair in [0, 1), got {betas!r}")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"{where}eps must be >= 0, got {eps}")
+    if not float(weight_decay) >= 0.0:
+        raise ValueError(f"{where}weight_decay must be >= 0, got {weight_decay}")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """AdamW with optimizer states (stage 1) and gradients (stage 2) sharded across ranks.
+
+    Args:
+        model: the module to train; its trainable parameters become views of flat buffers
+            (and, with ``param_dtype``, change dtype). Stage 2 installs gradient hooks on them.
+        stage: 1 or 2.
+        lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
+        param_groups: optional torch-style groups, e.g. ``[{"params": [...],
+            "weight_decay": 0.0}, ...]``; every trainable parameter must be in one.
+        param_dtype: None (pure fp32) or torch.bfloat16 / torch.float16 for the compute copy;
+            the fp32 master shard lives with the optimizer.
+        reduce_dtype: dtype of the gradient reduction (default fp32).
+        offload, offload_dir: must be None (offload comes with a later issue).
+        bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket.
+        max_grad_norm: clip the global gradient norm (across all shards) to this.
+        process_group: the data-parallel group (default: the world; none initialized: one
+            rank).
+        loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
+    """
+
+    def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
+                 betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, param_groups: Optional[Sequence[dict]] = None,
+                 param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
+                 bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
+                 process_group=None, loss_scale: Optional[LossScaleConfig] = None) -> None:
+        if offload is not None:
+            raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
+                                      f"offload comes with a later issue): pass offload=None")
+        if offload_dir is not None:
+            raise NotImplementedError(f"offload_dir={offload_dir!r} is not supported yet "
+                                      f"(offload comes with a later issue): pass None")
+        self.stage = resolve_stage(stage)
+        _check_hparams("", lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.precision = MixedPrecision.build(param_dtype, reduce_dtype)
+        if loss_scale is not None and not self.precision.needs_loss_scaling:
+            raise ValueError("loss_scale applies only to param_dtype=torch.float16")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        groups = resolve_param_groups(model, param_groups, defaults)
+        for i, g in enumerate(groups):
+            _check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"],
+                           g["weight_decay"])
+        device = groups[0]["params"][0].device
+        self.meter = VolumeMeter()
+        self.comm = MeteredComm(make_comm(process_group, device), self.meter)
+        n = self.comm.world_size
+        align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
+                            torch.float32)
+        capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
+        self._constructing = True
+        super().__init__(groups, defaults)
+        self._constructing = False
+        plans = plan_buckets([g["params"] for g in self.param_groups], capacity, n, align)
+        self.buckets = [build_bucket(i, gi, ps, lay, self.comm.rank, self.precision)
+                        for i, (gi, ps, lay) in enumerate(plans)]
+        self.reducer = make_grad_reducer(self.stage, self.buckets, self.comm, self.precision)
+        self.scaler = (LossScaler(loss_scale or LossScaleConfig())
+                       if self.precision.needs_loss_scaling else None)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._model_params = list(model.parameters())
+        self._num_steps = 0
+        self._overflow_skips = 0
+        self._scaled_backward = False
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not getattr(self, "_constructing", False):
+            raise RuntimeError("ZeroOptimizer lays out its buckets at construction: pass every "
+                               "param group to the constructor (param_groups=...)")
+        super().add_param_group(param_group)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()``, multiplied by the loss scale first when fp16 needs one."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+            self._scaled_backward = True
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside skip communication (see
+        [Note: gradient accumulation] in grad_reducers.py)."""
+        previous, self.reducer.sync = self.reducer.sync, False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients. Stage 1 zeroes its flat buffers (``param.grad`` stays a view of
+        them whatever ``set_to_none`` says); stage 2 sets ``param.grad`` to None."""
+        self.reducer.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+        """Reduce gradients, clip, update this rank's shards, all-gather the parameters.
+        Collective: every rank calls it. A step with an inf/NaN gradient on any rank (fp16)
+        changes nothing on every rank and halves the loss scale."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.scaler is not None and not self._scaled_backward:
+            raise RuntimeError("param_dtype=torch.float16 uses dynamic loss scaling: call "
+                               "opt.backward(loss) instead of loss.backward() before step()")
+        shards, divisor = self.reducer.finish()
+        grad_scale, skip = grad_scale_and_overflow(
+            shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
+            self.max_grad_norm)
+        if skip:
+            self._overflow_skips += 1
+        else:
+            self._update(shards, grad_scale)
+        if self.scaler is not None:
+            self.scaler.update(skip)
+        self._scaled_backward = False
+        self._num_steps += 1
+        self.meter.close_step()
+        return loss
+
+    def _update(self, shards, grad_scale) -> None:
+        out_of_place = self.precision.has_master
+        handles = []
+        for b, g in zip(self.buckets, shards):
+            group = self.param_groups[b.group_index]
+            beta1, beta2 = group["betas"]
+            b.step += 1
+            ops.adamw_step(b.master, g, b.exp_avg, b.exp_avg_sq, lr=float(group["lr"]),
+                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                           weight_decay=float(group["weight_decay"]), step=b.step,
+                           grad_scale=grad_scale,
+                           out=b.compute_shard if out_of_place else None)
+            # Gather this bucket while the next one updates.
+            handles.append(self.comm.all_gather(b.compute, b.compute_shard))
+        for h in handles:
+            h.wait()
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
+        return _state.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state from :meth:`state_dict` (same world size). Collective."""
+        _state.load_state_dict(self, state_dict)
+
+    def stats(self) -> dict:
+        """Step counters, bytes this rank sent in the last step, bytes it holds by kind.
+
+        Returns:
+            ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
+            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
+            "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
+            "total"}}``.
+        """
+        grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
+        mem = memory_bytes({
+            "params": self._model_params,
+            "grads": grads,
+            "master": [b.master for b in self.buckets],
+            "optimizer_states": [t for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq)],
+            "buffers": self.reducer.held_buffers(),
+        })
+        return {"step": self._num_steps, "overflow_skips": self._overflow_skips,
+                "loss_scale": self.scaler.scale if self.scaler is not None else None,
+                "comm_bytes": self.meter.last_step(), "memory_bytes": mem}

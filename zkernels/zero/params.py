@@ -1,0 +1,96 @@
+"""Which parameters the optimizer manages, in which groups: validated once, up front."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+
+def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
+                         defaults: dict) -> List[dict]:
+    """Torch-style param groups holding the model's trainable parameters.
+
+    Frozen parameters (``requires_grad=False``) are left out: they are neither sharded nor
+    updated. Shared (tied) parameters appear once (``model.parameters()`` deduplicates them).
+
+    Args:
+        model: the module being trained.
+        param_groups: None (one group: every trainable parameter), or a list of dicts
+            ``{"params": [...], <hyperparameter>: value, ...}`` like torch optimizers take.
+        defaults: hyperparameters for keys a group does not set.
+
+    Returns:
+        a list of dicts, each with ``"params"`` (a non-empty list of trainable parameters in
+        the user's order) and every key of ``defaults``.
+
+    Raises:
+        ValueError: no trainable parameters; a group naming a tensor that is not a parameter
+            of ``model`` or naming one twice; a trainable parameter in no group; parameters
+            on several devices; a parameter that is not float32.
+        TypeError: a malformed ``param_groups``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("model has no trainable parameters (every parameter has "
+                         "requires_grad=False): there is nothing to optimize")
+    if param_groups is None:
+        groups = [{"params": trainable}]
+    else:
+        groups = _user_groups(param_groups, names)
+    seen: Dict[int, int] = {}
+    out = []
+    for gi, g in enumerate(groups):
+        params = [p for p in g["params"] if p.requires_grad]
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"parameter {names[id(p)]!r} appears in param_groups[{seen[id(p)]}]"
+                                 f" and param_groups[{gi}]: each parameter belongs to one group")
+            seen[id(p)] = gi
+        if params:
+            out.append({**defaults, **{k: v for k, v in g.items() if k != "params"},
+                        "params": params})
+    missing = [names[id(p)] for p in trainable if id(p) not in seen]
+    if missing:
+        raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to "
+                         f"a group or set requires_grad=False (an unsynchronized parameter "
+                         f"would silently diverge across ranks)")
+    _check_devices_and_dtypes(trainable, names)
+    return out
+
+
+def _user_groups(param_groups: Sequence[dict], names: Dict[int, str]) -> List[dict]:
+    if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)):
+        raise TypeError(f"param_groups must be a list of dicts, got {type(param_groups).__name__}")
+    groups = []
+    for gi, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param_groups[{gi}] must be a dict with a 'params' list")
+        params = g["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for pi, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or id(p) not in names:
+                raise ValueError(f"param_groups[{gi}]['params'][{pi}] is not a parameter of "
+                                 f"model (got {type(p).__name__} of shape "
+                                 f"{tuple(getattr(p, 'shape', ()))})")
+        groups.append({**g, "params": params})
+    return groups
+
+
+def _check_devices_and_dtypes(params: Sequence[torch.Tensor], names: Dict[int, str]) -> None:
+    device = params[0].device
+    for p in params:
+        if p.device != device:
+            raise ValueError(f"model parameters are on several devices: {names[id(params[0])]!r}"
+                             f" is on {device} but {names[id(p)]!r} is on {p.device}; "
+                             f"ZeroOptimizer needs every trainable parameter on one device")
+        if p.dtype != torch.float32:
+            raise ValueError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; ZeroOptimizer "
+                             f"takes float32 parameters (they become the master copy) and "
+                             f"makes the low-precision compute copy itself: use param_dtype")
+    if device.type == "meta":
+        raise ValueError("model parameters are on the 'meta' device (no storage): materialize "
+                         "them (e.g. model.to_empty(device=...)) before building the optimizer")

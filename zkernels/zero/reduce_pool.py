@@ -1,0 +1,83 @@
+"""A small pool of reusable reduce buffers with a bounded number of reductions in flight."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Deque, List, Tuple
+
+import torch
+
+from ..comm.base import Comm, Handle
+
+
+class ReducePool:
+    """Bucket-sized buffers for reduce-scatters, reused round robin.
+
+    ``acquire`` hands out a zeroed buffer (zero padding and gaps: they must add nothing to the
+    sum); ``launch`` starts an in-place reduce-scatter of it (this rank's shard is the output,
+    a slice of the input, which NCCL and gloo both support) and queues ``on_done``; when all
+    buffers are busy, ``acquire`` first retires the oldest reduction (waits, hands the reduced
+    shard to its ``on_done``, frees the buffer). So at most ``num_buffers`` reductions are in
+    flight and memory stays at ``num_buffers`` buckets whatever the model size.
+
+    Args:
+        comm: the collectives.
+        numel: elements per buffer (the largest bucket).
+        dtype: the reduce dtype.
+        device: where buffers live.
+        num_buffers: buffers in the pool (>= 1).
+    """
+
+    def __init__(self, comm: Comm, numel: int, dtype: torch.dtype, device: torch.device,
+                 num_buffers: int) -> None:
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
+        self._comm = comm
+        self.buffers: List[torch.Tensor] = [torch.zeros(numel, dtype=dtype, device=device)
+                                            for _ in range(num_buffers)]
+        self._free: List[torch.Tensor] = list(self.buffers)
+        self._in_flight: Deque[Tuple[torch.Tensor, torch.Tensor, Handle,
+                                     Callable[[torch.Tensor], None]]] = deque()
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        """A zeroed 1-D view of ``numel`` elements of a free buffer."""
+        if not self._free:
+            if self._in_flight:
+                self._retire_oldest()
+            else:
+                # Every buffer holds a filled bucket waiting for an earlier one to be ready
+                # (gradients arrived out of bucket order): grow rather than deadlock.
+                self.buffers.append(torch.zeros_like(self.buffers[0]))
+                self._free.append(self.buffers[-1])
+        base = self._free.pop()
+        view = base[:numel]
+        view.zero_()
+        return view
+
+    def release(self, view: torch.Tensor) -> None:
+        """Return a buffer that was acquired but will not be launched."""
+        self._free.append(self._base(view))
+
+    def launch(self, view: torch.Tensor, shard: slice,
+               on_done: Callable[[torch.Tensor], None]) -> None:
+        """Start the reduce-scatter of ``view`` (an acquired buffer); ``on_done`` receives this
+        rank's reduced shard (a view into the buffer, valid only during the call)."""
+        out = view[shard]
+        handle = self._comm.reduce_scatter(out, view)
+        self._in_flight.append((self._base(view), out, handle, on_done))
+
+    def drain(self) -> None:
+        """Finish every reduction in flight."""
+        while self._in_flight:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        base, out, handle, on_done = self._in_flight.popleft()
+        handle.wait()
+        on_done(out)
+        self._free.append(base)
+
+    def _base(self, view: torch.Tensor) -> torch.Tensor:
+        for b in self.buffers:
+            if b.data_ptr() == view.data_ptr():
+                return b
+        raise ValueError("view does not start a buffer of this pool")

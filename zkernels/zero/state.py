@@ -1,0 +1,85 @@
+"""Optimizer state_dict / load_state_dict for one rank's shards (same world size and layout).
+
+The state is self-contained: each bucket's fp32 master shard is saved too (in pure fp32 it is
+this rank's slice of the parameters), so loading restores the parameters exactly even in
+mixed precision, where the model's own state_dict holds only the rounded compute copy.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from .. import ops
+
+
+def _fingerprint(opt) -> list:
+    return [list(b.layout.numels) for b in opt.buckets]
+
+
+def state_dict(opt) -> Dict[str, Any]:
+    """A snapshot (tensors are cloned) of ``opt``'s per-rank state.
+
+    Returns:
+        ``{"state": {bucket_index: {"step", "master", "exp_avg", "exp_avg_sq"}},
+        "param_groups": [torch-style groups with parameter indices], "zero": {...}}``.
+    """
+    index = 0
+    groups = []
+    for g in opt.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": list(range(index, index + len(g["params"])))})
+        index += len(g["params"])
+    state = {b.index: {"step": b.step, "master": b.master.detach().clone(),
+                       "exp_avg": b.exp_avg.detach().clone(),
+                       "exp_avg_sq": b.exp_avg_sq.detach().clone()} for b in opt.buckets}
+    zero = {"world_size": opt.comm.world_size, "rank": opt.comm.rank, "stage": opt.stage,
+            "param_dtype": str(opt.precision.param_dtype), "buckets": _fingerprint(opt),
+            "num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,
+            "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+    return {"state": state, "param_groups": groups, "zero": zero}
+
+
+def load_state_dict(opt, sd: Dict[str, Any]) -> None:
+    """Restore ``sd`` (from :func:`state_dict` on the same rank of a same-sized world) into
+    ``opt`` and rebuild the parameters from the master shards. Collective: every rank calls it.
+
+    Raises:
+        ValueError: ``sd`` is malformed or was saved with another world size, bucket layout
+            (model, param_groups, bucket_bytes, dtypes) or number of param groups.
+    """
+    if not isinstance(sd, dict) or not {"state", "param_groups", "zero"} <= set(sd):
+        raise ValueError("state_dict must be a dict from ZeroOptimizer.state_dict() with keys "
+                         "'state', 'param_groups' and 'zero'")
+    zero = sd["zero"]
+    if zero["world_size"] != opt.comm.world_size:
+        raise ValueError(f"state_dict was saved with world size {zero['world_size']} but this "
+                         f"optimizer runs on {opt.comm.world_size} ranks (use "
+                         f"zkernels.checkpoint to change world size)")
+    if zero["buckets"] != _fingerprint(opt):
+        raise ValueError("state_dict was saved for a different bucket layout (model, "
+                         "param_groups, bucket_bytes or dtypes differ)")
+    if len(sd["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(sd['param_groups'])} param groups, this "
+                         f"optimizer {len(opt.param_groups)}")
+    if (zero["loss_scaler"] is None) != (opt.scaler is None):
+        raise ValueError("state_dict and optimizer disagree on loss scaling (param_dtype)")
+    for g, saved in zip(opt.param_groups, sd["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+    with torch.no_grad():
+        handles = []
+        for b in opt.buckets:
+            s = sd["state"][b.index]
+            b.step = int(s["step"])
+            b.exp_avg.copy_(s["exp_avg"])
+            b.exp_avg_sq.copy_(s["exp_avg_sq"])
+            b.master.copy_(s["master"])
+            if opt.precision.has_master:
+                ops.cast(b.master, out=b.compute_shard)
+            handles.append(opt.comm.all_gather(b.compute, b.compute_shard))
+        for h in handles:
+            h.wait()
+    opt._num_steps = int(zero["num_steps"])
+    opt._overflow_skips = int(zero["overflow_skips"])
+    if opt.scaler is not None:
+        opt.scaler.load_state_dict(zero["loss_scaler"])
