@@ -45,8 +45,13 @@ def test_demo_all_rungs_agree(tmp_path):
         # gathered parameters); padding and the tiny grad-norm all-reduce aside.
         assert abs(r["comm_bytes"] - r["estimate"]["comm_bytes"]) <= \
             0.05 * r["estimate"]["comm_bytes"]
-    # The sharded rungs hold less than data parallel, as estimated.
-    dp, s1, s2 = (rungs[k]["memory_bytes"]["total"] for k in rungs)
+        # Bytes held between steps, measured from allocated tensors, vs the estimate.
+        assert abs(r["memory_bytes"]["total"] - r["estimate"]["total"]) <= \
+            0.02 * r["estimate"]["total"]
+    # Sharding shrinks the model states (the reduce buffers, fixed-size, aside: at this tiny
+    # size they outweigh what stage 2 saves).
+    dp, s1, s2 = (rungs[k]["memory_bytes"]["total"] - rungs[k]["memory_bytes"]["buffers"]
+                  for k in rungs)
     assert s2 < s1 < dp
     assert "max |loss difference|" in stdout and "stage 2" in stdout
 

@@ -18,18 +18,7 @@ import tempfile
 from typing import List, Optional
 
 from .report import plot, render_table
-
-# Demo defaults (about a minute on a 2-core CPU for three rungs); tests pass tiny ones.
-_WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"),
-                ("--steps", int, 150, "training steps per rung (K)"),
-                ("--n-layer", int, 2, "GPT layers"), ("--n-head", int, 2, "attention heads"),
-                ("--n-embd", int, 64, "width"), ("--block-size", int, 64, "context length"),
-                ("--batch-size", int, 8, "sequences per rank per step"),
-                ("--lr", float, 1e-3, "AdamW learning rate"),
-                ("--weight-decay", float, 0.1, "AdamW weight decay"),
-                ("--bucket-bytes", int, 2**20, "gradient bucket size (DDP and ZeRO)"),
-                ("--seed", int, 0, "seed of the init and of the batches")]
-
+from .worker import WORKER_OPTS
 
 def free_port() -> int:
     """A TCP port free on this host right now, for the rendezvous."""
@@ -42,7 +31,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m zkernels demo", description=__doc__.split(
         "\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    for flag, typ, default, doc in _WORKER_OPTS:
+    for flag, typ, default, doc in WORKER_OPTS:
         ap.add_argument(flag, type=typ, default=default, help=f"{doc} ({default})")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="cuda when available (auto), else cpu")
@@ -68,7 +57,7 @@ def run_workers(args, out_dir: str) -> dict:
            "--master-port", str(free_port()), "-m", "zkernels.demo.worker",
            "--out", out_dir, "--device", device,
            "--timeout-s", str(min(args.timeout_s, 300.0))]
-    for flag, _typ, _default, _doc in _WORKER_OPTS:
+    for flag, _typ, _default, _doc in WORKER_OPTS:
         cmd += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
     env = dict(os.environ)
     # The ranks must import this same zkernels, installed or not.

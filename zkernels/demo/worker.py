@@ -30,6 +30,18 @@ from .model import GPT, GPTConfig
 from .progress import progress
 
 
+# Demo defaults (about a minute on a 2-core CPU for three rungs); tests pass tiny ones.
+WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"),
+               ("--steps", int, 100, "training steps per rung (K)"),
+               ("--n-layer", int, 4, "GPT layers"), ("--n-head", int, 2, "attention heads"),
+               ("--n-embd", int, 128, "width"), ("--block-size", int, 64, "context length"),
+               ("--batch-size", int, 8, "sequences per rank per step"),
+               ("--lr", float, 1e-3, "AdamW learning rate"),
+               ("--weight-decay", float, 0.1, "AdamW weight decay"),
+               ("--bucket-bytes", int, 2**16, "gradient bucket size (DDP and ZeRO)"),
+               ("--seed", int, 0, "seed of the init and of the batches")]
+
+
 def _tensor_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
@@ -137,24 +149,15 @@ def run_rung(rung: str, args, tokens, device, rank: int, world_size: int):
         comm_bytes=int(stats["comm_bytes"]["total"]), memory_bytes=stats["memory_bytes"],
         estimate=dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
                       optimizer_states=est.optimizer_states_bytes,
-                      buffers=est.buffers_bytes, total=est.device_bytes,
-                      comm_bytes=est.comm_bytes),
+                      buffers=est.buffers_bytes, total=est.held_device_bytes,
+                      peak=est.device_bytes, comm_bytes=est.comm_bytes),
         num_params=est.num_params), params
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="zkernels.demo.worker")
-    ap.add_argument("--rungs", default="ddp,1,2")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-head", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--bucket-bytes", type=int, default=2**20)
-    ap.add_argument("--seed", type=int, default=0)
+    for flag, typ, default, doc in WORKER_OPTS:
+        ap.add_argument(flag, type=typ, default=default, help=doc)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--out", required=True, help="folder for rank 0's results.json")
