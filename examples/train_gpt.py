@@ -19,8 +19,10 @@ Launch (torchrun is PyTorch's own launcher; gloo on CPU, NCCL on GPU), with zker
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint $MASTER:29500 --rdzv-id gpt1 examples/train_gpt.py --stage auto
 
-    # resume from the last checkpoint (same world size)
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 400 --resume
+    # in time slices: stop after step 100, then resume from the last checkpoint (same world
+    # size, same --steps so that the schedule is the same)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --stop-at 100
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --resume
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="checkpoints")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this "
+                    "step (a job's time slice); --resume continues the same schedule")
     args = ap.parse_args()
 
     if torch.cuda.is_available():
@@ -107,7 +111,8 @@ def main() -> None:
         start = state["step"]
 
     tokens = load_corpus()
-    for step in range(start, args.steps):
+    stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    for step in range(start, stop):
         for micro in range(args.accum_steps):
             x, y = (t.to(device) for t in get_batch(
                 tokens, seed=1, step=step * args.accum_steps + micro, rank=rank,
@@ -123,10 +128,10 @@ def main() -> None:
         if rank == 0 and step % 10 == 0:
             print(f"step {step:5d}  loss {loss.item() * args.accum_steps:.4f}  "
                   f"lr {sched.get_last_lr()[0]:.2e}", flush=True)
-        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.ckpt_every == 0 or step + 1 == stop:
             save_checkpoint(ckpt, model, opt, sched, step + 1)
     if rank == 0:
-        print(f"done: {args.steps} steps; stats of the last step: {opt.stats()}")
+        print(f"done: {stop} of {args.steps} steps; stats of the last step: {opt.stats()}")
     dist.destroy_process_group()
 
 
