@@ -109,3 +109,10 @@ def test_dispatcher(capsys):
     assert zk_main([]) == 2
     assert zk_main(["frobnicate"]) == 2
     assert "unknown subcommand" in capsys.readouterr().err
+
+
+def test_dispatcher_missing_subcommand_module(capsys, monkeypatch):
+    import zkernels.__main__ as zm
+    monkeypatch.setitem(zm.SUBCOMMANDS, "bench", ("zkernels.no_such_bench.__main__", "x"))
+    assert zm.main(["bench"]) == 2
+    assert "not available" in capsys.readouterr().err

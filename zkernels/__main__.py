@@ -40,7 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(the '{name}' subcommand is not available)", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    rc = module.main(rest)
+    # A subcommand's main returns its exit status, or something else (rows) on success.
+    return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
 
 
 if __name__ == "__main__":

@@ -135,8 +135,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "ZeRO ladder; '*' marks the rung stage='auto' would take for --device-memory."))
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
-    src.add_argument("--model", help="a Hugging Face config.json, or 'module:function' "
-                                     "returning an nn.Module")
+    src.add_argument("--model", help="a Hugging Face config.json (parameters counted from "
+                     "its sizes, no transformers needed), or 'module:function' returning an "
+                     "nn.Module")
     ap.add_argument("--world-size", type=int, required=True, help="ranks N")
     ap.add_argument("--param-dtype", default="bf16", help="compute dtype: bf16 (default), "
                     "fp16, or fp32 (no master copy)")
@@ -183,6 +184,10 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
           f"step only (stage 1's reduced shards, stage 3's gathered layers); device = peak; "
           f"comm = bytes sent per step")
+    if args.model and args.model.endswith(".json"):
+        print("Ψ from config.json: V·h·(1 if tied else 2) + P·h (learned positions) + "
+              "L·(h·(h + 2·h_kv) + h·h + E·m·h·I + 2h) + h, biases not counted "
+              "(see zkernels.plan.params_from_hf_config)")
     print(render(rows, choice, args.unit))
     if isinstance(choice, Exception):
         print(f"\nnothing fits: {choice}")

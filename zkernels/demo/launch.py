@@ -52,6 +52,11 @@ def _device(choice: str) -> str:
 def run_workers(args, out_dir: str) -> dict:
     """Run the ranks; return rank 0's results. Raises RuntimeError with the ranks' output."""
     device = _device(args.device)
+    if device == "cuda":
+        import torch
+        if args.nproc > torch.cuda.device_count():
+            raise RuntimeError(f"--nproc {args.nproc} needs as many GPUs, this machine has "
+                               f"{torch.cuda.device_count()} (use --device cpu for gloo)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "zkernels.demo.worker",
