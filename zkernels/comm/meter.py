@@ -42,6 +42,12 @@ class VolumeMeter:
         """Make the counts so far the last step's and start counting afresh."""
         self._last, self._current = self._current, dict.fromkeys(KINDS, 0)
 
+    def current_step(self) -> Dict[str, int]:
+        """Counts since the last :meth:`close_step` (e.g. what backward has sent so far)."""
+        out = dict(self._current)
+        out["total"] = sum(self._current.values())
+        return out
+
     def last_step(self) -> Dict[str, int]:
         """``{"reduce_scatter", "all_gather", "all_reduce", "total"}`` bytes of the last
         closed step."""
