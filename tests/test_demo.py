@@ -68,3 +68,22 @@ def test_demo_plot(tmp_path):
     png = tmp_path / "demo.png"
     _, data = _demo(tmp_path, "--rungs", "ddp", "--plot", str(png))
     assert png.stat().st_size > 1000 and data["rungs"][0]["name"] == "data parallel"
+
+
+def test_corpus_tokenizer_and_batches():
+    import hashlib
+
+    import torch
+
+    from zkernels.demo.data import decode, encode, get_batch, load_corpus
+    tokens = load_corpus()
+    raw = bytes(tokens.to(torch.uint8).tolist())
+    assert hashlib.md5(raw).hexdigest() == "6efa8d8b558bfbf02d550c9c378a5adb"  # data/README.md
+    assert raw.endswith(b"\n") and tokens.max() < 256
+    assert decode(encode("Shakespeare, é")) == "Shakespeare, é"
+    kw = dict(seed=3, step=7, batch_size=2, block_size=16)
+    x_all, y_all = get_batch(tokens, rank=0, world_size=1, **dict(kw, batch_size=4))
+    for rank in range(2):   # N ranks with batch b see exactly the global batch N·b
+        x, y = get_batch(tokens, rank=rank, world_size=2, **kw)
+        assert torch.equal(x, x_all[2 * rank:2 * rank + 2])
+        assert torch.equal(y[:, :-1], x[:, 1:])
