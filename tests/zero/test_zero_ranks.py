@@ -4,6 +4,7 @@ One spawn per world size runs every check of ``_rank_checks.CHECKS`` (each rank 
 import); each check is then reported as its own test.
 """
 import pytest
+import torch
 
 from tests._dist import run_ranks
 from tests.zero._harness import run_checks
@@ -20,7 +21,14 @@ def results():
     def get(world_size):
         if world_size not in cache:
             if world_size == 1:  # no torch.distributed at all: the single-process path
-                per_rank = [run_checks(CHECKS, 0, 1)]
+                # One thread, like the spawned ranks: OpenMP barriers on a shared 2-core
+                # machine make tiny ops ~1000x slower.
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    per_rank = [run_checks(CHECKS, 0, 1)]
+                finally:
+                    torch.set_num_threads(threads)
             else:
                 per_rank = run_ranks(battery, world_size, timeout=400.0, pg_timeout_s=60.0)
             cache[world_size] = {name: next((r[name] for r in per_rank if r[name]), None)

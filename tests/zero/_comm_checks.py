@@ -1,0 +1,71 @@
+"""Rank-side checks of the torch.distributed comm backend (importable by spawned ranks)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from zkernels.comm import MeteredComm, VolumeMeter, make_comm
+from zkernels.comm.torch_comm import TorchComm
+
+
+def collectives(rank, ws):
+    """Every collective, every dtype, exact on integer-valued inputs (any summation order
+    gives the same sum), in place (shard = slice of the full buffer) and not."""
+    comm = make_comm(None, torch.device("cpu"))
+    assert isinstance(comm, TorchComm) and comm.rank == rank and comm.world_size == ws
+    meter = VolumeMeter()
+    mc = MeteredComm(comm, meter)
+    n = 5
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        full = torch.arange(ws * n, dtype=dt) * (rank + 1)
+        total = torch.arange(ws * n, dtype=torch.float32) * sum(range(1, ws + 1))
+        out = torch.empty(n, dtype=dt)
+        mc.reduce_scatter(out, full.clone()).wait()
+        assert torch.equal(out.float(), total[rank * n:(rank + 1) * n]), (dt, out)
+        inplace = full.clone()
+        mc.reduce_scatter(inplace[rank * n:(rank + 1) * n], inplace).wait()
+        assert torch.equal(inplace[rank * n:(rank + 1) * n].float(), total[rank * n:(rank + 1) * n])
+        avg_in = torch.full((ws * n,), float(2 * ws), dtype=dt) * (rank + 1)
+        mc.reduce_scatter(out, avg_in, average=True).wait()
+        assert torch.equal(out.float(), torch.full((n,), float(ws * (ws + 1)))), out
+        gathered = torch.zeros(ws * n, dtype=dt)
+        gathered[rank * n:(rank + 1) * n] = rank + 1
+        mc.all_gather(gathered, gathered[rank * n:(rank + 1) * n]).wait()
+        assert torch.equal(gathered, torch.arange(1, ws + 1, dtype=dt).repeat_interleave(n))
+    t = torch.tensor([float(rank)])
+    mc.all_reduce(t, op="max").wait()
+    assert t.item() == ws - 1
+    mc.all_reduce(t, op="sum").wait()
+    assert t.item() == ws * (ws - 1)
+    meter.close_step()
+    sent = meter.last_step()
+    # per dtype: 2 reduce-scatters + 1 average of ws*n elements, 1 all-gather of ws*n.
+    rs = sum(3 * ws * n * e * (ws - 1) // ws for e in (4, 2, 2))
+    ag = sum(ws * n * e * (ws - 1) // ws for e in (4, 2, 2))
+    ar = 2 * (2 * 4 * (ws - 1) // ws)
+    assert sent == {"reduce_scatter": rs, "all_gather": ag, "all_reduce": ar,
+                    "total": rs + ag + ar}, sent
+    try:
+        comm.all_gather(torch.empty(ws * n + 1), torch.empty(n))
+    except ValueError as exc:
+        assert "output" in str(exc)
+    else:
+        raise AssertionError("a mis-sized all_gather must fail")
+    return True
+
+
+def dead_peer(rank, ws, mode):
+    """The last rank leaves ("exit") or never joins ("silent"); the others must raise within
+    the process group's timeout instead of hanging."""
+    if rank == ws - 1:
+        if mode == "silent":
+            time.sleep(7.0)  # past the 3 s process-group timeout
+        return None
+    comm = make_comm(None, torch.device("cpu"))
+    start = time.time()
+    try:
+        comm.all_gather(torch.empty(4 * ws), torch.zeros(4)).wait()
+    except RuntimeError as exc:
+        return time.time() - start, str(exc)[:200]
+    raise AssertionError("all_gather with a missing peer returned")

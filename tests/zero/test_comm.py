@@ -1,0 +1,52 @@
+"""The torch.distributed comm backend, the single-rank backend and the volume meter."""
+import pytest
+import torch
+
+from zkernels.comm import LocalComm, MeteredComm, VolumeMeter, make_comm
+from tests._dist import run_ranks
+from tests.zero._comm_checks import collectives, dead_peer
+
+
+def test_meter_counts_ring_volume_per_step():
+    meter = VolumeMeter()
+    meter.record("reduce_scatter", 1200, 4)
+    meter.record("all_gather", 600, 4)
+    meter.record("all_reduce", 8, 4)
+    assert meter.current_step()["total"] == 900 + 450 + 12
+    assert meter.last_step()["total"] == 0
+    meter.close_step()
+    assert meter.last_step() == {"reduce_scatter": 900, "all_gather": 450, "all_reduce": 12,
+                                 "total": 1362}
+    assert meter.current_step()["total"] == 0
+    with pytest.raises(ValueError, match="kind"):
+        meter.record("broadcast", 4, 2)
+
+
+def test_single_rank_backend_without_process_group():
+    comm = make_comm(None, torch.device("cpu"))
+    assert isinstance(comm, LocalComm) and comm.world_size == 1
+    meter = VolumeMeter()
+    mc = MeteredComm(comm, meter)
+    x = torch.arange(6.0)
+    out = torch.empty(6)
+    mc.reduce_scatter(out, x).wait()
+    assert torch.equal(out, x)
+    full = torch.empty(6)
+    mc.all_gather(full, x).wait()
+    assert torch.equal(full, x)
+    meter.close_step()
+    assert meter.last_step()["total"] == 0  # one rank sends nothing
+    with pytest.raises(ValueError, match="backend"):
+        make_comm(None, torch.device("cpu"), backend="mpi")
+
+
+def test_collectives_on_three_gloo_ranks():
+    assert run_ranks(collectives, 3) == [True] * 3
+
+
+@pytest.mark.parametrize("mode", ["exit", "silent"])
+def test_dead_peer_fails_within_timeout(mode):
+    pg_timeout_s = 3.0
+    results = run_ranks(dead_peer, 2, mode, pg_timeout_s=pg_timeout_s, timeout=60.0)
+    elapsed, message = results[0]
+    assert elapsed < pg_timeout_s + 5.0, (elapsed, message)
