@@ -67,7 +67,8 @@ def plot(results: dict, path: str) -> None:
         ax.set_xticklabels(names)
         ax.set_ylabel("KiB")
         ax.set_title(title)
-        ax.legend()
+        ax.set_ylim(0, 1.35 * max(meas + est + [1]) / 1024)    # room for the legend
+        ax.legend(loc="upper right")
     fig.suptitle(f"zkernels demo: {rungs[0]['num_params']:,} params, "
                  f"{results['meta']['world_size']} ranks")
     fig.tight_layout()
