@@ -23,8 +23,8 @@ def _gb(num_bytes: float) -> str:
 
 def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
                 param_dtype=None, reduce_dtype=None, grad_shard_dtype=None,
-                bucket_bytes: int = 25 * 2**20, max_unit_numel: Optional[int] = None, host_budget_bytes: Optional[int] = None,
-                disk_budget_bytes: Optional[int] = None,
+                bucket_bytes: int = 25 * 2**20, max_unit_numel: Optional[int] = None,
+                host_budget_bytes: Optional[int] = None, disk_budget_bytes: Optional[int] = None,
                 rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
                 ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
     """Lowest rung whose device bytes per rank fit ``budget_bytes * (1 - headroom)``.
