@@ -140,3 +140,15 @@ def test_choose_rung_nothing_fits():
         choose_rung(PSI, N, 10**9, rungs=((1, None), (2, None), (3, None)))
     with pytest.raises(ValueError, match="headroom"):
         choose_rung(PSI, N, 10**9, headroom=1.0)
+
+
+def test_a_tensor_larger_than_a_bucket_sets_the_buffers():
+    # An LLM's embedding (32000 x 4096) is larger than a 25 MiB bucket: it gets a bucket of its
+    # own, and the two reduce buffers are sized to it.
+    psi, emb = 6_738_415_616, 32000 * 4096
+    small = estimate_memory(psi, 8, 2)
+    big = estimate_memory(psi, 8, 2, max_tensor_numel=emb)
+    assert small.buffers_bytes == 2 * 25 * 2**20
+    assert big.buffers_bytes == 2 * 4 * emb
+    with pytest.raises(ValueError, match="stage"):
+        estimate_memory(psi, 8, True)

@@ -125,10 +125,11 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
     budget = _min_over_ranks(budget, group, device)
     # Offload to host RAM means nothing when the device is the host.
     rungs = tuple(r for r in RUNGS if device.type != "cpu" or r[1] is None)
-    num_params = sum(p.numel() for p in {id(p): p for p in params}.values())
+    distinct = {id(p): p for p in params}.values()     # tied weights count once
     (stage, offload), est, reason = choose_rung(
-        count_params(num_params), world_size, budget, headroom=headroom,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+        count_params(sum(p.numel() for p in distinct)), world_size, budget,
+        headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
         rungs=rungs)
     if offload is not None or stage not in implemented:
         raise RungNotAvailableError(

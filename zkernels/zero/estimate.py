@@ -177,8 +177,8 @@ NUM_REDUCE_BUFFERS = 2      # bucket-sized reduce buffers: one filling, one redu
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
                     stage: int, param_dtype=None, reduce_dtype=None,
                     offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
-                    max_unit_numel: Optional[int] = None,
-                    grad_shard_dtype=None) -> MemoryEstimate:
+                    max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
+                    max_tensor_numel: Optional[int] = None) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -193,6 +193,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             model's largest block when a module is given, else 0 (not counted).
         grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
             ``ZeroOptimizer`` keeps it; the ZeRO paper keeps it in fp16).
+        max_tensor_numel: elements of the largest parameter (a tensor larger than a bucket
+            gets a bucket of its own); default: from the model when a module is given, else 0.
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -200,7 +202,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     num_params = count_params(model_or_num_params)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if offload not in (None, "cpu", "nvme"):
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
@@ -221,8 +223,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     shard = _div(n_psi, big_n)
     # The largest bucket: bucket_bytes of reduce dtype, a lone tensor larger than that, never
     # more than the whole model.
-    bucket_numel = 0 if bucket_bytes == 0 else min(
-        n_psi, max(bucket_bytes // r, _largest_tensor_numel(model_or_num_params)))
+    if max_tensor_numel is None:
+        max_tensor_numel = _largest_tensor_numel(model_or_num_params)
+    bucket_numel = 0 if bucket_bytes == 0 else min(n_psi, max(bucket_bytes // r,
+                                                              max_tensor_numel))
     pool = NUM_REDUCE_BUFFERS * r * bucket_numel
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,
