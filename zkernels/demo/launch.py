@@ -34,7 +34,7 @@ def parse_args(argv):
     for flag, typ, default, doc in WORKER_OPTS:
         ap.add_argument(flag, type=typ, default=default, help=f"{doc} ({default})")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="cuda when available (auto), else cpu")
+                    help="auto: cuda when there is a GPU per rank, else cpu")
     ap.add_argument("--json", default=None, help="write the results table as JSON here")
     ap.add_argument("--plot", default=None, help="draw measured vs estimated memory and "
                                                  "traffic to this PNG (needs matplotlib)")
@@ -42,16 +42,18 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def _device(choice: str) -> str:
+def _device(choice: str, nproc: int) -> str:
     if choice != "auto":
         return choice
     import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    # One GPU per rank (NCCL); with fewer GPUs than ranks, gloo on CPU.
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc \
+        else "cpu"
 
 
 def run_workers(args, out_dir: str) -> dict:
     """Run the ranks; return rank 0's results. Raises RuntimeError with the ranks' output."""
-    device = _device(args.device)
+    device = _device(args.device, args.nproc)
     if device == "cuda":
         import torch
         if args.nproc > torch.cuda.device_count():
