@@ -50,6 +50,7 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
         for b in opt.buckets:  # buckets never mix groups
             assert all(any(p is q for q in opt.param_groups[b.group_index]["params"])
                        for p in b.params)
+    num_buffers = len(opt.reducer.held_buffers())
     scheds = []
     if sched:
         lam = lambda s: 1.0 / (1.0 + s)  # noqa: E731
@@ -84,6 +85,7 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"] != LR or step == 0
         torch.testing.assert_close(world_mean(local, ws), rloss.item(), **tol(torch.float32))
         assert_params_close(model, ref, step, **tol(torch.float32))
+    assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
     if clip is not None:
         assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
     if frozen:

@@ -37,9 +37,10 @@ def _pick(*names: str) -> Callable:
 class _Work:
     """Handle of one collective (see [Note: comm stream])."""
 
-    def __init__(self, work, event, keep: Sequence[torch.Tensor],
+    def __init__(self, work, event, device: torch.device, keep: Sequence[torch.Tensor],
                  after: Optional[Callable[[], None]] = None) -> None:
-        self._work, self._event, self._keep, self._after = work, event, keep, after
+        self._work, self._event, self._device = work, event, device
+        self._keep, self._after = keep, after
 
     def wait(self) -> None:
         if self._keep is None:
@@ -47,7 +48,7 @@ class _Work:
         if self._work is not None:
             self._work.wait()
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
         if self._after is not None:
             self._after()
         self._keep = None
@@ -81,13 +82,13 @@ class TorchComm:
     def _launch(self, run: Callable[[bool], object], keep: Sequence[torch.Tensor],
                 after: Optional[Callable[[], None]] = None) -> Handle:
         if self._stream is None:
-            return _Work(run(True), None, keep, after)
+            return _Work(run(True), None, self.device, keep, after)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             run(False)  # ordered on the side stream; the CPU does not block on NCCL
             event = torch.cuda.Event()
             event.record(self._stream)
-        return _Work(None, event, keep, after)
+        return _Work(None, event, self.device, keep, after)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        average: bool = False) -> Handle:

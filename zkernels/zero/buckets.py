@@ -43,32 +43,41 @@ def bucket_capacity(bucket_bytes: int, reduce_dtype: torch.dtype, world_size: in
     return bucket_bytes // elem
 
 
-def plan_buckets(groups: Sequence[Sequence[torch.Tensor]], capacity: int, world_size: int,
+def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, world_size: int,
                  align: int) -> List[Tuple[int, List[torch.Tensor], FlatLayout]]:
-    """Greedy partition of each group's parameters into buckets of at most ``capacity``
-    elements; a parameter larger than ``capacity`` gets a bucket of its own.
+    """Greedy partition into buckets of at most ``capacity`` elements that never mix groups;
+    a parameter larger than ``capacity`` gets a bucket of its own.
 
-    Parameters are taken in reverse order because backward produces gradients roughly in
-    reverse order of registration: buckets then fill (and stage 2 launches them) in order.
+    Parameters are taken in reverse registration order, because backward produces gradients
+    roughly in that order, with one open bucket per group; a bucket takes its place in the
+    launch order when it closes (is full), so stage 2's buckets complete, and launch, in
+    about the order of the list even when groups interleave (weights and biases).
+
+    Args:
+        ordered: ``(group_index, param)`` in the model's registration order.
+        capacity, world_size, align: bucket size in elements, ranks, element alignment.
 
     Returns:
         ``(group_index, params, layout)`` per bucket, in launch order.
     """
     plans = []
-    for gi, params in enumerate(groups):
-        current: List[torch.Tensor] = []
-        used = 0
-        for p in reversed(list(params)):
-            start = -(-used // align) * align
-            if current and start + p.numel() > capacity:
-                plans.append((gi, current, FlatLayout.build([q.numel() for q in current],
-                                                            world_size, align)))
-                current, start = [], 0
-            current.append(p)
-            used = start + p.numel()
-        if current:
-            plans.append((gi, current, FlatLayout.build([q.numel() for q in current],
-                                                        world_size, align)))
+    open_: dict = {}  # group index -> (params, used elements)
+
+    def close(gi):
+        params, _ = open_.pop(gi)
+        plans.append((gi, params, FlatLayout.build([q.numel() for q in params], world_size,
+                                                   align)))
+
+    for gi, p in reversed(list(ordered)):
+        params, used = open_.get(gi, ([], 0))
+        start = -(-used // align) * align
+        if params and start + p.numel() > capacity:
+            close(gi)
+            params, start = [], 0
+        params.append(p)
+        open_[gi] = (params, start + p.numel())
+    for gi in sorted(open_):
+        close(gi)
     return plans
 
 

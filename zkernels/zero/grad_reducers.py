@@ -19,7 +19,8 @@ gradients.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import weakref
+from typing import Dict, List, Protocol, Sequence, Tuple
 
 import torch
 
@@ -30,6 +31,25 @@ from .precision import MixedPrecision
 from .reduce_pool import ReducePool
 
 NUM_REDUCE_BUFFERS = 2  # buckets in flight: one filling, one reducing, as DDP/FSDP do
+
+
+class GradReducer(Protocol):
+    """What the optimizer needs from a gradient strategy."""
+
+    sync: bool  # False inside ``no_sync()``: backward must not communicate
+
+    def finish(self) -> Tuple[List[torch.Tensor], float]:
+        """Complete the reduction: this rank's gradient shard per bucket ([shard_numel]) and
+        the divisor not yet applied to them. Collective."""
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients."""
+
+    def held_grads(self) -> List[torch.Tensor]:
+        """Gradient storage held between steps (for ``stats()``)."""
+
+    def held_buffers(self) -> List[torch.Tensor]:
+        """Reduce/comm scratch buffers held (for ``stats()``)."""
 
 
 class FullGradReducer:
@@ -129,10 +149,22 @@ class ShardedGradReducer:
         self._filled = [False] * len(buckets)  # shard holds a reduced gradient since zero_grad
         self._where: Dict[int, Tuple[int, int]] = {
             id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
+        # One open (partly filled) bucket per group can wait for an earlier one: see
+        # plan_buckets. More buffers than that would only hold memory.
+        num_groups = len({b.group_index for b in buckets})
         self._pool = ReducePool(comm, max(b.layout.padded_numel for b in buckets),
-                                precision.reduce_dtype, dev, NUM_REDUCE_BUFFERS)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
-                       for b in buckets for p in b.params]
+                                precision.reduce_dtype, dev, NUM_REDUCE_BUFFERS + num_groups - 1)
+        # The hooks hold the reducer weakly and go away with it, so a dropped optimizer
+        # leaves no hooks (and no buffers) behind on the model.
+        this = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            reducer = this()
+            if reducer is not None:
+                reducer._hook(p)
+
+        handles = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
+        weakref.finalize(self, _remove_all, handles)
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -232,8 +264,13 @@ class ShardedGradReducer:
         return list(self._pool.buffers)
 
 
+def _remove_all(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
 def make_grad_reducer(stage: int, buckets: Sequence[Bucket], comm: Comm,
-                      precision: MixedPrecision):
+                      precision: MixedPrecision) -> GradReducer:
     """The gradient strategy of ``stage`` (1 or 2)."""
     reducers = {1: FullGradReducer, 2: ShardedGradReducer}
     if stage not in reducers:

@@ -14,7 +14,6 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .. import ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
 from .auto import resolve_auto_stage
@@ -24,6 +23,7 @@ from .grad_reducers import make_grad_reducer
 from .params import resolve_param_groups
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_bytes
+from .update import FusedAdamW
 
 STAGES = (1, 2)
 
@@ -117,10 +117,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
-        plans = plan_buckets([g["params"] for g in self.param_groups], capacity, n, align)
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        ordered = [(group_of[id(p)], p) for p in model.parameters() if id(p) in group_of]
+        plans = plan_buckets(ordered, capacity, n, align)
         self.buckets = [build_bucket(i, gi, ps, lay, self.comm.rank, self.precision)
                         for i, (gi, ps, lay) in enumerate(plans)]
         self.reducer = make_grad_reducer(self.stage, self.buckets, self.comm, self.precision)
+        self.shard_update = FusedAdamW(write_compute=self.precision.has_master)
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -185,17 +188,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update(self, shards, grad_scale) -> None:
-        out_of_place = self.precision.has_master
         handles = []
         for b, g in zip(self.buckets, shards):
-            group = self.param_groups[b.group_index]
-            beta1, beta2 = group["betas"]
-            b.step += 1
-            ops.adamw_step(b.master, g, b.exp_avg, b.exp_avg_sq, lr=float(group["lr"]),
-                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                           weight_decay=float(group["weight_decay"]), step=b.step,
-                           grad_scale=grad_scale,
-                           out=b.compute_shard if out_of_place else None)
+            self.shard_update(b, g, self.param_groups[b.group_index], grad_scale)
             # Gather this bucket while the next one updates.
             handles.append(self.comm.all_gather(b.compute, b.compute_shard))
         for h in handles:
