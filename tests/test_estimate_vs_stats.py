@@ -1,5 +1,6 @@
 """``estimate_memory`` against what ``ZeroOptimizer.stats()`` measures on real runs (gloo ranks
-at world sizes 1, 2 and 4; stages 1 and 2; fp32, bf16 with fp32 reduction, bf16 throughout),
+at world sizes 1, 2 and 4; stages 1 and 2; fp32, bf16 with fp32 reduction, bf16 throughout,
+and two param groups),
 and ``stage="auto"`` through the optimizer's constructor."""
 import logging
 
@@ -25,11 +26,22 @@ RECIPES = [(None, None), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16
 REL = 0.02
 
 
-def _train(stage, param_dtype, reduce_dtype, steps=1):
+def _groups(model):
+    """The usual two groups: weight decay on matrices, none on biases, norms, embeddings."""
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n
+             and "wpe" not in n]
+    ids = {id(p) for p in decay}
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if id(p) not in ids],
+             "weight_decay": 0.0}]
+
+
+def _train(stage, param_dtype, reduce_dtype, grouped=False, steps=1):
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = ZeroOptimizer(model, stage=stage, lr=1e-3, param_dtype=param_dtype,
-                        reduce_dtype=reduce_dtype, bucket_bytes=BUCKET_BYTES)
+                        reduce_dtype=reduce_dtype, bucket_bytes=BUCKET_BYTES,
+                        param_groups=_groups(model) if grouped else None)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randint(256, (2, CFG.block_size), generator=gen)
@@ -43,7 +55,9 @@ def _measure_all(rank, world_size):
     for stage in (1, 2):
         for pdt, rdt in RECIPES:
             model, stats = _train(stage, pdt, rdt)
-            out.append((stage, pdt, rdt, stats))
+            out.append((stage, pdt, rdt, 1, stats))
+        _, stats = _train(stage, None, None, grouped=True)
+        out.append((stage, None, None, 2, stats))
     return out
 
 
@@ -51,15 +65,15 @@ def _measure_all(rank, world_size):
 def test_estimate_matches_stats(world_size):
     results = run_ranks(_measure_all, world_size)[0]
     model = GPT(CFG)    # fp32 module: the estimate counts its parameters and largest tensor
-    for stage, pdt, rdt, stats in results:
+    for stage, pdt, rdt, num_groups, stats in results:
         est = estimate_memory(model, world_size, stage, param_dtype=pdt, reduce_dtype=rdt,
-                              bucket_bytes=BUCKET_BYTES)
+                              bucket_bytes=BUCKET_BYTES, num_param_groups=num_groups)
         mem = stats["memory_bytes"]
         expected = dict(params=est.params_bytes, grads=est.grads_bytes,
                         master=est.master_bytes, optimizer_states=est.optimizer_states_bytes,
                         buffers=est.buffers_bytes)
-        where = f"stage {stage}, {pdt}/{rdt}, N={world_size}: measured {mem}, estimated " \
-                f"{expected}"
+        where = f"stage {stage}, {pdt}/{rdt}, {num_groups} groups, N={world_size}: measured " \
+                f"{mem}, estimated {expected}"
         largest = max(p.numel() for p in model.parameters())
         short = 2 * (rdt or torch.float32).itemsize * largest
         assert expected["buffers"] - short <= mem["buffers"] <= (1 + REL) * expected["buffers"]

@@ -89,7 +89,7 @@ def _min_over_ranks(value: int, group, device: torch.device) -> int:
 def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
                        param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
                        memory_budget_bytes: Optional[int] = None, group=None,
-                       implemented: Sequence[int] = (1, 2)) -> int:
+                       implemented: Sequence[int] = (1, 2), num_param_groups: int = 1) -> int:
     """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
 
     Args:
@@ -100,6 +100,7 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
             device (see [Note: auto budget]).
         group: the process group (None: the world).
         implemented: stages this version implements; offload rungs are never implemented here.
+        num_param_groups: the optimizer's param groups (they size the reduce buffers).
 
     Returns:
         The stage (an int in ``implemented``). Logs at INFO which rung and why.
@@ -130,7 +131,7 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
         count_params(sum(p.numel() for p in distinct)), world_size, budget,
         headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
-        rungs=rungs)
+        num_param_groups=num_param_groups, rungs=rungs)
     if offload is not None or stage not in implemented:
         raise RungNotAvailableError(
             f"stage='auto': this model needs {rung_name(stage, offload)} ({reason}), which is "

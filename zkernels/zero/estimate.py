@@ -7,20 +7,22 @@ gradient shard (``grad_shard_dtype``: fp32 when None, as ``ZeroOptimizer`` accum
 gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a ``param_dtype``
 narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
 is its own master (DESIGN.md's table). B = elements of the largest bucket
-(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model).
+(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model), G = number
+of param groups.
 
     kind              stage 0 (DDP)   stage 1        stage 2        stage 3
     params            pΨ              pΨ             pΨ             pΨ/N
     grads             pΨ              pΨ             gΨ/N           gΨ/N
     master            4Ψ (mixed)      4Ψ/N           4Ψ/N           4Ψ/N
     optimizer_states  8Ψ              8Ψ/N           8Ψ/N           8Ψ/N
-    buffers           0               2rB (pooled)   2rB            2rB
+    buffers           0               2rB (pooled)   (1 + G)rB      (1 + G)rB
     transient         0               rΨ/N           0              2p·(largest unit)
 
 ``model_states_bytes`` (params + grads + master + optimizer_states) is the ZeRO paper's
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are held between steps: two bucket-sized reduce buffers
-(one filling, one reducing); stage 1 needs them only when the gradient must be cast or
+(one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
+bucket may wait for another group's); stage 1 needs them only when the gradient must be cast or
 pre-divided before reduction (r != p, or fp16), else it reduce-scatters its flat gradient in
 place. ``transient`` memory lives only inside a step: stage 1's reduced gradient shards during
 ``step()``, stage 3's gathered units (the layer computing and the one prefetched).
@@ -178,7 +180,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     stage: int, param_dtype=None, reduce_dtype=None,
                     offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
                     max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
-                    max_tensor_numel: Optional[int] = None) -> MemoryEstimate:
+                    max_tensor_numel: Optional[int] = None,
+                    num_param_groups: int = 1) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -195,6 +198,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             ``ZeroOptimizer`` keeps it; the ZeRO paper keeps it in fp16).
         max_tensor_numel: elements of the largest parameter (a tensor larger than a bucket
             gets a bucket of its own); default: from the model when a module is given, else 0.
+        num_param_groups: optimizer param groups; from stage 2 on, each group beyond the first
+            may keep one partly filled bucket waiting, so it adds one reduce buffer.
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -227,7 +232,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         max_tensor_numel = _largest_tensor_numel(model_or_num_params)
     bucket_numel = 0 if bucket_bytes == 0 else min(n_psi, max(bucket_bytes // r,
                                                               max_tensor_numel))
-    pool = NUM_REDUCE_BUFFERS * r * bucket_numel
+    if isinstance(num_param_groups, bool) or not isinstance(num_param_groups, int) \
+            or num_param_groups < 1:
+        raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
+    num_buffers = NUM_REDUCE_BUFFERS + (num_param_groups - 1 if stage >= 2 else 0)
+    pool = num_buffers * r * bucket_numel
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,
                      master=MASTER_BYTES * n_psi if mixed else 0,

@@ -24,7 +24,8 @@ def _gb(num_bytes: float) -> str:
 def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
                 param_dtype=None, reduce_dtype=None, grad_shard_dtype=None,
                 bucket_bytes: int = 25 * 2**20, max_unit_numel: Optional[int] = None,
-                max_tensor_numel: Optional[int] = None, host_budget_bytes: Optional[int] = None,
+                max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
+                host_budget_bytes: Optional[int] = None,
                 disk_budget_bytes: Optional[int] = None,
                 rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
                 ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
@@ -39,7 +40,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
         budget_bytes: device memory available to one rank for model states and buffers.
         headroom: fraction of ``budget_bytes`` kept free, in [0, 1).
         param_dtype, reduce_dtype, grad_shard_dtype, bucket_bytes, max_unit_numel,
-            max_tensor_numel: as in :func:`estimate_memory`.
+            max_tensor_numel, num_param_groups: as in :func:`estimate_memory`.
         host_budget_bytes, disk_budget_bytes: when given, offload rungs must also fit there.
         rungs: ``(stage, offload)`` pairs to try, lowest first.
 
@@ -67,7 +68,8 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
                               reduce_dtype=reduce_dtype, grad_shard_dtype=grad_shard_dtype,
                               offload=offload,
                               bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,
-                              max_tensor_numel=max_tensor_numel)
+                              max_tensor_numel=max_tensor_numel,
+                              num_param_groups=num_param_groups)
         misses = []
         if est.device_bytes > usable:
             misses.append(f"{_gb(est.device_bytes)} on the device")

@@ -110,7 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
-                implemented=STAGES)
+                implemented=STAGES, num_param_groups=len(groups))
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
         capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
