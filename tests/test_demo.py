@@ -61,6 +61,9 @@ def test_demo_bad_option(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", "--steps", "0"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "--steps" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", "--rungs", "ddp,3"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "--rungs" in proc.stderr
 
 
 def test_demo_plot(tmp_path):

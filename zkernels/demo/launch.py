@@ -94,6 +94,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.nproc < 1 or args.steps < 1:
         print("zkernels demo: error: --nproc and --steps must be >= 1", file=sys.stderr)
         return 2
+    rungs = [r.strip() for r in args.rungs.split(",")]
+    if not rungs or any(r not in ("ddp", "1", "2") for r in rungs):
+        print(f"zkernels demo: error: --rungs must list ddp, 1 or 2 (stage 3 and offload come "
+              f"with later releases), got {args.rungs!r}", file=sys.stderr)
+        return 2
     if args.plot:   # fail before training, not after
         try:
             import matplotlib  # noqa: F401
