@@ -90,3 +90,14 @@ def test_corpus_tokenizer_and_batches():
         x, y = get_batch(tokens, rank=rank, world_size=2, **kw)
         assert torch.equal(x, x_all[2 * rank:2 * rank + 2])
         assert torch.equal(y[:, :-1], x[:, 1:])
+
+
+def test_demo_rank_failure_is_reported(tmp_path):
+    # Every rank raises (a context longer than the corpus; the later --block-size wins): the launcher says so
+    # and exits non-zero instead of hanging or printing a table.
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", *TINY,
+                           "--block-size", "400000", "--timeout-s", "60"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the demo's ranks failed" in proc.stderr and "loss@" not in proc.stdout
