@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,13 +18,6 @@ from typing import List, Optional
 
 from .report import plot, render_table
 from .worker import WORKER_OPTS
-
-def free_port() -> int:
-    """A TCP port free on this host right now, for the rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m zkernels demo", description=__doc__.split(
@@ -59,9 +51,10 @@ def run_workers(args, out_dir: str) -> dict:
         if args.nproc > torch.cuda.device_count():
             raise RuntimeError(f"--nproc {args.nproc} needs as many GPUs, this machine has "
                                f"{torch.cuda.device_count()} (use --device cpu for gloo)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "zkernels.demo.worker",
+    # --standalone: torchrun's c10d rendezvous binds a free local port itself (port 0), so no
+    # other process can take the port between our choosing it and torchrun binding it.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(args.nproc), "-m", "zkernels.demo.worker",
            "--out", out_dir, "--device", device,
            "--timeout-s", str(min(args.timeout_s, 300.0))]
     for flag, _typ, _default, _doc in WORKER_OPTS:
