@@ -211,7 +211,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
             None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
-            "total"}}``.
+            "total"}}``. Memory is measured from the storages held: params are the flat
+            compute buffers (and any frozen parameters); grads the stage-1 flat gradient
+            buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
+            e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
+            buffers the pooled reduce buffers. Stage 2 keeps its gradient shard in fp32
+            whatever the reduce dtype, so bf16 stage 2 holds 2Ψ + 16Ψ/N, not DESIGN.md's
+            2Ψ + 14Ψ/N.
         """
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
         mem = memory_bytes({

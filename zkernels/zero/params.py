@@ -47,8 +47,9 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
         params = [p for p in g["params"] if p.requires_grad]
         for p in params:
             if id(p) in seen:
-                raise ValueError(f"parameter {names[id(p)]!r} appears in param_groups[{seen[id(p)]}]"
-                                 f" and param_groups[{gi}]: each parameter belongs to one group")
+                raise ValueError(f"parameter {names[id(p)]!r} appears in "
+                                 f"param_groups[{seen[id(p)]}] and param_groups[{gi}]: each "
+                                 f"parameter belongs to one group")
             seen[id(p)] = gi
         if params:
             out.append({**defaults, **{k: v for k, v in g.items() if k != "params"},
