@@ -6,6 +6,8 @@ no environment variable is read until an op runs.
 from . import ops
 from .layout import FlatLayout
 from .zero import ZeroOptimizer
+from .zero.estimate import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
-__all__ = ["ops", "FlatLayout", "ZeroOptimizer", "__version__"]
+__all__ = ["ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate", "estimate_memory",
+           "__version__"]

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
+from .auto import resolve_auto_stage
 from .buckets import align_numel, bucket_capacity, build_bucket, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
@@ -52,7 +53,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
             (and, with ``param_dtype``, change dtype). Stage 2 installs gradient hooks on them.
-        stage: 1 or 2.
+        stage: 1, 2 or "auto" (the lowest stage whose estimate fits the device, see
+            ``zkernels/zero/auto.py``; logs its choice at INFO).
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
             "weight_decay": 0.0}, ...]``; every trainable parameter must be in one.
@@ -65,6 +67,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         process_group: the data-parallel group (default: the world; none initialized: one
             rank).
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
+        memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
+            measured free device memory less 10% headroom).
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -73,14 +77,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  param_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
-                 process_group=None, loss_scale: Optional[LossScaleConfig] = None) -> None:
+                 process_group=None, loss_scale: Optional[LossScaleConfig] = None,
+                 memory_budget_bytes: Optional[int] = None) -> None:
         if offload is not None:
             raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
                                       f"offload comes with a later issue): pass offload=None")
         if offload_dir is not None:
             raise NotImplementedError(f"offload_dir={offload_dir!r} is not supported yet "
                                       f"(offload comes with a later issue): pass None")
-        self.stage = resolve_stage(stage)
+        auto = isinstance(stage, str) and stage == "auto"
+        if memory_budget_bytes is not None and not auto:
+            raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
+                             f"stage={stage!r}")
+        self.stage = None if auto else resolve_stage(stage)
         _check_hparams("", lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
@@ -96,6 +105,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.meter = VolumeMeter()
         self.comm = MeteredComm(make_comm(process_group, device), self.meter)
         n = self.comm.world_size
+        if auto:
+            self.stage = resolve_auto_stage(
+                [p for g in groups for p in g["params"]], world_size=n,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+                memory_budget_bytes=memory_budget_bytes, group=process_group,
+                implemented=STAGES, num_param_groups=len(groups))
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
         capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)

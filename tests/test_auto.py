@@ -1,0 +1,80 @@
+"""``stage="auto"``: the budget it measures, the rung it takes for budgets made to fit each, the
+clear errors when the rung needed is not in this version or nothing fits, and that every rank
+agrees (the budget is the minimum over ranks)."""
+import logging
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from zkernels.zero.auto import (RungNotAvailableError, host_available_bytes,
+                                measure_budget_bytes, resolve_auto_stage)
+from zkernels.zero.estimate import estimate_memory
+from zkernels.zero.ladder import NoRungFitsError
+
+BUCKET = 4096
+
+
+def _model():
+    torch.manual_seed(0)
+    # Eight units: stage 3 (which gathers one unit at a time) needs less than stage 2.
+    return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(7)),
+                               torch.nn.Linear(64, 33))
+
+
+def _need(model, world_size, stage):
+    return estimate_memory(model, world_size, stage, bucket_bytes=BUCKET).device_bytes
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_takes_the_lowest_implemented_rung_that_fits(stage, caplog):
+    model = _model()
+    budget = _need(model, 4, stage)     # exactly enough: no headroom on a user's budget
+    with caplog.at_level(logging.INFO, logger="zkernels.zero"):
+        got = resolve_auto_stage(model.parameters(), world_size=4, bucket_bytes=BUCKET,
+                                 memory_budget_bytes=budget)
+    assert got == stage
+    assert f"chose stage {stage}" in caplog.text and "lowest rung that fits" in caplog.text
+
+
+def test_auto_needs_stage3_which_this_version_lacks():
+    model = _model()
+    budget = _need(model, 4, 3)
+    assert budget < _need(model, 4, 2)
+    with pytest.raises(RungNotAvailableError, match="needs stage 3.*not available in this"):
+        resolve_auto_stage(model.parameters(), world_size=4, bucket_bytes=BUCKET,
+                           memory_budget_bytes=budget)
+
+
+def test_auto_nothing_fits_and_bad_budget():
+    model = _model()
+    with pytest.raises(NoRungFitsError, match="no rung of the ladder fits"):
+        resolve_auto_stage(model.parameters(), world_size=4, bucket_bytes=BUCKET,
+                           memory_budget_bytes=100)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        resolve_auto_stage(model.parameters(), world_size=4, memory_budget_bytes=-1)
+
+
+def test_measured_budget_on_cpu():
+    model = _model()
+    held = sum(p.numel() * 4 for p in model.parameters())
+    avail = host_available_bytes()
+    assert avail > 0
+    budget = measure_budget_bytes(list(model.parameters()), torch.device("cpu"))
+    # Free RAM moves a little between the two reads; the held params are added on top.
+    assert abs(budget - held - avail) < 0.05 * avail
+    # A small model fits this machine at stage 1 with 10% headroom.
+    assert resolve_auto_stage(model.parameters(), world_size=1) == 1
+
+
+def _auto_on_ranks(rank, world_size, budgets):
+    model = _model()
+    return resolve_auto_stage(model.parameters(), world_size=world_size, bucket_bytes=BUCKET,
+                              memory_budget_bytes=budgets[rank])
+
+
+def test_ranks_agree_on_the_smallest_budget():
+    model = _model()
+    s1, s2 = _need(model, 2, 1), _need(model, 2, 2)
+    # Rank 0 could afford stage 1, rank 1 only stage 2: both must take stage 2.
+    assert run_ranks(_auto_on_ranks, 2, [s1, s2]) == [2, 2]

@@ -1,0 +1,154 @@
+"""The memory estimator against the ZeRO paper's worked example and DESIGN.md's table, and
+``choose_rung``'s decisions (pure arithmetic: no ranks needed)."""
+import pytest
+import torch
+
+from zkernels.zero.estimate import estimate_memory, largest_unit_numel
+from zkernels.zero.ladder import RUNGS, NoRungFitsError, choose_rung
+
+PSI, N = 7_500_000_000, 64
+
+
+@pytest.mark.parametrize("stage, expected", [(0, 120_000_000_000), (1, 31_406_250_000),
+                                             (2, 16_640_625_000), (3, 1_875_000_000)])
+def test_paper_example_exact(stage, expected):
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 (fp16 params and grads, fp32 Adam):
+    # 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 1e9 bytes).
+    est = estimate_memory(PSI, N, stage, param_dtype=torch.float16,
+                          reduce_dtype=torch.float16, grad_shard_dtype=torch.float16,
+                          bucket_bytes=0)
+    assert est.model_states_bytes == expected
+    assert round(est.model_states_bytes / 1e9, 1) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}[stage]
+    # K = 12 split as fp32 master (4) + two fp32 Adam states (8).
+    assert est.master_bytes == 4 * PSI // (1 if stage == 0 else N)
+    assert est.optimizer_states_bytes == 8 * PSI // (1 if stage == 0 else N)
+
+
+def test_zkernels_keeps_an_fp32_gradient_shard():
+    # ZeroOptimizer accumulates reduced gradients in fp32: 4Ψ/N where the paper keeps 2Ψ/N.
+    e2 = estimate_memory(PSI, N, 2, param_dtype="fp16", reduce_dtype="fp16", bucket_bytes=0)
+    assert e2.model_states_bytes == 2 * PSI + 16 * PSI // N
+
+
+def test_traffic_per_step():
+    frac = (N - 1) / N
+    ests = [estimate_memory(PSI, N, s, param_dtype="fp16", reduce_dtype="fp16")
+            for s in range(4)]
+    for est in ests[:3]:    # 2Ψ elements of fp16 per step, ring convention
+        assert est.comm_bytes == round(2 * PSI * frac * 2)
+    assert ests[3].comm_bytes == round(3 * PSI * frac * 2)
+    assert estimate_memory(PSI, 1, 2).comm_bytes == 0
+
+
+def test_pure_fp32_design_note():
+    # DESIGN.md: no param_dtype -> K = 8: 4Ψ + 4Ψ + 8Ψ/N (stage 1), 4Ψ + 12Ψ/N (stage 2),
+    # 16Ψ/N (stage 3), plus at most one fp32 gradient shard (4Ψ/N) and the bucket buffers.
+    psi, n, bucket = 1_000_003, 4, 1 << 20
+    shard = -(-psi // n)
+    e1, e2, e3 = (estimate_memory(psi, n, s, bucket_bytes=bucket) for s in (1, 2, 3))
+    assert e1.master_bytes == e2.master_bytes == e3.master_bytes == 0
+    assert e1.model_states_bytes == 4 * psi + 4 * psi + 8 * shard
+    # Stage 1 reduce-scatters its fp32 flat gradient in place: no pool, the shard is transient.
+    assert e1.buffers_bytes == 0 and e1.transient_bytes == 4 * shard
+    assert e2.model_states_bytes == 4 * psi + 12 * shard
+    assert e2.buffers_bytes == 2 * bucket and e2.transient_bytes == 0
+    assert e3.model_states_bytes == 16 * shard
+    assert e1.device_bytes == e1.model_states_bytes + 4 * shard
+    assert e1.held_device_bytes == e1.model_states_bytes
+    # Casting to a different reduce dtype needs the two bucket buffers at stage 1 too.
+    assert estimate_memory(psi, n, 1, param_dtype="bf16", bucket_bytes=bucket).buffers_bytes \
+        == 2 * bucket
+
+
+def test_offload_moves_states_off_the_device():
+    kw = dict(param_dtype="bf16", reduce_dtype="bf16", bucket_bytes=0)
+    e3 = estimate_memory(PSI, N, 3, **kw)
+    cpu = estimate_memory(PSI, N, 3, offload="cpu", **kw)
+    nvme = estimate_memory(PSI, N, 3, offload="nvme", **kw)
+    assert cpu.device_bytes == 0 and cpu.host_bytes == e3.model_states_bytes
+    assert nvme.disk_bytes == e3.params_bytes + e3.master_bytes + e3.optimizer_states_bytes
+    assert nvme.host_bytes == e3.grads_bytes and nvme.disk_io_bytes > 0
+    assert cpu.host_device_bytes == 6 * (PSI // N)     # fp32 grad shard down, bf16 params up
+    e2cpu = estimate_memory(PSI, N, 2, offload="cpu", **kw)
+    assert e2cpu.device_bytes == 2 * PSI and e2cpu.host_bytes == 16 * (PSI // N)
+
+
+def test_model_input_counts_tied_weights_once_and_units():
+    from zkernels.demo.model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=3, n_embd=48, n_head=3, block_size=16))
+    num = sum(p.numel() for p in model.parameters())
+    assert estimate_memory(model, 2, 2).num_params == num
+    blk = sum(p.numel() for p in model.blocks[0].parameters())
+    assert largest_unit_numel(model) == max(blk, 256 * 48)
+    e3 = estimate_memory(model, 2, 3, param_dtype="bf16")
+    assert e3.gathered_peak_bytes == 2 * 2 * largest_unit_numel(model)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), "world_size"), (dict(stage=4), "stage"),
+    (dict(offload="disk"), "offload"), (dict(stage=1, offload="cpu"), "stage 2 or 3"),
+    (dict(param_dtype=torch.int8), "param_dtype"), (dict(reduce_dtype="fp8"), "reduce_dtype"),
+    (dict(bucket_bytes=-1), "bucket_bytes")])
+def test_bad_input_names_the_argument(kwargs, match):
+    args = dict(world_size=2, stage=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(1000, **args)
+    with pytest.raises(ValueError, match="model_or_num_params"):
+        estimate_memory(-5, 2, 1)
+    with pytest.raises(TypeError, match="model_or_num_params"):
+        estimate_memory("7B", 2, 1)
+
+
+def _need(stage, offload=None):
+    return estimate_memory(PSI, N, stage, param_dtype="bf16", reduce_dtype="bf16",
+                           offload=offload).device_bytes
+
+
+@pytest.mark.parametrize("rung", [(1, None), (2, None), (3, None), (3, "cpu")])
+def test_choose_rung_takes_the_lowest_that_fits(rung):
+    budget = _need(*rung)     # exactly enough for this rung, not for the one below
+    got, est, reason = choose_rung(PSI, N, budget, headroom=0.0, param_dtype="bf16",
+                                   reduce_dtype="bf16")
+    assert got == rung and est.device_bytes == budget
+    assert "lowest rung that fits" in reason
+    # One byte less: a higher rung, or nothing when the next rung needs as much device memory.
+    try:
+        got, _, _ = choose_rung(PSI, N, budget - 1, headroom=0.0, param_dtype="bf16",
+                                reduce_dtype="bf16")
+    except NoRungFitsError:
+        assert rung == (3, "cpu")
+    else:
+        assert RUNGS.index(got) > RUNGS.index(rung)
+
+
+def test_choose_rung_headroom_and_host_budget():
+    budget = _need(1)
+    assert choose_rung(PSI, N, budget, headroom=0.1, param_dtype="bf16",
+                       reduce_dtype="bf16")[0] == (2, None)
+    assert choose_rung(PSI, N, budget / 0.9 + 1, headroom=0.1, param_dtype="bf16",
+                       reduce_dtype="bf16")[0] == (1, None)
+    # cpu offload fits the device but not the host: nvme is next.
+    host = estimate_memory(PSI, N, 3, param_dtype="bf16", reduce_dtype="bf16",
+                           offload="cpu").host_bytes
+    got, _, reason = choose_rung(PSI, N, _need(3, "cpu"), headroom=0.0, param_dtype="bf16",
+                                 reduce_dtype="bf16", host_budget_bytes=host - 1)
+    assert got == (3, "nvme"), reason
+
+
+def test_choose_rung_nothing_fits():
+    with pytest.raises(NoRungFitsError, match="no rung of the ladder fits"):
+        choose_rung(PSI, N, 10**9, rungs=((1, None), (2, None), (3, None)))
+    with pytest.raises(ValueError, match="headroom"):
+        choose_rung(PSI, N, 10**9, headroom=1.0)
+
+
+def test_a_tensor_larger_than_a_bucket_sets_the_buffers():
+    # An LLM's embedding (32000 x 4096) is larger than a 25 MiB bucket: it gets a bucket of its
+    # own, and the two reduce buffers are sized to it.
+    psi, emb = 6_738_415_616, 32000 * 4096
+    small = estimate_memory(psi, 8, 2)
+    big = estimate_memory(psi, 8, 2, max_tensor_numel=emb)
+    assert small.buffers_bytes == 2 * 25 * 2**20
+    assert big.buffers_bytes == 2 * 4 * emb
+    with pytest.raises(ValueError, match="stage"):
+        estimate_memory(psi, 8, True)

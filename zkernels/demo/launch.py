@@ -1,0 +1,118 @@
+"""``python -m zkernels demo``: train the small GPT on N ranks at every rung and compare.
+
+Launches ``python -m torch.distributed.run --nproc-per-node N -m zkernels.demo.worker`` (gloo
+on CPU, NCCL on GPU) on a free local port, then prints one table: the loss after K steps (equal
+across rungs in fp32, up to round-off), the median step time, bytes sent per step and bytes
+held per rank, measured beside :func:`zkernels.estimate_memory`'s estimate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import List, Optional
+
+from .report import plot, render_table
+from .worker import WORKER_OPTS
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m zkernels demo", description=__doc__.split(
+        "\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    for flag, typ, default, doc in WORKER_OPTS:
+        ap.add_argument(flag, type=typ, default=default, help=f"{doc} ({default})")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: cuda when there is a GPU per rank, else cpu")
+    ap.add_argument("--json", default=None, help="write the results table as JSON here")
+    ap.add_argument("--plot", default=None, help="draw measured vs estimated memory and "
+                                                 "traffic to this PNG (needs matplotlib)")
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="kill the ranks after this")
+    return ap.parse_args(argv)
+
+
+def _device(choice: str, nproc: int) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+    # One GPU per rank (NCCL); with fewer GPUs than ranks, gloo on CPU.
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc \
+        else "cpu"
+
+
+def run_workers(args, out_dir: str) -> dict:
+    """Run the ranks; return rank 0's results. Raises RuntimeError with the ranks' output."""
+    device = _device(args.device, args.nproc)
+    if device == "cuda":
+        import torch
+        if args.nproc > torch.cuda.device_count():
+            raise RuntimeError(f"--nproc {args.nproc} needs as many GPUs, this machine has "
+                               f"{torch.cuda.device_count()} (use --device cpu for gloo)")
+    # --standalone: torchrun's c10d rendezvous binds a free local port itself (port 0), so no
+    # other process can take the port between our choosing it and torchrun binding it.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(args.nproc), "-m", "zkernels.demo.worker",
+           "--out", out_dir, "--device", device,
+           "--timeout-s", str(min(args.timeout_s, 300.0))]
+    for flag, _typ, _default, _doc in WORKER_OPTS:
+        cmd += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    env = dict(os.environ)
+    # The ranks must import this same zkernels, installed or not.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Own session: on timeout the whole launcher tree goes, never a stray rank.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"the demo's ranks did not finish within {args.timeout_s}s "
+                           "(--timeout-s)") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"the demo's ranks failed (exit {proc.returncode}); their output "
+                           f"is above.\n{stdout[-4000:]}")
+    path = os.path.join(out_dir, "results.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.nproc < 1 or args.steps < 1:
+        print("zkernels demo: error: --nproc and --steps must be >= 1", file=sys.stderr)
+        return 2
+    rungs = [r.strip() for r in args.rungs.split(",")]
+    if not rungs or any(r not in ("ddp", "1", "2") for r in rungs):
+        print(f"zkernels demo: error: --rungs must list ddp, 1 or 2 (stage 3 and offload come "
+              f"with later releases), got {args.rungs!r}", file=sys.stderr)
+        return 2
+    if args.plot:   # fail before training, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("zkernels demo: error: --plot needs matplotlib (pip install matplotlib)",
+                  file=sys.stderr)
+            return 2
+    with tempfile.TemporaryDirectory(prefix="zkernels-demo-") as out_dir:
+        try:
+            results = run_workers(args, out_dir)
+        except RuntimeError as exc:
+            print(f"zkernels demo: error: {exc}", file=sys.stderr)
+            return 1
+    table, summary = render_table(results)
+    print(table)
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(results, summary=summary), f, indent=1)
+        os.replace(tmp, args.json)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

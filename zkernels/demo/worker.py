@@ -1,0 +1,201 @@
+"""One rank of ``python -m zkernels demo`` (started by ``torch.distributed.run``).
+
+Trains the small GPT for each rung in turn (data parallel = DDP + torch.optim.AdamW, then
+``ZeroOptimizer`` stage 1, 2, ...) from the same seed on the same batches, and measures the
+loss, step time, bytes sent per step and bytes held per kind. Rank 0 writes the results as
+JSON to ``--out`` for the launcher to print.
+
+[Note: measuring data parallel]
+DDP runs with ``gradient_as_bucket_view=True``: its buckets are the gradients, so a rank holds
+params + grads + AdamW states (+ nothing else model-sized). Bytes sent are counted by a comm
+hook from each bucket's size, ring convention (an all-reduce of B bytes sends 2·B·(N−1)/N),
+the convention ``ZeroOptimizer.stats()`` uses for its reduce-scatters and all-gathers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..zero.estimate import estimate_memory
+from .data import VOCAB_SIZE, get_batch, load_corpus
+from .model import GPT, GPTConfig
+from .progress import progress
+
+
+# Demo defaults (about a minute on a 2-core CPU for three rungs); tests pass tiny ones.
+WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"),
+               ("--steps", int, 100, "training steps per rung (K)"),
+               ("--n-layer", int, 4, "GPT layers"), ("--n-head", int, 2, "attention heads"),
+               ("--n-embd", int, 128, "width"), ("--block-size", int, 64, "context length"),
+               ("--batch-size", int, 8, "sequences per rank per step"),
+               ("--lr", float, 1e-3, "AdamW learning rate"),
+               ("--weight-decay", float, 0.1, "AdamW weight decay"),
+               ("--bucket-bytes", int, 2**16, "gradient bucket size (DDP and ZeRO)"),
+               ("--seed", int, 0, "seed of the init and of the batches")]
+
+
+def _tensor_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+class _DDPRung:
+    """DDP + torch.optim.AdamW with a byte-counting comm hook (see [Note: measuring data
+    parallel])."""
+
+    def __init__(self, model, args, device):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        self.world_size = dist.get_world_size()
+        self.model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                         bucket_cap_mb=args.bucket_bytes / 2**20,
+                         gradient_as_bucket_view=True)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                     eps=1e-8, weight_decay=args.weight_decay)
+        self.sent_bytes = 0
+        self.model.register_comm_hook(None, self._hook)
+
+    def _hook(self, _state, bucket):
+        buf = bucket.buffer()
+        n = self.world_size
+        self.sent_bytes += 2 * buf.numel() * buf.element_size() * (n - 1) // n
+        buf.div_(n)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    def step(self, x, y):
+        self.sent_bytes = 0
+        loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        stats = self.stats()
+        self.opt.zero_grad(set_to_none=False)   # keep the grads: they are the buckets
+        return loss, stats
+
+    def stats(self):
+        params = list(self.model.module.parameters())
+        states = [t for st in self.opt.state.values() for t in st.values()
+                  if torch.is_tensor(t) and t.dim() > 0]
+        mem = dict(params=_tensor_bytes(params), grads=_tensor_bytes(p.grad for p in params),
+                   master=0, optimizer_states=_tensor_bytes(states), buffers=0)
+        mem["total"] = sum(mem.values())
+        return {"comm_bytes": {"total": self.sent_bytes}, "memory_bytes": mem}
+
+
+class _ZeroRung:
+    def __init__(self, model, args, stage):
+        try:
+            from zkernels import ZeroOptimizer
+        except ImportError as exc:
+            raise RuntimeError("this zkernels has no ZeroOptimizer: run the demo with "
+                               "--rungs ddp") from exc
+        self.model = model
+        self.opt = ZeroOptimizer(model, stage=stage, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                 weight_decay=args.weight_decay, bucket_bytes=args.bucket_bytes)
+
+    def step(self, x, y):
+        loss = self.model(x, y)
+        self.opt.backward(loss)
+        self.opt.step()
+        stats = self.opt.stats()
+        self.opt.zero_grad()
+        return loss, stats
+
+
+def run_rung(rung: str, args, tokens, device, rank: int, world_size: int):
+    """Train ``args.steps`` steps on one rung; returns this rank's measurements."""
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(cfg).to(device)
+    trainer = _DDPRung(model, args, device) if rung == "ddp" else \
+        _ZeroRung(model, args, int(rung))
+    losses, times, stats = [], [], None
+    bar = progress(args.steps, f"{'data parallel' if rung == 'ddp' else 'stage ' + rung}",
+                   enabled=rank == 0)
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in get_batch(
+            tokens, seed=args.seed, step=step, rank=rank, world_size=world_size,
+            batch_size=args.batch_size, block_size=args.block_size))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss, stats = trainer.step(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        mean_loss = loss.detach().float().clone()
+        dist.all_reduce(mean_loss)      # the global batch's loss, as one process would see it
+        losses.append(mean_loss.item() / world_size)
+        bar.update(1, loss=losses[-1])
+    bar.close()
+    params = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
+    est = estimate_memory(model, world_size, 0 if rung == "ddp" else int(rung),
+                          bucket_bytes=args.bucket_bytes)
+    return dict(
+        rung=rung, name="data parallel" if rung == "ddp" else f"stage {rung}",
+        losses=losses, final_loss=losses[-1],
+        step_time_s=statistics.median(times[1:] if len(times) > 1 else times),
+        comm_bytes=int(stats["comm_bytes"]["total"]), memory_bytes=stats["memory_bytes"],
+        estimate=dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
+                      optimizer_states=est.optimizer_states_bytes,
+                      buffers=est.buffers_bytes, total=est.held_device_bytes,
+                      peak=est.device_bytes, comm_bytes=est.comm_bytes),
+        num_params=est.num_params), params
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="zkernels.demo.worker")
+    for flag, typ, default, doc in WORKER_OPTS:
+        ap.add_argument(flag, type=typ, default=default, help=doc)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument("--out", required=True, help="folder for rank 0's results.json")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)    # ranks share the machine's cores
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=args.timeout_s))
+    try:
+        tokens = load_corpus()
+        results, reference = [], None
+        for rung in args.rungs.split(","):
+            res, params = run_rung(rung.strip(), args, tokens, device, rank, world_size)
+            # Every rung ends with full parameters on every rank: compare with the first.
+            reference = params if reference is None else reference
+            res["max_param_diff"] = (params - reference).abs().max().item()
+            results.append(res)
+        if rank == 0:
+            meta = dict(world_size=world_size, device=str(device), torch=torch.__version__,
+                        args=vars(args))
+            tmp = os.path.join(args.out, "results.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(dict(meta=meta, rungs=results), f)
+            os.replace(tmp, os.path.join(args.out, "results.json"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

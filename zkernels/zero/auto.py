@@ -1,0 +1,142 @@
+"""``stage="auto"``: measure the memory a rank may use and climb the ladder until it fits.
+
+The decision itself is :func:`zkernels.zero.estimate.choose_rung` (pure arithmetic); this
+module measures the budget, makes every rank agree on it, and turns the chosen rung into a
+stage the optimizer implements or a clear error.
+
+[Note: auto budget]
+The budget of a rank is what it could hold for model states: the device's free memory plus the
+bytes of the model's parameters already on that device (they are counted by the estimate, and
+already missing from "free"). On CUDA "free" is ``torch.cuda.mem_get_info``; on CPU it is the
+host's available RAM (psutil when installed, else /proc/meminfo's MemAvailable) divided by the
+ranks on that host, which share it. 10% of a measured budget is kept as headroom for
+activations, fragmentation and workspace; a budget the user gives is taken as is. Activations
+are the user's business either way. Every rank must take the same rung (they run the same
+collectives), so the budget is the minimum over ranks.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .estimate import count_params, rung_name
+from .ladder import RUNGS, choose_rung
+
+log = logging.getLogger("zkernels.zero")
+
+MEASURED_HEADROOM = 0.10
+
+
+class RungNotAvailableError(NotImplementedError):
+    """The rung the model needs is not implemented in this version of zkernels."""
+
+
+def host_available_bytes() -> int:
+    """Host RAM available to new allocations, in bytes (psutil, else /proc/meminfo)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().available)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as exc:
+        raise RuntimeError("stage='auto' cannot measure host RAM (no psutil, no "
+                           "/proc/meminfo): pass memory_budget_bytes") from exc
+    raise RuntimeError("stage='auto' found no MemAvailable in /proc/meminfo: pass "
+                       "memory_budget_bytes")
+
+
+def _ranks_on_this_host(group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    names = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return max(1, names.count(socket.gethostname()))
+
+
+def measure_budget_bytes(params: Sequence[torch.Tensor], device: torch.device,
+                         group=None) -> int:
+    """This rank's budget for model states on ``device`` (see [Note: auto budget])."""
+    held = sum(p.numel() * p.element_size() for p in params if p.device == device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free) + held
+    if device.type == "cpu":
+        return host_available_bytes() // _ranks_on_this_host(group) + held
+    raise ValueError(f"stage='auto' can measure cuda or cpu memory, not {device.type}: pass "
+                     "memory_budget_bytes")
+
+
+def _min_over_ranks(value: int, group, device: torch.device) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    # NCCL reduces CUDA tensors only; gloo takes CPU ones.
+    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
+                       param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                       memory_budget_bytes: Optional[int] = None, group=None,
+                       implemented: Sequence[int] = (1, 2), num_param_groups: int = 1) -> int:
+    """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
+
+    Args:
+        params: the parameters the optimizer will shard (their device is the training device).
+        world_size: ranks sharing the states.
+        param_dtype, reduce_dtype, bucket_bytes: the optimizer's settings.
+        memory_budget_bytes: bytes per rank the user allows (taken as is); None: measure the
+            device (see [Note: auto budget]).
+        group: the process group (None: the world).
+        implemented: stages this version implements; offload rungs are never implemented here.
+        num_param_groups: the optimizer's param groups (they size the reduce buffers).
+
+    Returns:
+        The stage (an int in ``implemented``). Logs at INFO which rung and why.
+
+    Raises:
+        NoRungFitsError: not even the last rung fits.
+        RungNotAvailableError: the lowest rung that fits is not implemented in this version.
+    """
+    params = [p for p in params]
+    if not params:
+        raise ValueError("stage='auto' needs at least one parameter")
+    device = params[0].device
+    if memory_budget_bytes is None:
+        budget = measure_budget_bytes(params, device, group)
+        headroom = MEASURED_HEADROOM
+        source = f"measured free {device.type} memory"
+    else:
+        if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) \
+                or memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be a positive int, got "
+                             f"{memory_budget_bytes!r}")
+        budget, headroom, source = memory_budget_bytes, 0.0, "memory_budget_bytes"
+    budget = _min_over_ranks(budget, group, device)
+    # Offload to host RAM means nothing when the device is the host.
+    rungs = tuple(r for r in RUNGS if device.type != "cpu" or r[1] is None)
+    distinct = {id(p): p for p in params}.values()     # tied weights count once
+    (stage, offload), est, reason = choose_rung(
+        count_params(sum(p.numel() for p in distinct)), world_size, budget,
+        headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
+        num_param_groups=num_param_groups, rungs=rungs)
+    if offload is not None or stage not in implemented:
+        raise RungNotAvailableError(
+            f"stage='auto': this model needs {rung_name(stage, offload)} ({reason}), which is "
+            f"not available in this version of zkernels (implemented stages: "
+            f"{', '.join(map(str, implemented))}). Use more ranks, a narrower param_dtype, "
+            f"or a larger memory budget")
+    log.info("stage='auto' chose stage %d (budget from %s): %s", stage, source, reason)
+    return stage

@@ -1,0 +1,279 @@
+"""Bytes per rank and traffic per step for each rung of the ZeRO ladder: pure arithmetic.
+
+[Note: memory model]
+Ψ parameters, N ranks, p = bytes of the compute copy (``param_dtype``, fp32 when None),
+r = bytes of the gradient reduction (``reduce_dtype``, fp32 when None), g = bytes of the kept
+gradient shard (``grad_shard_dtype``: fp32 when None, as ``ZeroOptimizer`` accumulates reduced
+gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a ``param_dtype``
+narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
+is its own master (DESIGN.md's table). B = elements of the largest bucket
+(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model), G = number
+of param groups.
+
+    kind              stage 0 (DDP)   stage 1        stage 2        stage 3
+    params            pΨ              pΨ             pΨ             pΨ/N
+    grads             pΨ              pΨ             gΨ/N           gΨ/N
+    master            4Ψ (mixed)      4Ψ/N           4Ψ/N           4Ψ/N
+    optimizer_states  8Ψ              8Ψ/N           8Ψ/N           8Ψ/N
+    buffers           0               2rB (pooled)   (1 + G)rB      (1 + G)rB
+    transient         0               rΨ/N           0              2p·(largest unit)
+
+``model_states_bytes`` (params + grads + master + optimizer_states) is the ZeRO paper's
+quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
+2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are held between steps: two bucket-sized reduce buffers
+(one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
+bucket may wait for another group's); stage 1 needs them only when the gradient must be cast or
+pre-divided before reduction (r != p, or fp16), else it reduce-scatters its flat gradient in
+place. ``transient`` memory lives only inside a step: stage 1's reduced gradient shards during
+``step()``, stage 3's gathered units (the layer computing and the one prefetched).
+``device_bytes`` counts both (the peak that must fit); ``held_device_bytes`` counts what is held
+between steps (what ``ZeroOptimizer.stats()`` measures). Data parallel means DDP with
+``gradient_as_bucket_view=True``: its buckets are the gradients, so no buffer is counted.
+
+Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity): with ``"cpu"`` the
+master, optimizer states and the gradient shard live in host RAM (and at stage 3 the parameter
+shard too); with ``"nvme"`` master, states (and at stage 3 the parameter shard) live on disk,
+the gradient shard and one staging bucket in host RAM.
+
+[Note: traffic model]
+Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
+B·(N−1)/N; an all-reduce sends twice that): stage 0 all-reduces the gradients (2·pΨ·(N−1)/N),
+stages 1-2 reduce-scatter the gradients and all-gather the parameters ((r + p)·Ψ·(N−1)/N: the
+paper's 2Ψ), stage 3 gathers the parameters twice, once per direction ((r + 2p)·Ψ·(N−1)/N: 3Ψ).
+Offload adds host<->device copies (gradient shard down, updated shard up) and, for nvme, the
+read and write of master and states.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
+
+_DTYPE_NAMES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(value, name: str) -> Optional[torch.dtype]:
+    """``None``, a floating ``torch.dtype`` or one of fp32/bf16/fp16 (and long names) -> dtype."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise ValueError(f"{name} must be a floating dtype, got {value}")
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower()]
+    raise ValueError(f"{name} must be None, a torch floating dtype or one of "
+                     f"{sorted(_DTYPE_NAMES)}, got {value!r}")
+
+
+def rung_name(stage: int, offload: Optional[str]) -> str:
+    """Human name of a rung: 'data parallel', 'stage 2', 'stage 3 + cpu offload', ..."""
+    base = "data parallel" if stage == 0 else f"stage {stage}"
+    return base if offload is None else f"{base} + {offload} offload"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank of one rung (see [Note: memory model]) and bytes sent per step.
+
+    Attributes:
+        stage, offload, num_params, world_size: the rung and the model it was computed for.
+        params_bytes, grads_bytes, master_bytes, optimizer_states_bytes, buffers_bytes,
+        transient_bytes: bytes per rank of each kind, wherever they live.
+        device_bytes, host_bytes, disk_bytes: peak totals per rank by location.
+        comm_bytes: bytes this rank sends per step over the process group.
+        host_device_bytes: bytes copied between host and device per step (offload).
+        disk_io_bytes: bytes read plus written on disk per step (nvme offload).
+    """
+
+    stage: int
+    offload: Optional[str]
+    num_params: int
+    world_size: int
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_states_bytes: int
+    buffers_bytes: int
+    transient_bytes: int
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    comm_bytes: int
+    host_device_bytes: int
+    disk_io_bytes: int
+
+    @property
+    def model_states_bytes(self) -> int:
+        """params + grads + master + optimizer_states: the ZeRO paper's quantity."""
+        return self.params_bytes + self.grads_bytes + self.master_bytes + \
+            self.optimizer_states_bytes
+
+    @property
+    def gathered_peak_bytes(self) -> int:
+        """Stage 3's gathered units at their peak (0 at the other stages)."""
+        return self.transient_bytes if self.stage == 3 else 0
+
+    @property
+    def held_device_bytes(self) -> int:
+        """Device bytes held between steps: the peak less the transient memory."""
+        return self.device_bytes - self.transient_bytes
+
+    @property
+    def name(self) -> str:
+        return rung_name(self.stage, self.offload)
+
+
+def count_params(model_or_num_params) -> int:
+    """Distinct parameters of an ``nn.Module`` (tied weights counted once), or the number."""
+    if isinstance(model_or_num_params, torch.nn.Module):
+        return sum(p.numel() for p in model_or_num_params.parameters())
+    if isinstance(model_or_num_params, bool) or not isinstance(model_or_num_params,
+                                                                (int, float)):
+        raise TypeError("model_or_num_params must be an nn.Module or a number of parameters, "
+                        f"got {type(model_or_num_params).__name__}")
+    n = int(model_or_num_params)
+    if n != model_or_num_params or n < 0:
+        raise ValueError(f"model_or_num_params must be a whole number >= 0, got "
+                         f"{model_or_num_params}")
+    return n
+
+
+def largest_unit_numel(model: torch.nn.Module) -> int:
+    """Parameters of the largest unit stage 3 gathers at once: each element of a ModuleList /
+    Sequential is a unit (a transformer block), every other child module is one unit."""
+    best, seen = 0, set()
+
+    def visit(mod: torch.nn.Module) -> None:
+        nonlocal best
+        for child in mod.children():
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+                visit(child)
+                continue
+            numel = sum(p.numel() for p in child.parameters() if id(p) not in seen)
+            seen.update(id(p) for p in child.parameters())
+            best = max(best, numel)
+    visit(model)
+    own = sum(p.numel() for p in model.parameters(recurse=False))
+    return max(best, own)
+
+
+def _div(numer: int, n: int) -> int:
+    return -(-numer // n)   # a shard rounds up: every rank holds the same padded length
+
+
+def _largest_tensor_numel(model) -> int:
+    return max((p.numel() for p in model.parameters()), default=0) \
+        if isinstance(model, torch.nn.Module) else 0
+
+
+NUM_REDUCE_BUFFERS = 2      # bucket-sized reduce buffers: one filling, one reducing
+
+
+def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
+                    stage: int, param_dtype=None, reduce_dtype=None,
+                    offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
+                    max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
+                    max_tensor_numel: Optional[int] = None,
+                    num_param_groups: int = 1) -> MemoryEstimate:
+    """Bytes per rank, by kind and location, for training with AdamW on one rung.
+
+    Args:
+        model_or_num_params: an ``nn.Module`` (its distinct parameters are counted) or Ψ.
+        world_size: N, ranks sharing the states (>= 1).
+        stage: 0 (plain data parallel: DDP + AdamW), 1, 2 or 3.
+        param_dtype: compute dtype of the parameters (None: fp32, no master copy).
+        reduce_dtype: dtype gradients are reduced in (None: fp32).
+        offload: None, "cpu" or "nvme" (stages 2-3 only).
+        bucket_bytes: reduce bucket size (0: count no buffers, model states only).
+        max_unit_numel: parameters of the largest unit gathered at stage 3; default: the
+            model's largest block when a module is given, else 0 (not counted).
+        grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
+            ``ZeroOptimizer`` keeps it; the ZeRO paper keeps it in fp16).
+        max_tensor_numel: elements of the largest parameter (a tensor larger than a bucket
+            gets a bucket of its own); default: from the model when a module is given, else 0.
+        num_param_groups: optimizer param groups; from stage 2 on, each group beyond the first
+            may keep one partly filled bucket waiting, so it adds one reduce buffer.
+
+    Returns:
+        A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
+    """
+    num_params = count_params(model_or_num_params)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload is not None and stage < 2:
+        raise ValueError(f"offload={offload!r} needs stage 2 or 3, got stage {stage}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+    pdt = parse_dtype(param_dtype, "param_dtype") or torch.float32
+    rdt = parse_dtype(reduce_dtype, "reduce_dtype") or torch.float32
+    gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
+    p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
+    n_psi, big_n = num_params, world_size
+    mixed = pdt != torch.float32
+
+    if max_unit_numel is None:
+        max_unit_numel = largest_unit_numel(model_or_num_params) \
+            if isinstance(model_or_num_params, torch.nn.Module) else 0
+    shard = _div(n_psi, big_n)
+    # The largest bucket: bucket_bytes of reduce dtype, a lone tensor larger than that, never
+    # more than the whole model.
+    if max_tensor_numel is None:
+        max_tensor_numel = _largest_tensor_numel(model_or_num_params)
+    bucket_numel = 0 if bucket_bytes == 0 else min(n_psi, max(bucket_bytes // r,
+                                                              max_tensor_numel))
+    if isinstance(num_param_groups, bool) or not isinstance(num_param_groups, int) \
+            or num_param_groups < 1:
+        raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
+    num_buffers = NUM_REDUCE_BUFFERS + (num_param_groups - 1 if stage >= 2 else 0)
+    pool = num_buffers * r * bucket_numel
+    if stage == 0:
+        kinds = dict(params=p * n_psi, grads=p * n_psi,
+                     master=MASTER_BYTES * n_psi if mixed else 0,
+                     optimizer_states=ADAM_STATE_BYTES * n_psi, buffers=0, transient=0)
+    else:
+        # Stage 1 reduce-scatters its flat gradient in place unless it must cast or pre-divide.
+        pooled = stage > 1 or rdt != pdt or pdt == torch.float16
+        kinds = dict(params=p * n_psi if stage < 3 else p * shard,
+                     grads=p * n_psi if stage == 1 else g * shard,
+                     master=MASTER_BYTES * shard if mixed else 0,
+                     optimizer_states=ADAM_STATE_BYTES * shard,
+                     buffers=pool if pooled else 0,
+                     transient={1: r * shard, 2: 0, 3: 2 * p * max_unit_numel}[stage])
+    device = dict(kinds)
+    host, disk = {}, {}
+    if offload == "cpu":
+        for k in ("master", "optimizer_states", "grads") + (("params",) if stage == 3 else ()):
+            host[k] = device.pop(k)
+    elif offload == "nvme":
+        for k in ("master", "optimizer_states") + (("params",) if stage == 3 else ()):
+            disk[k] = device.pop(k)
+        host["grads"] = device.pop("grads")
+        host["staging"] = r * bucket_numel      # one bucket between disk and the update
+
+    frac = (big_n - 1) / big_n
+    if stage == 0:      # DDP all-reduces the gradients in their own dtype
+        comm = 2 * p * n_psi * frac
+    elif stage < 3:
+        comm = (r + p) * n_psi * frac
+    else:
+        comm = (r + 2 * p) * n_psi * frac
+    h2d = 0 if offload is None else g * shard + p * shard
+    disk_io = 0 if offload != "nvme" else 2 * (kinds["master"] + kinds["optimizer_states"])
+    return MemoryEstimate(
+        stage=stage, offload=offload, num_params=n_psi, world_size=big_n,
+        params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],
+        optimizer_states_bytes=kinds["optimizer_states"], buffers_bytes=kinds["buffers"],
+        transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
+        host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
+        comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io)

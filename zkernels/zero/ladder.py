@@ -1,0 +1,90 @@
+"""The ladder's decision: the lowest rung whose estimate fits a memory budget (pure arithmetic).
+
+``stage="auto"`` (:mod:`zkernels.zero.auto`) and ``python -m zkernels plan`` both decide here.
+Rungs, lowest first: stage 1, 2, 3, then stage 3 with offload to host RAM, then to NVMe.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from .estimate import MemoryEstimate, count_params, estimate_memory
+
+RUNGS: Tuple[Tuple[int, Optional[str]], ...] = ((1, None), (2, None), (3, None),
+                                                (3, "cpu"), (3, "nvme"))
+
+
+class NoRungFitsError(RuntimeError):
+    """Even the last rung of the ladder needs more memory than the budget."""
+
+
+def _gb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.3g} GB"
+
+
+def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
+                param_dtype=None, reduce_dtype=None, grad_shard_dtype=None,
+                bucket_bytes: int = 25 * 2**20, max_unit_numel: Optional[int] = None,
+                max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
+                host_budget_bytes: Optional[int] = None,
+                disk_budget_bytes: Optional[int] = None,
+                rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
+                ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
+    """Lowest rung whose device bytes per rank fit ``budget_bytes * (1 - headroom)``.
+
+    The headroom is left for what the estimate does not count: activations, the allocator's
+    fragmentation, the framework's workspace. Activations are the caller's business: a model
+    whose activations are large needs a larger headroom or a smaller budget.
+
+    Args:
+        num_params: Ψ (or an nn.Module). world_size: N ranks.
+        budget_bytes: device memory available to one rank for model states and buffers.
+        headroom: fraction of ``budget_bytes`` kept free, in [0, 1).
+        param_dtype, reduce_dtype, grad_shard_dtype, bucket_bytes, max_unit_numel,
+            max_tensor_numel, num_param_groups: as in :func:`estimate_memory`.
+        host_budget_bytes, disk_budget_bytes: when given, offload rungs must also fit there.
+        rungs: ``(stage, offload)`` pairs to try, lowest first.
+
+    Returns:
+        ``((stage, offload), estimate, reason)``: the rung, its estimate, and one sentence
+        saying why it was taken (what it needs, what was available, why lower rungs did not fit).
+
+    Raises:
+        NoRungFitsError: no rung fits; the message says what the last rung needs.
+    """
+    if not isinstance(budget_bytes, (int, float)) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a number >= 0, got {budget_bytes!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    if not rungs:
+        raise ValueError("rungs must name at least one (stage, offload) pair")
+    num_params = count_params(num_params)
+    usable = budget_bytes * (1 - headroom)
+    where = f"{_gb(usable)} usable of {_gb(budget_bytes)} " \
+            f"({headroom:.0%} headroom for activations and fragmentation)"
+    rejected = []
+    est = None
+    for stage, offload in rungs:
+        est = estimate_memory(num_params, world_size, stage, param_dtype=param_dtype,
+                              reduce_dtype=reduce_dtype, grad_shard_dtype=grad_shard_dtype,
+                              offload=offload,
+                              bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,
+                              max_tensor_numel=max_tensor_numel,
+                              num_param_groups=num_param_groups)
+        misses = []
+        if est.device_bytes > usable:
+            misses.append(f"{_gb(est.device_bytes)} on the device")
+        if host_budget_bytes is not None and est.host_bytes > host_budget_bytes:
+            misses.append(f"{_gb(est.host_bytes)} of host RAM > {_gb(host_budget_bytes)}")
+        if disk_budget_bytes is not None and est.disk_bytes > disk_budget_bytes:
+            misses.append(f"{_gb(est.disk_bytes)} of disk > {_gb(disk_budget_bytes)}")
+        if not misses:
+            lower = f"; lower rungs need {', '.join(rejected)}" if rejected else ""
+            reason = (f"{est.name} is the lowest rung that fits: it needs "
+                      f"{_gb(est.device_bytes)} per rank on the device for {num_params:,} "
+                      f"params on {world_size} ranks, {where}{lower}")
+            return (stage, offload), est, reason
+        rejected.append(f"{est.name}: {' and '.join(misses)}")
+    raise NoRungFitsError(
+        f"no rung of the ladder fits {num_params:,} params on {world_size} ranks in "
+        f"{where}: {'; '.join(rejected)}. Use more ranks, a narrower param_dtype, or a "
+        f"larger memory budget")
