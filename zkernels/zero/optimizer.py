@@ -29,9 +29,10 @@ STAGES = (1, 2)
 
 
 def resolve_stage(stage) -> int:
-    """The ZeRO stage to build (1 or 2). Stage 3 and ``"auto"`` come with later issues."""
+    """An explicit ZeRO stage (1 or 2; stage 3 comes with a later issue). ``"auto"`` is
+    resolved by the constructor once the world size is known (``auto.py``)."""
     if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        raise ValueError(f"stage must be one of {STAGES} or 'auto', got {stage!r}")
     return int(stage)
 
 
@@ -69,6 +70,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
         memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
             measured free device memory less 10% headroom).
+        comm_backend: ``"auto"`` (the native NCCL engine for CUDA buffers where it is built,
+            torch.distributed otherwise), ``"torch"`` or ``"nccl"``; see
+            ``zkernels.comm.make_comm``.
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -78,7 +82,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
-                 memory_budget_bytes: Optional[int] = None) -> None:
+                 memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto") -> None:
         if offload is not None:
             raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
                                       f"offload comes with a later issue): pass offload=None")
@@ -103,7 +107,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                            g["weight_decay"])
         device = groups[0]["params"][0].device
         self.meter = VolumeMeter()
-        self.comm = MeteredComm(make_comm(process_group, device), self.meter)
+        self.comm = MeteredComm(make_comm(process_group, device, comm_backend), self.meter)
         n = self.comm.world_size
         if auto:
             self.stage = resolve_auto_stage(
