@@ -27,7 +27,8 @@ def cast(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
 def unscale_and_check_(x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
                        found_inf: torch.Tensor) -> torch.Tensor:
     """In place: ``x *= inv_scale``; set ``found_inf`` to 1.0 if any element of ``x`` is
-    inf or NaN (checked on the scaled values, as ``torch.amp.GradScaler`` does).
+    inf or NaN, checked on the input (still loss-scaled) values before the multiply, as
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` does.
 
     Args:
         x: contiguous gradient buffer (fp32/bf16/fp16), modified in place.
