@@ -22,7 +22,8 @@ of param groups.
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are held between steps: two bucket-sized reduce buffers
 (one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
-bucket may wait for another group's); stage 1 needs them only when the gradient must be cast or
+bucket may wait for another group's), never more than there are buckets (a model that fits in
+one bucket per group needs one buffer per group, counted as max(ceil(Ψ/B), G)); stage 1 needs them only when the gradient must be cast or
 pre-divided before reduction (r != p, or fp16), else it reduce-scatters its flat gradient in
 place. ``transient`` memory lives only inside a step: stage 1's reduced gradient shards during
 ``step()``, stage 3's gathered units (the layer computing and the one prefetched).
@@ -236,6 +237,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             or num_param_groups < 1:
         raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
     num_buffers = NUM_REDUCE_BUFFERS + (num_param_groups - 1 if stage >= 2 else 0)
+    if bucket_numel:  # never more buffers than buckets (at least one per group)
+        num_buffers = min(num_buffers, max(-(-n_psi // bucket_numel), num_param_groups))
     pool = num_buffers * r * bucket_numel
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,

@@ -74,7 +74,7 @@ class FullGradReducer:
                         and precision.reduce_dtype != torch.float16)
         self._pool = None if self._direct else ReducePool(
             comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype, dev,
-            NUM_REDUCE_BUFFERS)
+            min(NUM_REDUCE_BUFFERS, len(buckets)))
         self._attach(zero_foreign=True)
 
     def _attach(self, zero_foreign: bool) -> None:
@@ -150,10 +150,11 @@ class ShardedGradReducer:
         self._where: Dict[int, Tuple[int, int]] = {
             id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
         # One open (partly filled) bucket per group can wait for an earlier one: see
-        # plan_buckets. More buffers than that would only hold memory.
+        # plan_buckets. More buffers than that, or than buckets, would only hold memory.
         num_groups = len({b.group_index for b in buckets})
         self._pool = ReducePool(comm, max(b.layout.padded_numel for b in buckets),
-                                precision.reduce_dtype, dev, NUM_REDUCE_BUFFERS + num_groups - 1)
+                                precision.reduce_dtype, dev,
+                                min(NUM_REDUCE_BUFFERS + num_groups - 1, len(buckets)))
         # The hooks hold the reducer weakly and go away with it, so a dropped optimizer
         # leaves no hooks (and no buffers) behind on the model.
         this = weakref.ref(self)
