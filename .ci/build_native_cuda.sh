@@ -20,4 +20,8 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZKERNELS_CUDA=ON \
 # Every target: the engine library, the _C_nccl module and the check executable (a full
 # link, so an unresolved CUDA/NCCL symbol fails here rather than at import on a GPU).
 cmake --build "$BUILD" -j "$(nproc)"
+# Put the engine's module into the package of this (CI) clone, so the test run that follows
+# imports it: its loader finds libnccl.so.2 through the RUNPATH, and its no-GPU tests
+# (unique id, argument checks, the named CUDA error) run instead of skipping.
+cp "$BUILD"/_C_nccl*.so zkernels/
 echo "build_native_cuda: CUDA/NCCL targets compiled and linked in $((SECONDS - start))s"
