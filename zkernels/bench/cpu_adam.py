@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ._common import SectionUnavailable, metadata
+from ._common import SectionUnavailable, format_table, metadata
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 ADAM_BYTES = 28          # fp32 p, g, m, v read + p, m, v written
@@ -188,29 +188,12 @@ def run(args: Optional[argparse.Namespace] = None) -> List[dict]:
             for r in rows]
 
 
-def table(rows: List[dict]) -> str:
-    head = f"{'numel':>10} {'thr':>3} {'row':<58} {'median ms':>10} {'min..max':>17} " \
-           f"{'GB/s':>7}  vs peer"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        note = ""
-        if "frac_of_bandwidth" in r:
-            note = f"{100 * r['frac_of_bandwidth']:.0f}% of bandwidth, " \
-                   f"{r['speedup_vs_torch_fused']:.2f}x torch fused"
-        elif "speedup" in r:
-            note = f"{r['speedup']:.2f}x"
-        lines.append(f"{r['numel']:>10} {r['threads']:>3} {r['name']:<58} "
-                     f"{r['median_ms']:>10.2f} {r['min_ms']:>8.2f}..{r['max_ms']:<8.2f} "
-                     f"{r['gbps']:>7.2f}  {note}")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     rows = run(args)
     meta = _meta()
     print(", ".join(f"{k}={v}" for k, v in meta.items() if k != "kind"))
-    print(table(rows))
+    print(format_table(rows, COLUMNS))
     rows = [meta] + rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
