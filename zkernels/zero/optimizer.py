@@ -132,6 +132,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._model_params = list(model.parameters())
+        self.module = model  # zkernels.checkpoint names parameters and buffers through it
         self._num_steps = 0
         self._overflow_skips = 0
         self._scaled_backward = False
