@@ -73,14 +73,15 @@ def consolidate(path: str, dtype=None) -> Dict[str, torch.Tensor]:
     with CheckpointFiles(folder, m) as files:
         for e, out_dtype, shape in _entries(m, dtype):
             src = e["source"]
-            if src["key"] not in built:
+            ident = src["of"] if src["kind"] == "param" else src["key"]
+            if ident not in built:
                 t = torch.empty(shape, dtype=out_dtype)
                 if src["kind"] == "param":
                     files.read_param(src["of"], "master", 0, t.numel(), t.view(-1))
                 else:
                     files.tensor(src, f"model[{src['key']!r}]", out=t)
-                built[src["key"]] = t
-            out[e["key"]] = built[src["key"]]
+                built[ident] = t
+            out[e["key"]] = built[ident]
     return out
 
 
