@@ -37,10 +37,7 @@ def agree(view, error: Optional[BaseException], what: str, then: str,
                          f"{exc}); {then}") from (error or exc)
     failed = [r for r, f in enumerate(flags.tolist()) if f]
     if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
-        raise error_type(f"{what} failed on rank {view.rank}: {type(error).__name__}: "
-                         f"{error}; {then}") from error
+        raise error  # the most precise account, on the rank where it happened
     if failed:
         raise error_type(f"{what} failed on rank(s) {failed} (their own errors say why); "
                          f"{then}")

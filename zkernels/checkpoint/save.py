@@ -74,8 +74,10 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     intact = f"the previous checkpoint at {path} (if any) is intact"
     error: Optional[BaseException] = None
+    state = None
     if view.rank == 0:
         try:
+            state = _model_state(view, model_extra)   # refuse what cannot be stored first
             _prepare(path, tmp, old)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by agree()
             error = exc
@@ -85,7 +87,7 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
     try:
         index = _write_shard(view, tmp, fsync)
         if view.rank == 0:
-            index["model"] = _write_model(view, tmp, model_extra, fsync)
+            index["model"] = _write_model(view, tmp, state, fsync)
         _write_json(os.path.join(tmp, _index_file(view.rank, view.world_size)), index, fsync)
     except BaseException as exc:  # noqa: BLE001
         error = exc
@@ -172,10 +174,9 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
     return {"file": fname, "entry": writer.close(fsync), "pieces": pieces}
 
 
-def _write_model(view: OptimizerView, tmp: str, model_extra: Any,
-                 fsync: bool) -> Dict[str, Any]:
-    """Rank 0: frozen parameters, buffers and the tensors of ``model_extra`` and of the
-    hyper-parameters, once."""
+def _model_state(view: OptimizerView, model_extra: Any):
+    """Rank 0: ``model_extra`` and the hyper-parameters as JSON, and every tensor that goes
+    into ``model.safetensors`` (theirs, the frozen parameters and the buffers)."""
     tensors: Dict[str, torch.Tensor] = {}
     extra = _codec.encode(model_extra, tensors, "model_extra")
     groups = [_codec.encode(h, tensors, f"param_groups[{i}]")
@@ -183,6 +184,12 @@ def _write_model(view: OptimizerView, tmp: str, model_extra: Any,
     for e in view.model_entries():
         if e.tensor is not None:
             tensors[f"model/{e.key}"] = e.tensor
+    return extra, groups, tensors
+
+
+def _write_model(view: OptimizerView, tmp: str, state, fsync: bool) -> Dict[str, Any]:
+    """Rank 0: ``model.safetensors``, once."""
+    extra, groups, tensors = state
     writer = TensorFileWriter(os.path.join(tmp, manifest.MODEL_FILE),
                               [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
                               {"format": manifest.FORMAT})
