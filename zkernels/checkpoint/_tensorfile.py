@@ -39,8 +39,8 @@ import torch
 from .errors import CorruptCheckpointError
 
 BLOCK_BYTES = 1 << 20          # checksum granularity
-_STAGE_BYTES = 16 << 20        # device -> host copies and output chunks
-_GROUP_BLOCKS = 8              # blocks read (and verified) per reader call
+_STAGE_BYTES = 8 << 20         # device -> host copies and output chunks
+_GROUP_BLOCKS = 4              # blocks read (and verified) per reader call: 4 MiB
 MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit
 
 _NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",

@@ -3,7 +3,7 @@
 ``consolidate(path)`` returns ``{state_dict key: tensor}`` exactly as the model's
 ``state_dict()`` would hold them (trainable parameters as their fp32 masters, frozen
 parameters and buffers as saved, tied keys sharing one tensor): memory is the output plus one
-16 MiB staging buffer. ``consolidate_to_file(path, out)`` streams into a ``.safetensors``
+8 MiB staging buffer. ``consolidate_to_file(path, out)`` streams into a ``.safetensors``
 file piece by piece, so its memory is the staging buffers alone, whatever the model's size;
 a ``.pt`` output is ``torch.save`` of the in-memory dict (plain tensors, loadable with
 ``torch.load(out, weights_only=True)``).
