@@ -17,7 +17,7 @@ from tests._dist import _free_port, _worker
 from tests.checkpoint import _ranks
 from zkernels.checkpoint import (CheckpointError, CorruptCheckpointError,
                                  IncompatibleCheckpointError, NotACheckpointError,
-                                 SaveAbortedError, UnsupportedVersionError, manifest)
+                                 UnsupportedVersionError, manifest)
 from zkernels.demo.model import GPT, GPTConfig
 
 

@@ -101,6 +101,19 @@ def _check_structure(m: Dict[str, Any], where: str) -> None:
                 and isinstance(entry.get("block_crc32"), list)):
             raise CorruptCheckpointError(f"{where}: files[{name!r}] must have an int 'size' "
                                          f"and a 'block_crc32' list")
+    keys = set()
+    for i, e in enumerate(m["model"]):
+        kind = e.get("kind") if isinstance(e, dict) else None
+        ok = kind in ("param", "alias") and isinstance(e.get("of"), str) or \
+            kind in ("frozen", "buffer") and e.get("file") in m["files"] and \
+            isinstance(e.get("shape"), list) and isinstance(e.get("offsets"), list)
+        if not ok or not isinstance(e.get("key"), str) or e["key"] in keys:
+            raise CorruptCheckpointError(f"{where}: model[{i}] is malformed")
+        if kind == "param" and e["of"] not in m["params"] or kind == "alias" and \
+                e["of"] not in keys:
+            raise CorruptCheckpointError(f"{where}: model[{i}] ({e['key']!r}) refers to "
+                                         f"{e['of']!r}, which the manifest does not hold")
+        keys.add(e["key"])
     for name, p in m["params"].items():
         if not isinstance(p, dict) or not isinstance(p.get("pieces"), list) \
                 or not isinstance(p.get("shape"), list):
