@@ -92,13 +92,17 @@ class CheckpointFiles:
         if end - begin != numel * torch.empty((), dtype=dtype).element_size():
             raise manifest.CorruptCheckpointError(f"{where}: byte range {begin}..{end} does not "
                                                   f"hold {shape} of {dtype}")
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
-        elif out.numel() != numel:
+        if out is not None and out.numel() != numel:
             raise manifest.CorruptCheckpointError(f"{where}: stored shape {shape} does not "
                                                   f"match {tuple(out.shape)}")
-        self.read_into(entry["file"], begin, dtype, out.reshape(-1) if out.is_contiguous()
-                       else out.view(-1))
+        if out is None or not out.is_contiguous():
+            flat = torch.empty(numel, dtype=dtype)
+            self.read_into(entry["file"], begin, dtype, flat)
+            if out is None:
+                return flat.view(shape)
+            out.copy_(flat.view(out.shape))
+            return out
+        self.read_into(entry["file"], begin, dtype, out.view(-1))
         return out
 
     def param_pieces(self, name: str) -> List[Dict[str, Any]]:

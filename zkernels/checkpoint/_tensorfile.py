@@ -87,12 +87,14 @@ class TensorFileWriter:
         path: the file to create (its folder must exist).
         entries: ``(key, dtype, shape)`` of every tensor, in the order they will be fed.
         metadata: ``__metadata__`` strings.
+        checksum: compute the per-block CRC-32 (off for exports, which no manifest lists).
     """
 
     def __init__(self, path: str, entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
-                 metadata: Optional[Dict[str, str]] = None) -> None:
+                 metadata: Optional[Dict[str, str]] = None, checksum: bool = True) -> None:
         _check_little_endian()
         self.path = path
+        self.checksum = checksum
         header: Dict[str, object] = {}
         self._sizes: List[Tuple[str, int]] = []
         self._dtypes: Dict[str, torch.dtype] = {}
@@ -128,6 +130,8 @@ class TensorFileWriter:
         data = memoryview(data).cast("B")
         self._file.write(data)
         self._size += len(data)
+        if not self.checksum:
+            return
         pos = 0
         while pos < len(data):
             take = min(len(data) - pos, BLOCK_BYTES - self._in_block)
@@ -194,7 +198,7 @@ class TensorFileReader:
     """Verified byte-range reads from one checkpoint file.
 
     Every read goes through whole ``BLOCK_BYTES`` blocks whose CRC-32 is checked against the
-    manifest before any byte of them is used. The last group of blocks read is cached, so
+    manifest before any byte of them is used. The last blocks read stay cached, so
     consecutive small reads (a layer's bias after its weight) read the file once.
 
     Args:
@@ -224,8 +228,8 @@ class TensorFileReader:
             raise CorruptCheckpointError(f"{label} is {what}: {actual} bytes, the manifest "
                                          f"says {self.size}")
         self._scratch = np.empty(_GROUP_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
-        self._group = -1        # index of the verified group held in _scratch
-        self._group_len = 0
+        self._lo = self._hi = 0     # blocks [_lo, _hi) are verified and held in _scratch
+        self._len = 0               # their bytes
 
     def close(self) -> None:
         self._file.close()
@@ -236,12 +240,10 @@ class TensorFileReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _load_group(self, g: int) -> None:
-        if g == self._group:
-            return
-        start = g * _GROUP_BLOCKS * BLOCK_BYTES
-        length = min(_GROUP_BLOCKS * BLOCK_BYTES, self.size - start)
-        self._group = -1
+    def _load_blocks(self, lo: int, hi: int) -> None:
+        start = lo * BLOCK_BYTES
+        length = min(hi * BLOCK_BYTES, self.size) - start
+        self._lo = self._hi = 0
         self._file.seek(start)
         view = memoryview(self._scratch)[:length]
         got = self._file.readinto(view)
@@ -249,33 +251,34 @@ class TensorFileReader:
             raise CorruptCheckpointError(f"{self.label}: short read at byte {start} "
                                          f"({got} of {length} bytes): the file changed while "
                                          f"it was read")
-        first = g * _GROUP_BLOCKS
-        for j in range(-(-length // BLOCK_BYTES)):
-            lo = j * BLOCK_BYTES
-            crc = zlib.crc32(view[lo:lo + BLOCK_BYTES])
-            if crc != self.crcs[first + j]:
-                hi = min(lo + BLOCK_BYTES, length)
+        for j in range(hi - lo):
+            b = j * BLOCK_BYTES
+            crc = zlib.crc32(view[b:b + BLOCK_BYTES])
+            if crc != self.crcs[lo + j]:
+                end = min(b + BLOCK_BYTES, length)
                 raise CorruptCheckpointError(
-                    f"{self.label}: checksum mismatch in block {first + j} (bytes "
-                    f"{start + lo}..{start + hi}): CRC-32 {crc:#010x}, the manifest says "
-                    f"{self.crcs[first + j]:#010x}; the file is corrupt")
-        self._group, self._group_len = g, length
+                    f"{self.label}: checksum mismatch in block {lo + j} (bytes "
+                    f"{start + b}..{start + end}): CRC-32 {crc:#010x}, the manifest says "
+                    f"{self.crcs[lo + j]:#010x}; the file is corrupt")
+        self._lo, self._hi, self._len = lo, hi, length
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (a uint8 numpy array, C-contiguous) with the verified bytes
-        ``[offset, offset + out.nbytes)`` of the file."""
+        ``[offset, offset + out.nbytes)`` of the file: only the blocks that cover them are
+        read, at most ``_GROUP_BLOCKS`` at a time; the last ones read stay cached."""
         n = out.nbytes
         if offset < 0 or offset + n > self.size:
             raise CorruptCheckpointError(f"{self.label}: the manifest points at bytes "
                                          f"{offset}..{offset + n} of a {self.size}-byte file")
-        group_bytes = _GROUP_BLOCKS * BLOCK_BYTES
+        last = (offset + n - 1) // BLOCK_BYTES if n else 0
         pos = 0
         while pos < n:
             at = offset + pos
-            g = at // group_bytes
-            self._load_group(g)
-            lo = at - g * group_bytes
-            take = min(n - pos, self._group_len - lo)
+            blk = at // BLOCK_BYTES
+            if not self._lo <= blk < self._hi:
+                self._load_blocks(blk, min(blk + _GROUP_BLOCKS, last + 1))
+            lo = at - self._lo * BLOCK_BYTES
+            take = min(n - pos, self._len - lo)
             out[pos:pos + take] = self._scratch[lo:lo + take]
             pos += take
 

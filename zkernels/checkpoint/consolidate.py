@@ -108,7 +108,8 @@ def consolidate_to_file(path: str, out: str, dtype=None) -> None:
     entries = list(_entries(m, dtype))
     tmp = out + ".tmp"
     writer = TensorFileWriter(tmp, [(e["key"], d, s) for e, d, s in entries],
-                              {"format": "pt", "source": "zkernels.checkpoint.consolidate"})
+                              {"format": "pt", "source": "zkernels.checkpoint.consolidate"},
+                              checksum=False)
     try:
         with CheckpointFiles(folder, m) as files:
             for e, out_dtype, _ in entries:
