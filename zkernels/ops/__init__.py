@@ -9,4 +9,5 @@ from .flatten import flatten, unflatten
 from .opset import OpSet, for_device
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-           "unscale_and_check_", "adamw_step", "sum_squares", "available", "choose", "OpSet", "for_device"]
+           "unscale_and_check_", "adamw_step", "sum_squares", "available", "choose",
+           "OpSet", "for_device"]

@@ -155,14 +155,18 @@ class ShardedGradReducer:
             id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
         # One open (partly filled) bucket per group can wait for an earlier one: see
         # plan_buckets. More buffers than that, or than buckets, would only hold memory.
+        # The hooks (and the reduce-scatter's callback) hold the reducer weakly and go away
+        # with it, so a dropped optimizer leaves no hooks (and no buffers) behind on the model.
+        this = weakref.ref(self)
+
+        def on_reduced(bi: int, shard: torch.Tensor) -> None:
+            this()._accumulate(bi, shard)
+
         num_groups = len({b.group_index for b in buckets})
         self._rs = BucketedReduceScatter(
             comm, [b.layout.padded_numel for b in buckets], [b.shard_slice for b in buckets],
             [len(b.params) for b in buckets], precision.reduce_dtype, dev,
-            policy.num_reduce_buffers(len(buckets), num_groups), self._accumulate)
-        # The hooks hold the reducer weakly and go away with it, so a dropped optimizer
-        # leaves no hooks (and no buffers) behind on the model.
-        this = weakref.ref(self)
+            policy.num_reduce_buffers(len(buckets), num_groups), on_reduced)
 
         def hook(p: torch.Tensor) -> None:
             reducer = this()

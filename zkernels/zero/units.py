@@ -71,6 +71,9 @@ class GatherPolicy(Protocol):
     def publish(self, comm: Comm) -> Handle:
         """``compute_shard`` changed (the update): make every rank's copy current."""
 
+    def held(self) -> List[torch.Tensor]:
+        """Parameter storage held now (for ``stats()``)."""
+
 
 class ReplicatedParams:
     """Stages 1-2: the full compute buffer is permanent and the parameters are permanent views.
@@ -101,6 +104,90 @@ class ReplicatedParams:
     def held(self) -> List[torch.Tensor]:
         """Parameter storage held between steps (for ``stats()``)."""
         return [self.full]
+
+
+class _Gathering:
+    """The handle of a gather in flight: waiting completes it once."""
+
+    def __init__(self, owner: "ShardedParams", handle: Handle) -> None:
+        self._owner, self._handle = owner, handle
+
+    def wait(self) -> None:
+        if self._owner._pending is self:
+            self._handle.wait()
+            self._owner._pending = None
+
+
+class ShardedParams:
+    """Stage 3's policy: only the compute shard is persistent; the full buffer exists between
+    :meth:`ensure_gathered` and :meth:`free`.
+
+    The parameters stay views of one full tensor whose *storage* is released on ``free`` and
+    re-allocated on ``ensure_gathered`` (as FSDP1 does), so their shapes never change and a
+    use while freed fails loudly (the storage is empty) instead of reading stale values.
+
+    Args:
+        params: the unit's parameters, in layout order; they become views of the full buffer.
+        layout: the unit's layout.
+        compute_shard: [shard_numel] compute dtype, this rank's persistent shard (owned).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
+                 compute_shard: torch.Tensor) -> None:
+        if compute_shard.numel() != layout.shard_numel:
+            raise ValueError(f"compute_shard has {compute_shard.numel()} elements, the layout's "
+                             f"shard {layout.shard_numel}")
+        self.compute_shard = compute_shard
+        self._full = torch.empty(layout.padded_numel, dtype=compute_shard.dtype,
+                                 device=compute_shard.device)
+        self._nbytes = self._full.untyped_storage().nbytes()
+        views = [self._full[o:o + p.numel()].view(p.shape)
+                 for p, o in zip(params, layout.offsets)]
+        for p, v in zip(params, views):
+            p.data = v
+        self._pending: Optional[_Gathering] = None
+        self._gathered = True  # storage allocated (values valid once any gather finished)
+        self.free()
+
+    @property
+    def full(self) -> Optional[torch.Tensor]:
+        return self._full if self._gathered else None
+
+    @property
+    def is_gathered(self) -> bool:
+        """The full buffer is allocated and no gather into it is in flight."""
+        return self._gathered and self._pending is None
+
+    def ensure_gathered(self, comm: Comm) -> Handle:
+        """Allocate the full buffer and start the all-gather of every rank's shard into it
+        (a gather already in flight or done is not repeated). Collective."""
+        if self._pending is not None:
+            return self._pending
+        if self._gathered:
+            return _Done()
+        self._full.untyped_storage().resize_(self._nbytes)
+        self._gathered = True
+        self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard))
+        return self._pending
+
+    def free(self) -> None:
+        """Release the full buffer's storage (waits for a gather in flight first)."""
+        if self._pending is not None:
+            self._pending.wait()
+        self._full.untyped_storage().resize_(0)
+        self._gathered = False
+
+    def publish(self, comm: Comm) -> Handle:
+        """The shard changed: a full copy still held is stale, so it is freed; the next
+        ``ensure_gathered`` reads the new shards."""
+        if self._gathered:
+            self.free()
+        return _Done()
+
+    def held(self) -> List[torch.Tensor]:
+        """Parameter storage held (for ``stats()``): the shard, and the full buffer while
+        gathered."""
+        return [self.compute_shard] + ([self._full] if self._gathered else [])
 
 
 @dataclass
