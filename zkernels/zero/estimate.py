@@ -18,6 +18,10 @@ of param groups.
     buffers           0               2rB (pooled)   (1 + G)rB      (1 + G)rB
     transient         0               rΨ/N           0              2p·(largest unit)
 
+Which kind is sharded at which stage, the transient memory and the number of reduce buffers
+come from the stage registry (``policy.py``: ``StagePolicy`` fields, ``num_reduce_buffers``),
+the same entries the optimizer and its gradient strategies are built from.
+
 ``model_states_bytes`` (params + grads + master + optimizer_states) is the ZeRO paper's
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are held between steps: two bucket-sized reduce buffers

@@ -4,7 +4,9 @@ Stage 1 (:class:`FullGradReducer`) keeps full gradients until ``step()``; stage 
 (:class:`ShardedGradReducer`) reduces them bucket by bucket *during* backward and keeps only
 this rank's shard. The optimizer talks to either through the same four members: ``sync``
 (False inside ``no_sync``), ``finish()``, ``zero_grad()`` and the tensors they hold (for
-``stats()``). Stage 3 and offload add strategies here instead of branches in shared code.
+``stats()``). Stage 3 and offload add strategies here (``GRAD_REDUCERS``) instead of branches
+in shared code. Stage 2's launch order and buffers are ``zkernels.comm.bucketed``'s; the number
+of reduce buffers is the registry's rule (``policy.num_reduce_buffers``).
 
 [Note: gradient accumulation]
 Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype) and communicates

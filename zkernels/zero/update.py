@@ -7,7 +7,7 @@ issue) adds a host or NVMe strategy with the same members (``placement``, ``stat
 """
 from __future__ import annotations
 
-from typing import List, Union
+from typing import Dict, List, Protocol, Union
 
 import torch
 
@@ -16,6 +16,28 @@ from .shard_state import ShardState
 from .units import FlatParamUnit
 
 GradScale = Union[None, float, torch.Tensor]
+
+
+class UpdateStrategy(Protocol):
+    """What the optimizer and ``state.py`` need from an update strategy."""
+
+    placement: str              # "device", later "cpu" / "nvme"
+    states: List[ShardState]    # by unit index
+
+    def init_state(self, unit: FlatParamUnit, initial_master: torch.Tensor) -> ShardState:
+        """Allocate ``unit``'s state (where this strategy keeps states)."""
+
+    def update(self, unit: FlatParamUnit, grad: torch.Tensor, group: dict,
+               grad_scale: GradScale) -> None:
+        """Step ``unit``'s state with its reduced gradient shard and write the updated
+        parameters into ``unit.compute_shard``."""
+
+    def load_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Overwrite ``unit``'s state and its compute shard."""
+
+    def held(self) -> Dict[str, List[torch.Tensor]]:
+        """Tensors held by kind ("master", "optimizer_states") for ``stats()``."""
 
 
 class DeviceUpdate:
