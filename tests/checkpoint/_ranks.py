@@ -79,7 +79,7 @@ def batches():
 def snapshot(model, opt):
     """Parameters (as trained) and this rank's master shards, on the CPU."""
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "masters": [b.master.detach().clone() for b in opt.buckets]}
+            "masters": [st.master.detach().clone() for st in opt.shard_update.states]}
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,7 +5,7 @@ Everything else in ``zkernels.checkpoint`` (file format, manifest, atomic publis
 reads, consolidation) speaks only in terms of this module's objects: named parameters with
 their full shape, and *pieces*: a contiguous element range ``[start, end)`` of one flattened
 parameter held by this rank, with 1-D fp32 tensors for its master values and both AdamW
-moments. Any way of sharding (buckets today; parameter units and shard states, stage 3's
+moments. Any way of sharding (flat units with their shard states today, stage 3's
 sharded parameters, state offloaded to host RAM or NVMe later) is a new body for
 :meth:`OptimizerView.pieces` and :meth:`OptimizerView.finish_load`, nothing more.
 
@@ -14,10 +14,15 @@ offloaded state may stage them in and write them back between pieces); the saver
 them, the loader only writes them. Pieces of one rank never overlap, and over all ranks the
 pieces of a parameter tile ``[0, numel)`` exactly (the saver checks it).
 
-This body: today's ``zkernels/zero/buckets.py``. A bucket's parameters are the tensors of its
-``FlatLayout``; ``tensor_slices_in_shard(rank)`` gives, for every parameter that overlaps this
-rank's shard, its start in the parameter and in the shard; ``master``/``exp_avg``/``exp_avg_sq``
-are [shard_numel] fp32 (in pure fp32 the master is a view of the compute buffer).
+This body: the optimizer's flat parameter units (``opt.units``, ``zkernels/zero/units.py``) and
+the update strategy's shard states (``opt.shard_update.states``, ``shard_state.py``). A state
+knows its unit's parameter names and layout, and ``ShardState.param_slices()`` maps every
+element of its shard to ``(name, start in the parameter)``; its master and moments are
+[shard_numel] fp32. Loading writes into those tensors, then hands each state back to the
+update strategy (``load_state``: it rewrites the unit's compute shard from the master, in the
+compute dtype) and lets the unit's gather policy ``publish`` it (stages 1-2: all-gather the
+full buffer; stage 3: drop a stale gathered copy, the next gather reads the new shards). Frozen
+parameters and buffers come from ``opt.module``'s ``state_dict()``.
 """
 from __future__ import annotations
 
@@ -26,7 +31,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import ops
 from .errors import IncompatibleCheckpointError
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -99,7 +103,7 @@ class OptimizerView:
     """
 
     def __init__(self, opt) -> None:
-        if not hasattr(opt, "buckets") or not hasattr(opt, "comm"):
+        if not all(hasattr(opt, a) for a in ("units", "shard_update", "comm")):
             raise TypeError(f"opt must be a zkernels.ZeroOptimizer, got {type(opt).__name__}")
         module = getattr(opt, "module", None)
         if not isinstance(module, torch.nn.Module):
@@ -107,52 +111,58 @@ class OptimizerView:
                             "the model was built with (opt.module)")
         self.opt = opt
         self.module = module
+        self._states = {st.unit_index: st for st in opt.shard_update.states}
+        # id(param) -> canonical name (its first name in named_parameters(), as units.py).
         self._names: Dict[int, str] = {id(p): n for n, p in module.named_parameters()}
-        self.params: Dict[str, ParamInfo] = {}
-        for gi, g in enumerate(opt.param_groups):
-            for p in g["params"]:
-                name = self._names[id(p)]
-                self.params[name] = ParamInfo(name, tuple(p.shape), gi)
+        unit_params: Dict[str, ParamInfo] = {}
+        for u in opt.units:
+            for name, p in zip(u.names, u.params):
+                unit_params[name] = ParamInfo(name, tuple(p.shape), u.group_index)
         # Registration order, the order state_dict() and the consolidated export use.
-        order = {n: i for i, (n, _) in enumerate(module.named_parameters())}
-        self.params = dict(sorted(self.params.items(), key=lambda kv: order[kv[0]]))
+        self.params: Dict[str, ParamInfo] = {n: unit_params[n] for n in
+                                             dict(module.named_parameters()) if n in unit_params}
         self.group_names: List[List[str]] = [[self._names[id(p)] for p in g["params"]]
                                              for g in opt.param_groups]
         # Unmetered: checkpoint traffic is not a training step's.
         self.comm = getattr(opt.comm, "inner", opt.comm)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.device = opt.buckets[0].compute.device
+        self.device = opt.units[0].device
 
     def describe(self) -> Dict[str, object]:
         """How this optimizer runs (recorded in the manifest, for people)."""
+        placement = getattr(self.opt.shard_update, "placement", "device")
         return {"world_size": self.world_size, "stage": self.opt.stage,
                 "param_dtype": str(self.opt.precision.param_dtype).replace("torch.", ""),
-                "offload": None}
+                "offload": None if placement == "device" else placement}
 
-    def pieces(self) -> Iterator[ShardPiece]:
-        for b in self.opt.buckets:
-            for i, in_tensor, in_shard, n in b.layout.tensor_slices_in_shard(b.rank):
-                yield ShardPiece(self._names[id(b.params[i])], in_tensor, in_tensor + n, b.step,
-                                 {f: getattr(b, f)[in_shard:in_shard + n] for f in FIELDS})
+    def _unit_states(self):
+        for u in self.opt.units:
+            yield u, self._states[u.index]
 
     def piece_ranges(self) -> List[Tuple[str, int, int, int]]:
         """``(name, start, end, step)`` of every piece :meth:`pieces` yields, in that order,
         without touching the tensors (the saver lays out its file from this first)."""
-        return [(self._names[id(b.params[i])], s, s + n, b.step) for b in self.opt.buckets
-                for i, s, _, n in b.layout.tensor_slices_in_shard(b.rank)]
+        return [(name, a, a + n, st.step) for _, st in self._unit_states()
+                for name, a, _, n in st.param_slices()]
+
+    def pieces(self) -> Iterator[ShardPiece]:
+        for _, st in self._unit_states():
+            tensors = dict(zip(FIELDS, st.tensors()))
+            for name, a, s, n in st.param_slices():
+                yield ShardPiece(name, a, a + n, st.step,
+                                 {f: t[s:s + n] for f, t in tensors.items()})
 
     def set_steps(self, steps: Dict[str, int]) -> None:
-        """Give every parameter its saved AdamW step count. A bucket (one AdamW call) has one
-        count, so its parameters must agree."""
-        for b in self.opt.buckets:
-            names = [self._names[id(p)] for p in b.params]
-            counts = {steps[n] for n in names}
+        """Give every parameter its saved AdamW step count. A unit's state (one AdamW call)
+        has one count, so its parameters must agree."""
+        for _, st in self._unit_states():
+            counts = {steps[n] for n in st.names}
             if len(counts) > 1:
                 raise IncompatibleCheckpointError(
-                    f"parameters {names} share one optimizer bucket here but were saved with "
-                    f"different step counts {sorted(counts)}: load into an optimizer whose "
-                    f"buckets do not mix them (param_groups or bucket_bytes)")
-            b.step = counts.pop()
+                    f"parameters {list(st.names)} share one optimizer unit here but were saved "
+                    f"with different step counts {sorted(counts)}: load into an optimizer "
+                    f"whose units do not mix them (param_groups or bucket_bytes)")
+            st.step = counts.pop()
 
     def hparams(self) -> List[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -191,12 +201,12 @@ class OptimizerView:
 
     @torch.no_grad()
     def finish_load(self) -> None:
-        """Rebuild the compute parameters from the restored master shards: round them to
-        param_dtype, then all-gather each bucket (collective)."""
+        """The states hold the checkpoint's values: let the update strategy rebuild each
+        unit's compute shard from its master (rounded to param_dtype; its own tensors are
+        passed, so nothing is copied twice), then the gather policy publish it (collective)."""
         handles = []
-        for b in self.opt.buckets:
-            if self.opt.precision.has_master:
-                ops.cast(b.master, out=b.compute_shard)
-            handles.append(self.comm.all_gather(b.compute, b.compute_shard))
+        for u, st in self._unit_states():
+            self.opt.shard_update.load_state(u, st.step, st.master, st.exp_avg, st.exp_avg_sq)
+            handles.append(u.gather.publish(self.comm))
         for h in handles:
             h.wait()
