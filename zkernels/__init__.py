@@ -9,5 +9,5 @@ from .zero import ZeroOptimizer
 from .zero.estimate import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
-__all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate", "estimate_memory",
-           "__version__"]
+__all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate",
+           "estimate_memory", "__version__"]

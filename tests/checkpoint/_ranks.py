@@ -57,9 +57,13 @@ def tensors(obj):
 def build(seed, *, stage, dtype, bucket_bytes, offload=None, offload_dir=None):
     model = make_model(seed)
     model.register_buffer("seen", torch.zeros(3, dtype=torch.int64))
+    # The reference ops (torch's arithmetic) everywhere: bf16 trajectories are compared across
+    # world sizes (see bf16_parity in tests/zero/_rank_checks.py), and a saved run and its
+    # resumption must share a backend to be compared bit for bit.
     opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                            param_groups=split_groups(model, WD), param_dtype=DTYPES[dtype],
-                           bucket_bytes=bucket_bytes, offload=offload, offload_dir=offload_dir)
+                           bucket_bytes=bucket_bytes, offload=offload, offload_dir=offload_dir,
+                           ops_backend="reference")
     return model, opt
 
 
@@ -99,18 +103,9 @@ def reference():
     return out
 
 
-def use_reference_ops():
-    """Every run of these tests uses the reference ops (torch's arithmetic): bf16 trajectories
-    are compared across world sizes (see bf16_parity in tests/zero/_rank_checks.py), and the
-    saved run and its resumption must share a backend to be compared bit for bit. Spawned
-    rank processes only: nothing to restore."""
-    os.environ["ZKERNELS_BACKEND"] = "reference"
-
-
 def save_run(rank, ws, folder, stage=2):
     """Train, save to ``folder/<dtype>`` after STEPS_BEFORE, continue uninterrupted; return the
     uninterrupted run's losses and snapshots after each later step, per dtype."""
-    use_reference_ops()
     out = {}
     for dtype in DTYPES:
         model, opt = build(0, stage=stage, dtype=dtype, bucket_bytes=SAVE_BUCKET)
@@ -162,7 +157,6 @@ def resume_case(rank, ws, folder, *, stage, offload, dtype, offload_dir=None):
 
 def resume_battery(rank, ws, folder, cases, offload_root):
     """Run every ``(stage, offload, dtype)`` case; name -> result or the traceback."""
-    use_reference_ops()
     out = {}
     for stage, offload, dtype in cases:
         name = (stage, offload, dtype)

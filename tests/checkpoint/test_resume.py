@@ -39,18 +39,13 @@ def _refusal(stage, offload, tmp):
 
 def _in_process(fn, *args):
     """World size 1 without torch.distributed, one thread like the spawned ranks (see
-    tests/zero/test_zero_ranks.py), with the environment the ranks set restored."""
+    tests/zero/test_zero_ranks.py)."""
     threads = torch.get_num_threads()
-    backend = os.environ.get("ZKERNELS_BACKEND")
     torch.set_num_threads(1)
     try:
         return fn(*args)
     finally:
         torch.set_num_threads(threads)
-        if backend is None:
-            os.environ.pop("ZKERNELS_BACKEND", None)
-        else:
-            os.environ["ZKERNELS_BACKEND"] = backend
 
 
 @pytest.fixture(scope="module")
