@@ -142,7 +142,8 @@ def check_compatible(view: OptimizerView, m: Dict[str, Any], folder: str) -> Dic
         if shape != tuple(e.tensor.shape):
             problems.append(f"{e.key}: checkpoint shape {shape}, model {tuple(e.tensor.shape)}")
     if not problems:
-        saved_groups = [set(g["params"]) for g in m["param_groups"]]
+        # Parameters frozen since the save belong to no group now.
+        saved_groups = [set(g["params"]) & set(view.params) for g in m["param_groups"]]
         here = [set(g) for g in view.group_names]
         if len(saved_groups) != len(here):
             problems.append(f"the checkpoint has {len(saved_groups)} param groups, the "
