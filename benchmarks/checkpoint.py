@@ -40,10 +40,10 @@ def main(argv=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = zk.ZeroOptimizer(model, stage=1, lr=1e-3)
-    for b in opt.buckets:   # non-trivial moments
-        b.exp_avg.normal_()
-        b.exp_avg_sq.uniform_()
-        b.step = 3
+    for st in opt.shard_update.states:   # non-trivial moments
+        st.exp_avg.normal_()
+        st.exp_avg_sq.uniform_()
+        st.step = 3
     numel = sum(p.numel() for p in model.parameters())
     state_bytes = 3 * 4 * numel
     root = args.dir or tempfile.mkdtemp(prefix="zk-ckpt-bench-")
