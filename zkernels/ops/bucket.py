@@ -20,14 +20,13 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
     """Place gradients into a rank-aligned bucket, cast and scaled, in one launch. See
     :func:`zkernels.reference.bucket_pack`."""
     _checks.tensor("bucket", bucket, one_dim=True)
-    _checks.tensor_list("tensors", tensors, device=bucket.device)
-    _checks.offsets("offsets", list(offsets), [t.numel() for t in tensors], bucket.numel(),
-                    "bucket")
+    numels = _checks.tensor_list("tensors", tensors, device=bucket.device)
+    offsets = list(offsets)
+    _checks.offsets("offsets", offsets, numels, bucket.numel(), "bucket")
     scale = _scale(scale)
     if not tensors:
         return bucket
-    return implementation("bucket_pack", bucket.device)(tensors, bucket, list(offsets),
-                                                        scale=scale)
+    return implementation("bucket_pack", bucket.device)(tensors, bucket, offsets, scale=scale)
 
 
 def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: Sequence[int], *,
@@ -35,11 +34,10 @@ def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: S
     """Copy slices of a bucket back into tensors, scaled and cast, in one launch. See
     :func:`zkernels.reference.bucket_unpack`."""
     _checks.tensor("bucket", bucket, one_dim=True)
-    _checks.tensor_list("outs", outs, device=bucket.device)
-    _checks.offsets("offsets", list(offsets), [t.numel() for t in outs], bucket.numel(),
-                    "bucket")
+    numels = _checks.tensor_list("outs", outs, device=bucket.device)
+    offsets = list(offsets)
+    _checks.offsets("offsets", offsets, numels, bucket.numel(), "bucket")
     scale = _scale(scale)
     if not outs:
         return outs
-    return implementation("bucket_unpack", bucket.device)(bucket, outs, list(offsets),
-                                                          scale=scale)
+    return implementation("bucket_unpack", bucket.device)(bucket, outs, offsets, scale=scale)

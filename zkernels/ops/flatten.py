@@ -15,8 +15,7 @@ def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = No
             offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Copy ``tensors`` into one flat buffer in one launch. See
     :func:`zkernels.reference.flatten` for the arguments."""
-    _checks.tensor_list("tensors", tensors)
-    numels = [t.numel() for t in tensors]
+    numels = _checks.tensor_list("tensors", tensors)
     offs = list(offsets) if offsets is not None else packed_offsets(numels)
     device = tensors[0].device if tensors else (out.device if out is not None
                                                  else torch.device("cpu"))
@@ -49,8 +48,7 @@ def unflatten(flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = No
         offs = list(offsets) if offsets is not None else packed_offsets(numels)
         _checks.offsets("offsets", offs, numels, flat.numel(), "flat")
         return [flat[o:o + n].view(tuple(s)) for s, o, n in zip(shapes, offs, numels)]
-    _checks.tensor_list("out", out, device=flat.device)
-    numels = [t.numel() for t in out]
+    numels = _checks.tensor_list("out", out, device=flat.device)
     offs = list(offsets) if offsets is not None else packed_offsets(numels)
     _checks.offsets("offsets", offs, numels, flat.numel(), "flat")
     if not out:
