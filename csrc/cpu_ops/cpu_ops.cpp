@@ -44,11 +44,11 @@ void copy_bytes(const CopySpec& s, const void* src, void* dst, int64_t begin, in
 }
 
 CopyFn copy_function(const CopySpec& s, Isa isa) {
-  if (!s.scaled && s.src == s.dst) return copy_bytes;  // bit copy: libc's memcpy is the path
   switch (isa) {
     case Isa::kAvx512: return detail::copy_range_avx512;
     case Isa::kAvx2: return detail::copy_range_avx2;
-    default: return detail::copy_range_scalar;
+    default:  // a bit copy is libc's memcpy on the scalar path
+      return !s.scaled && s.src == s.dst ? copy_bytes : detail::copy_range_scalar;
   }
 }
 

@@ -3,6 +3,8 @@
 // Same element operations as the scalar path (kernel.h), so bit-identical results.
 #include "kernel.h"
 
+#include <cstring>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -71,9 +73,28 @@ ZK_AVX2 void copy_tile(const CopySpec& s, const void* src, void* dst, int64_t be
   copy_range_scalar(s, src, dst, i, end);
 }
 
+// An unscaled same-dtype copy: plain vector moves, bits untouched.
+ZK_AVX2 void move_bytes(const void* src, void* dst, int64_t bytes) {
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  int64_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+  }
+  if (i < bytes) std::memcpy(d + i, s + i, static_cast<size_t>(bytes - i));
+}
+
 template <DType S, DType D>
 void copy_for_scale(const CopySpec& s, const void* src, void* dst, int64_t b, int64_t e) {
   if (s.scaled) return copy_tile<S, D, true>(s, src, dst, b, e);
+  if constexpr (S == D) {
+    const int64_t esize = dtype_bytes(S);
+    return move_bytes(static_cast<const char*>(src) + b * esize,
+                      static_cast<char*>(dst) + b * esize, (e - b) * esize);
+  }
   return copy_tile<S, D, false>(s, src, dst, b, e);
 }
 

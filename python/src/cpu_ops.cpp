@@ -14,6 +14,8 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <cctype>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -42,6 +44,22 @@ uintptr_t data_ptr(PyObject* obj, const py::str& name) {
   return static_cast<uintptr_t>(v);
 }
 
+// `isa` as given, or (None) ZKERNELS_CPU_ISA read now, stripped and lower-cased as
+// zkernels._cpu reads it; unset or empty means auto.
+zk::cpu::Isa isa_arg(const py::object& isa) {
+  std::string name;
+  if (!isa.is_none()) {
+    name = isa.cast<std::string>();
+  } else if (const char* env = std::getenv("ZKERNELS_CPU_ISA")) {
+    name = env;
+    const auto first = name.find_first_not_of(" \t\n\r\f\v");
+    const auto last = name.find_last_not_of(" \t\n\r\f\v");
+    name = first == std::string::npos ? "" : name.substr(first, last - first + 1);
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  return zk::cpu::parse_isa(name.empty() ? "auto" : name);
+}
+
 TensorArg cpu_tensor(const py::handle& obj, const char* name) {
   TensorArg t = tensor_arg(obj, name);
   zk::py_binding::float_dtype(t, /*allow_half=*/true);
@@ -68,14 +86,14 @@ struct Items {
 
 std::string copy_segments(const py::object& tensors, const py::object& flat,
                           const py::object& offsets, bool to_flat, double scale, bool fp32_route,
-                          const std::string& isa, int num_threads) {
+                          const py::object& isa, int num_threads) {
   const Items ts(tensors, "tensors");
   const Items offs(offsets, "offsets");
   if (offs.size != ts.size) {
     throw py::value_error("offsets has " + std::to_string(offs.size) + " entries for " +
                           std::to_string(ts.size) + " tensors");
   }
-  const zk::cpu::Isa wanted = zk::cpu::parse_isa(isa);
+  const zk::cpu::Isa wanted = isa_arg(isa);
   if (ts.size == 0) return zk::cpu::isa_name(wanted);
   const zk::py_binding::TorchTypes& tt = zk::py_binding::torch_types();
   const TensorArg f = cpu_tensor(flat, "flat");
@@ -121,7 +139,7 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 }
 
 bool unscale_and_check(const py::object& x, const py::object& inv_scale,
-                       const py::object& found_inf, const std::string& isa, int num_threads) {
+                       const py::object& found_inf, const py::object& isa, int num_threads) {
   const TensorArg t = cpu_tensor(x, "x");
   const DType dtype = zk::py_binding::float_dtype(t, true);
   const TensorArg f = cpu_tensor(found_inf, "found_inf");
@@ -136,7 +154,7 @@ bool unscale_and_check(const py::object& x, const py::object& inv_scale,
   } else {
     inv = static_cast<float>(inv_scale.cast<double>());
   }
-  const zk::cpu::Isa wanted = zk::cpu::parse_isa(isa);
+  const zk::cpu::Isa wanted = isa_arg(isa);
   bool bad;
   {
     py::gil_scoped_release release;
@@ -147,7 +165,7 @@ bool unscale_and_check(const py::object& x, const py::object& inv_scale,
   return bad;
 }
 
-void sum_squares(const py::object& tensors, const py::object& out, const std::string& isa,
+void sum_squares(const py::object& tensors, const py::object& out, const py::object& isa,
                  int num_threads) {
   const TensorArg o = cpu_tensor(out, "out");
   if (o.dtype != "float32") throw py::type_error("out must be float32, got " + o.dtype);
@@ -171,7 +189,7 @@ void sum_squares(const py::object& tensors, const py::object& out, const std::st
     s.numel = int_method(t, tt.numel);
     s.data = reinterpret_cast<const void*>(data_ptr(t, tt.data_ptr));
   }
-  const zk::cpu::Isa wanted = zk::cpu::parse_isa(isa);
+  const zk::cpu::Isa wanted = isa_arg(isa);
   {
     py::gil_scoped_release release;
     const double total = zk::cpu::sum_squares(spans.data(), static_cast<int64_t>(spans.size()),
@@ -185,19 +203,21 @@ void sum_squares(const py::object& tensors, const py::object& out, const std::st
 void init_cpu_ops(py::module_& m) {
   m.def("cpu_copy_segments", &copy_segments, py::arg("tensors"), py::arg("flat"),
         py::arg("offsets"), py::arg("to_flat"), py::arg("scale") = 1.0,
-        py::arg("fp32_route") = false, py::arg("isa") = "auto", py::arg("num_threads") = 0,
+        py::arg("fp32_route") = false, py::arg("isa") = py::none(), py::arg("num_threads") = 0,
         R"doc(Copy each tensor to (to_flat) or from its offset in `flat`, times `scale` in fp32
 (skipped when scale == 1), rounded to the destination dtype (RNE, torch's CPU NaN patterns;
 fp32_route: the bucket ops' (x.float() * scale).to(dst) NaN pattern even when scale == 1).
 
 tensors: list/tuple of CPU tensors of one dtype, contiguous (checked by zkernels.ops; see
 [Note: per-tensor cost of the multi-tensor bindings]). flat: contiguous CPU tensor (checked).
+isa: "auto", "scalar", "avx2", "avx512", or None: ZKERNELS_CPU_ISA read now (unset: auto).
 Returns the name of the path that ran.)doc");
   m.def("cpu_unscale_and_check", &unscale_and_check, py::arg("x"), py::arg("inv_scale"),
-        py::arg("found_inf"), py::arg("isa") = "auto", py::arg("num_threads") = 0,
+        py::arg("found_inf"), py::arg("isa") = py::none(), py::arg("num_threads") = 0,
         R"doc(In place x = (x.float() * inv_scale).to(x.dtype); found_inf = 1 if x held inf/NaN.
 Returns whether it did.)doc");
-  m.def("cpu_sum_squares", &sum_squares, py::arg("tensors"), py::arg("out"), py::arg("isa") = "auto", py::arg("num_threads") = 0,
+  m.def("cpu_sum_squares", &sum_squares, py::arg("tensors"), py::arg("out"),
+        py::arg("isa") = py::none(), py::arg("num_threads") = 0,
         "out (1-element fp32) = the sum of squares of every element of every tensor (fp64 "
         "accumulation in a fixed order, rounded once).");
 }

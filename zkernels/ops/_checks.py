@@ -22,11 +22,13 @@ _Tensor = torch.Tensor
 def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = FLOAT_DTYPES,
            device: Optional[torch.device] = None, contiguous: bool = True,
            numel: Optional[int] = None, one_dim: bool = False) -> None:
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, _Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None and t.dtype not in tuple(dtypes):
+    if dtypes is not None and t.dtype not in (dtypes if isinstance(dtypes, tuple)
+                                              else tuple(dtypes)):
         raise TypeError(f"{name} must have dtype in {_names(dtypes)}, got {t.dtype}")
-    if device is not None and t.device != device:
+    # CPU: a flag read instead of building and comparing torch.device objects.
+    if device is not None and (not t.is_cpu if device.type == "cpu" else t.device != device):
         raise ValueError(f"{name} is on {t.device}, expected {device} (all tensors of one call "
                          f"must share a device)")
     if contiguous and not t.is_contiguous():
