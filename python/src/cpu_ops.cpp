@@ -17,6 +17,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -198,26 +199,133 @@ void sum_squares(const py::object& tensors, const py::object& out, const py::obj
   }
 }
 
+
+// ---- entry points ----------------------------------------------------------------------
+// Plain METH_FASTCALL functions, positional arguments only: pybind11's dispatcher costs ~1 us
+// a call (argument vectors, casters), which at 256K elements is several percent of an op (see
+// [Note: per-tensor cost of the multi-tensor bindings]). Errors map as pybind11's would:
+// py::type_error / value_error to TypeError / ValueError, std::invalid_argument to ValueError.
+
+template <typename Fn>
+PyObject* guarded(Fn&& fn) {
+  try {
+    return fn();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+struct Args {
+  PyObject* const* args;
+  Py_ssize_t nargs;
+  Args(PyObject* const* a, Py_ssize_t n, Py_ssize_t required, Py_ssize_t most,
+       const char* signature)
+      : args(a), nargs(n) {
+    if (n < required || n > most) {
+      throw py::type_error(std::string(signature) + ": takes " + std::to_string(required) +
+                           " to " + std::to_string(most) + " positional arguments, got " +
+                           std::to_string(n));
+    }
+  }
+  bool given(Py_ssize_t i) const { return i < nargs; }
+  py::object object(Py_ssize_t i) const {
+    return given(i) ? py::reinterpret_borrow<py::object>(args[i]) : py::none();
+  }
+  bool boolean(Py_ssize_t i, bool otherwise) const {
+    if (!given(i)) return otherwise;
+    const int r = PyObject_IsTrue(args[i]);
+    if (r < 0) throw py::error_already_set();
+    return r != 0;
+  }
+  double real(Py_ssize_t i, double otherwise) const {
+    if (!given(i)) return otherwise;
+    const double v = PyFloat_AsDouble(args[i]);
+    if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+    return v;
+  }
+  int integer(Py_ssize_t i, int otherwise) const {
+    if (!given(i)) return otherwise;
+    const long v = PyLong_AsLong(args[i]);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return static_cast<int>(v);
+  }
+};
+
+constexpr const char* kCopySig =
+    "cpu_copy_segments(tensors, flat, offsets, to_flat, scale=1.0, fp32_route=False, "
+    "isa=None, num_threads=0)";
+constexpr const char* kUnscaleSig =
+    "cpu_unscale_and_check(x, inv_scale, found_inf, isa=None, num_threads=0)";
+constexpr const char* kSumSig = "cpu_sum_squares(tensors, out, isa=None, num_threads=0)";
+
+PyObject* copy_segments_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded([&] {
+    const Args a(args, nargs, 4, 8, kCopySig);
+    const std::string ran = copy_segments(a.object(0), a.object(1), a.object(2),
+                                          a.boolean(3, true), a.real(4, 1.0),
+                                          a.boolean(5, false), a.object(6), a.integer(7, 0));
+    return PyUnicode_FromString(ran.c_str());
+  });
+}
+
+PyObject* unscale_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded([&] {
+    const Args a(args, nargs, 3, 5, kUnscaleSig);
+    const bool bad = unscale_and_check(a.object(0), a.object(1), a.object(2), a.object(3),
+                                       a.integer(4, 0));
+    return py::bool_(bad).release().ptr();
+  });
+}
+
+PyObject* sum_squares_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded([&] {
+    const Args a(args, nargs, 2, 4, kSumSig);
+    sum_squares(a.object(0), a.object(1), a.object(2), a.integer(3, 0));
+    return py::none().release().ptr();
+  });
+}
+
+PyMethodDef g_methods[] = {
+    {"cpu_copy_segments", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+                              copy_segments_entry)),
+     METH_FASTCALL,
+     "cpu_copy_segments(tensors, flat, offsets, to_flat, scale=1.0, fp32_route=False, "
+     "isa=None, num_threads=0)\n--\n\n"
+     "Copy each tensor to (to_flat) or from its offset in `flat`, times `scale` in fp32\n"
+     "(skipped when scale == 1), rounded to the destination dtype (RNE, torch's CPU NaN\n"
+     "patterns; fp32_route: the bucket ops' (x.float() * scale).to(dst) NaN pattern even when\n"
+     "scale == 1).\n\n"
+     "tensors: list/tuple of CPU tensors of one dtype, contiguous (checked by zkernels.ops;\n"
+     "see [Note: per-tensor cost of the multi-tensor bindings]). flat: contiguous CPU tensor\n"
+     "(checked). isa: 'auto', 'scalar', 'avx2', 'avx512', or None: ZKERNELS_CPU_ISA read now\n"
+     "(unset: auto). Positional arguments only. Returns the name of the path that ran."},
+    {"cpu_unscale_and_check",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unscale_entry)), METH_FASTCALL,
+     "cpu_unscale_and_check(x, inv_scale, found_inf, isa=None, num_threads=0)\n--\n\n"
+     "In place x = (x.float() * inv_scale).to(x.dtype); found_inf = 1 if x held inf/NaN.\n"
+     "Positional arguments only. Returns whether it did."},
+    {"cpu_sum_squares",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sum_squares_entry)),
+     METH_FASTCALL,
+     "cpu_sum_squares(tensors, out, isa=None, num_threads=0)\n--\n\n"
+     "out (1-element fp32) = the sum of squares of every element of every tensor (fp64\n"
+     "accumulation in a fixed order, rounded once). Positional arguments only."},
+};
+
 }  // namespace
 
 void init_cpu_ops(py::module_& m) {
-  m.def("cpu_copy_segments", &copy_segments, py::arg("tensors"), py::arg("flat"),
-        py::arg("offsets"), py::arg("to_flat"), py::arg("scale") = 1.0,
-        py::arg("fp32_route") = false, py::arg("isa") = py::none(), py::arg("num_threads") = 0,
-        R"doc(Copy each tensor to (to_flat) or from its offset in `flat`, times `scale` in fp32
-(skipped when scale == 1), rounded to the destination dtype (RNE, torch's CPU NaN patterns;
-fp32_route: the bucket ops' (x.float() * scale).to(dst) NaN pattern even when scale == 1).
-
-tensors: list/tuple of CPU tensors of one dtype, contiguous (checked by zkernels.ops; see
-[Note: per-tensor cost of the multi-tensor bindings]). flat: contiguous CPU tensor (checked).
-isa: "auto", "scalar", "avx2", "avx512", or None: ZKERNELS_CPU_ISA read now (unset: auto).
-Returns the name of the path that ran.)doc");
-  m.def("cpu_unscale_and_check", &unscale_and_check, py::arg("x"), py::arg("inv_scale"),
-        py::arg("found_inf"), py::arg("isa") = py::none(), py::arg("num_threads") = 0,
-        R"doc(In place x = (x.float() * inv_scale).to(x.dtype); found_inf = 1 if x held inf/NaN.
-Returns whether it did.)doc");
-  m.def("cpu_sum_squares", &sum_squares, py::arg("tensors"), py::arg("out"),
-        py::arg("isa") = py::none(), py::arg("num_threads") = 0,
-        "out (1-element fp32) = the sum of squares of every element of every tensor (fp64 "
-        "accumulation in a fixed order, rounded once).");
+  const py::object name = m.attr("__name__");
+  for (PyMethodDef& def : g_methods) {
+    PyObject* fn = PyCFunction_NewEx(&def, nullptr, name.ptr());
+    if (fn == nullptr) throw py::error_already_set();
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(fn));
+  }
 }
