@@ -16,8 +16,10 @@ import sys
 import tempfile
 from typing import List, Optional
 
+from .._cli import output_file
 from .report import plot, render_table
 from .worker import WORKER_OPTS
+
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m zkernels demo", description=__doc__.split(
@@ -27,9 +29,11 @@ def parse_args(argv):
         ap.add_argument(flag, type=typ, default=default, help=f"{doc} ({default})")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: cuda when there is a GPU per rank, else cpu")
-    ap.add_argument("--json", default=None, help="write the results table as JSON here")
-    ap.add_argument("--plot", default=None, help="draw measured vs estimated memory and "
-                                                 "traffic to this PNG (needs matplotlib)")
+    ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
+                    help="write the results as JSON to this file (its folder must exist)")
+    ap.add_argument("--plot", type=output_file, default=None, metavar="PNG",
+                    help="draw the loss curves, step times and memory per rank (measured "
+                         "by kind beside the estimate) to this file (needs matplotlib)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="kill the ranks after this")
     return ap.parse_args(argv)
 

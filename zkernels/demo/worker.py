@@ -160,6 +160,7 @@ def run_rung(rung: str, args, tokens, device, rank: int, world_size: int):
         rung=rung, name="data parallel" if rung == "ddp" else f"stage {rung}",
         losses=losses, final_loss=losses[-1],
         step_time_s=statistics.median(times[1:] if len(times) > 1 else times),
+        step_times_s=times[1:] if len(times) > 1 else times,
         comm_bytes=int(stats["comm_bytes"]["total"]), memory_bytes=stats["memory_bytes"],
         estimate=dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
                       optimizer_states=est.optimizer_states_bytes,
