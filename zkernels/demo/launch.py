@@ -1,9 +1,10 @@
 """``python -m zkernels demo``: train the small GPT on N ranks at every rung and compare.
 
 Launches ``python -m torch.distributed.run --nproc-per-node N -m zkernels.demo.worker`` (gloo
-on CPU, NCCL on GPU) on a free local port, then prints one table: the loss after K steps (equal
-across rungs in fp32, up to round-off), the median step time, bytes sent per step and bytes
-held per rank, measured beside :func:`zkernels.estimate_memory`'s estimate.
+on CPU, NCCL on GPU) on a free local port, then prints one table: the loss after K steps (see
+[Note: what the demo's losses show] in report.py for how equal), the median step time, bytes
+sent per step and bytes held per rank, measured beside :func:`zkernels.estimate_memory`'s
+estimate. Output paths (--json, --plot) are checked before any rank starts.
 """
 from __future__ import annotations
 
