@@ -18,9 +18,11 @@ def output_file(text: str) -> str:
     """An argparse ``type=`` for a file the command will write: its folder must exist and be
     writable, and the path must not be a folder. Nothing is created (a typo in a folder name
     must not leave a new folder behind)."""
+    if not text:
+        raise argparse.ArgumentTypeError("needs a file name")
     path = os.path.abspath(os.path.expanduser(text))
     folder = os.path.dirname(path)
-    if not text or os.path.isdir(path):
+    if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file name")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"the folder {folder} does not exist (create it "

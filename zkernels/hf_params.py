@@ -15,7 +15,8 @@ k = kv_heads·d:
                OLMo 2: q + k; Cohere with ``use_qk_norm``: q + k)
     MLP        m·h·I (m = 3 for gated, SiLU-style MLPs, else 2), + biases (GPT-2: I + h; llama
                family with ``mlp_bias``: 2I + h); MoE: E experts of width I_e and a router h·E
-               (Qwen2-MoE also a shared expert 3·h·I_s and its gate h)
+               (Qwen2-MoE also a shared expert 3·h·I_s and its gate h; its layers in
+               ``mlp_only_layers``, and all but every ``decoder_sparse_step``-th, are dense)
     norms      n·h per layer (n = 2; Gemma 2/3: 4; Cohere: 1; OLMo: 0, its LayerNorm has no
                weights), doubled for LayerNorms with a bias (GPT-2), and one more at the end.
 Config keys a ``config.json`` leaves out take ``transformers``' defaults for that model type
