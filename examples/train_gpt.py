@@ -5,10 +5,11 @@ schedule (``LambdaLR``), gradient accumulation (``opt.no_sync()`` on all but the
 micro-step), clipping by the global norm (``max_grad_norm``), and checkpoint save / resume.
 
 Checkpoints are ``zkernels.checkpoint``: every rank writes only its own shards (per
-parameter, so any world size and stage can load them), published atomically once all ranks
-are done; ``--resume`` loads the last one, at this world size or another. Keep the global
-batch (ranks x ``--batch-size``) when you change the world size, and the run continues on the
-same trajectory (to round-off).
+parameter, so any world size and stage can load them) into the folder ``--ckpt-dir`` (default
+``runs/train_gpt/``, which the repository's .gitignore ignores), published atomically once all
+ranks are done; ``--resume`` loads it, at this world size or another. Keep the global batch
+(ranks x ``--batch-size``) when you change the world size, and the run continues on the same
+trajectory (to round-off).
 
 Launch (torchrun is PyTorch's own launcher; gloo on CPU, NCCL on GPU), with zkernels installed
 (or ``PYTHONPATH`` pointing at a checkout):
@@ -28,7 +29,7 @@ Launch (torchrun is PyTorch's own launcher; gloo on CPU, NCCL on GPU), with zker
         --resume
 
     # full weights for model.load_state_dict (or Hugging Face tools), streamed
-    python -m zkernels.checkpoint consolidate checkpoints/gpt gpt.safetensors --dtype bf16
+    python -m zkernels.checkpoint consolidate runs/train_gpt gpt.safetensors --dtype bf16
 """
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master (GPU)")
-    ap.add_argument("--ckpt", default="checkpoints/gpt", help="checkpoint folder")
+    ap.add_argument("--ckpt-dir", default=os.path.join("runs", "train_gpt"),
+                    help="checkpoint folder (runs/train_gpt, ignored by the repository's "
+                    ".gitignore)")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this "
@@ -81,8 +84,18 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # zkernels is imported above, before the group exists: that is what lets
+    # destroy_process_group() below end it ([Note: process group teardown] in
+    # zkernels/comm/select.py).
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(minutes=5))
+    try:
+        train(args, device)
+    finally:
+        dist.destroy_process_group()   # every rank, also when training raised
+
+
+def train(args, device) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)        # the same initial weights on every rank
@@ -98,11 +111,11 @@ def main() -> None:
     start = 0
     if args.resume:
         # Any world size and stage: each rank reads the parts of the saved shards it owns now.
-        extra = zk.checkpoint.load(opt, args.ckpt)
+        extra = zk.checkpoint.load(opt, args.ckpt_dir)
         sched.load_state_dict(extra["sched"])
         start = extra["step"]
         if rank == 0:
-            print(f"resumed {args.ckpt} at step {start} (saved on {extra['world_size']} ranks, "
+            print(f"resumed {args.ckpt_dir} at step {start} (saved on {extra['world_size']} ranks, "
                   f"now {world_size})", flush=True)
             if extra["global_batch"] != global_batch:
                 print(f"note: the global batch was {extra['global_batch']} sequences, now "
@@ -127,12 +140,12 @@ def main() -> None:
             print(f"step {step:5d}  loss {loss.item() * args.accum_steps:.4f}  "
                   f"lr {sched.get_last_lr()[0]:.2e}", flush=True)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == stop:
-            zk.checkpoint.save(opt, args.ckpt, model_extra={
+            zk.checkpoint.save(opt, args.ckpt_dir, model_extra={
                 "sched": sched.state_dict(), "step": step + 1, "world_size": world_size,
                 "global_batch": global_batch})
     if rank == 0:
         print(f"done: {stop} of {args.steps} steps; stats of the last step: {opt.stats()}")
-    dist.destroy_process_group()
+
 
 
 if __name__ == "__main__":
