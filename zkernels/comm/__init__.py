@@ -1,7 +1,8 @@
 """Bucketed asynchronous collectives behind one interface (see ``base``)."""
-from .base import Comm, Handle
+from .base import CollectiveError, Comm, Handle
 from .local import LocalComm
 from .meter import MeteredComm, VolumeMeter
 from .select import make_comm
 
-__all__ = ["Comm", "Handle", "LocalComm", "MeteredComm", "VolumeMeter", "make_comm"]
+__all__ = ["CollectiveError", "Comm", "Handle", "LocalComm", "MeteredComm", "VolumeMeter",
+           "make_comm"]

@@ -73,6 +73,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comm_backend: ``"auto"`` (the native NCCL engine for CUDA buffers where it is built,
             torch.distributed otherwise), ``"torch"`` or ``"nccl"``; see
             ``zkernels.comm.make_comm``.
+        timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds:
+            a collective not done within it (a rank died, raised or is stuck) raises
+            ``zkernels.comm.CollectiveError`` naming it instead of waiting on.
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -82,7 +85,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
-                 memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto") -> None:
+                 memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
+                 timeout=None) -> None:
         if offload is not None:
             raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
                                       f"offload comes with a later issue): pass offload=None")
@@ -107,7 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                            g["weight_decay"])
         device = groups[0]["params"][0].device
         self.meter = VolumeMeter()
-        self.comm = MeteredComm(make_comm(process_group, device, comm_backend), self.meter)
+        self.comm = MeteredComm(make_comm(process_group, device, comm_backend, timeout), self.meter)
         n = self.comm.world_size
         if auto:
             self.stage = resolve_auto_stage(
