@@ -11,9 +11,18 @@ from zkernels.comm.torch_comm import TorchComm
 
 def collectives(rank, ws):
     """Every collective, every dtype, exact on integer-valued inputs (any summation order
-    gives the same sum), in place (shard = slice of the full buffer) and not."""
-    comm = make_comm(None, torch.device("cpu"))
+    gives the same sum), in place (shard = slice of the full buffer) and not; through the
+    public ``dist.*`` functions and, with an own timeout, the group's methods (see [Note:
+    timeouts on torch.distributed])."""
+    for timeout in (None, 30.0):
+        _collectives(rank, ws, timeout)
+    return True
+
+
+def _collectives(rank, ws, timeout):
+    comm = make_comm(None, torch.device("cpu"), timeout=timeout)
     assert isinstance(comm, TorchComm) and comm.rank == rank and comm.world_size == ws
+    assert comm.timeout_s == timeout
     try:  # the native engine is for CUDA buffers only, built or not
         make_comm(None, torch.device("cpu"), backend="nccl")
     except (RuntimeError, ValueError) as exc:
@@ -58,7 +67,6 @@ def collectives(rank, ws):
         assert "output" in str(exc)
     else:
         raise AssertionError("a mis-sized all_gather must fail")
-    return True
 
 
 def dead_peer(rank, ws, mode, timeout=None, linger_s=7.0):

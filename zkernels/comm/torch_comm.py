@@ -148,7 +148,7 @@ class TorchComm:
                 run(a=False)  # ordered on the side stream; the CPU does not block on NCCL
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is one)
+        except dist.DistBackendError as exc:  # a broken group; misuse raises as it is
             raise fail(exc) from exc
         return _Work(None, event, self.device, keep, after, fail)
 
