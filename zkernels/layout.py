@@ -14,7 +14,16 @@ elements. Padding elements are zero and stay zero: they never receive a gradient
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
+
+
+def packed_offsets(numels: Sequence[int]) -> List[int]:
+    """Offsets that place tensors of ``numels`` back to back from 0 (no alignment)."""
+    out, pos = [], 0
+    for n in numels:
+        out.append(pos)
+        pos += int(n)
+    return out
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,8 @@ from dataclasses import asdict
 from typing import List, Optional
 
 from .zero.estimate import estimate_memory, parse_dtype
-from .zero.ladder import RUNGS, NoRungFitsError, choose_rung
-
-IMPLEMENTED_STAGES = (1, 2)
+from .zero.ladder import NoRungFitsError, choose_rung
+from .zero.policy import RUNGS, implemented_stages, rung_implemented
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _GATED_MLP_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma",
@@ -193,9 +192,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\nnothing fits: {choice}")
     elif choice is not None:
         (stage, offload), _, reason = choice
-        avail = "" if offload is None and stage in IMPLEMENTED_STAGES else (
+        avail = "" if rung_implemented(stage, offload) else (
             f" (not available in this version, which implements stages "
-            f"{', '.join(map(str, IMPLEMENTED_STAGES))})")
+            f"{', '.join(map(str, implemented_stages()))})")
         print(f"\nchosen for {args.device_memory} per device: {reason}{avail}")
     if args.json:
         with open(args.json, "w") as f:

@@ -46,9 +46,9 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
                              betas=BETAS, eps=EPS, weight_decay=WD)
     assert model.head.weight is model.wte.weight, "tied weights must stay one parameter"
     if frozen:
-        assert all(p is not model.wpe.weight for b in opt.buckets for p in b.params)
+        assert all(p is not model.wpe.weight for b in opt.units for p in b.params)
     if groups:
-        for b in opt.buckets:  # buckets never mix groups
+        for b in opt.units:  # buckets never mix groups
             assert all(any(p is q for q in opt.param_groups[b.group_index]["params"])
                        for p in b.params)
     num_buffers = len(opt.reducer.held_buffers())
@@ -151,13 +151,13 @@ def bf16_parity(rank, ws, *, stage, steps=10):
         torch.testing.assert_close(loss.item(), losses[rank], **tol(torch.bfloat16))
         assert_params_close(model, compute, step, **tol(torch.bfloat16))
         flat = {}
-        for b in opt.buckets:
+        for b, st in zip(opt.units, opt.shard_update.states):
             srcs = [dict((id(p), q) for p, q in zip(model.parameters(),
                                                      master.parameters()))[id(p)]
                     for p in b.params]
             flat = zk.ops.flatten([s.detach() for s in srcs], offsets=b.layout.offsets,
                                   out=torch.zeros(b.layout.padded_numel))
-            torch.testing.assert_close(b.master, flat[b.shard_slice], rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(st.master, flat[b.shard_slice], rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"step {step} master: {m}")
 
 
@@ -176,18 +176,19 @@ def fp16_overflow(rank, ws, *, stage):
             # rank owning that element sees it, so every other rank relies on the all-reduce.
             loss = loss + model.ln_f.bias[0] * float("inf")
         before = [p.detach().clone() for p in model.parameters()]
-        masters = [b.master.clone() for b in opt.buckets]
+        masters = [st.master.clone() for st in opt.shard_update.states]
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
         same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        same_master = all(torch.equal(a, b.master) for a, b in zip(masters, opt.buckets))
+        same_master = all(torch.equal(a, st.master)
+                          for a, st in zip(masters, opt.shard_update.states))
         st = opt.stats()
         assert st["loss_scale"] == scales[step], (step, st["loss_scale"])
         assert st["overflow_skips"] == (0 if step == 0 else 1) and st["step"] == step + 1
         if step == 1:
             assert same and same_master, "an overflow step must change nothing"
-            assert all(b.step == 1 for b in opt.buckets)
+            assert all(st.step == 1 for st in opt.shard_update.states)
         else:
             assert not same and not same_master
             assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -208,8 +209,8 @@ def traffic_and_memory(rank, ws, *, stage, param_dtype):
     st = opt.stats()
     pel = 2 if param_dtype is not None else 4
     rel = 4
-    padded = sum(b.layout.padded_numel for b in opt.buckets)
-    shard = sum(b.layout.shard_numel for b in opt.buckets)
+    padded = sum(b.layout.padded_numel for b in opt.units)
+    shard = sum(b.layout.shard_numel for b in opt.units)
     comm = st["comm_bytes"]
     assert comm["reduce_scatter"] == padded * rel * (ws - 1) // ws, comm
     assert comm["all_gather"] == padded * pel * (ws - 1) // ws, comm
@@ -218,7 +219,7 @@ def traffic_and_memory(rank, ws, *, stage, param_dtype):
     assert ws == 1 and comm["total"] == 0 or abs(comm["total"] - ideal) <= 0.01 * ideal, \
         (comm, ideal)
     mem = st["memory_bytes"]
-    biggest = max(b.layout.padded_numel for b in opt.buckets)
+    biggest = max(b.layout.padded_numel for b in opt.units)
     pooled = stage == 2 or param_dtype is not None  # stage 1 casts through the pool
     expected = {"params": padded * pel,
                 "grads": padded * pel if stage == 1 else shard * 4,

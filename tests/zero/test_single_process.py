@@ -33,7 +33,7 @@ def test_stage1_survives_model_zero_grad():
     assert all(torch.equal(a, b) for a, b in zip(_params(ref), _params(model)))
     assert all(p.grad is None for p in model.parameters())
     opt.zero_grad()  # views again, zeroed
-    for b, g in zip(opt.buckets, opt.reducer.grads):
+    for b, g in zip(opt.units, opt.reducer.grads):
         lo, hi = g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()
         assert all(lo <= p.grad.data_ptr() < hi and not p.grad.any() for p in b.params)
 
@@ -93,7 +93,7 @@ def test_buckets_follow_backward_order_and_never_mix_groups():
     opt = zk.ZeroOptimizer(model, stage=2, bucket_bytes=600,
                            param_groups=[{"params": decay}, {"params": plain,
                                                              "weight_decay": 0.0}])
-    for b in opt.buckets:
+    for b in opt.units:
         assert len({0 if any(p is q for q in decay) else 1 for p in b.params}) == 1
     assert len(opt.reducer.held_buffers()) == 3  # 2 + one open bucket per extra group
     # Weights and biases interleave in backward; buckets are planned in that order, so a

@@ -5,7 +5,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..reference.flatten import packed_offsets
+from ..layout import packed_offsets
 from ._copy import scaled_copy
 
 

@@ -1,10 +1,13 @@
 """Fused ops, public: one module per op, each checking its arguments and dispatching to
-Triton (CUDA tensors), the C++ extension (CPU tensors, where built) or the reference."""
+Triton (CUDA tensors), the C++ extension (CPU tensors, where built) or the reference.
+``for_device`` builds an :class:`OpSet` whose backend is chosen once (``opset.py``)."""
 from ._backend import available, choose
 from .adamw import adamw_step, sum_squares
 from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
+from .opset import OpSet, for_device
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-           "unscale_and_check_", "adamw_step", "sum_squares", "available", "choose"]
+           "unscale_and_check_", "adamw_step", "sum_squares", "available", "choose",
+           "OpSet", "for_device"]

@@ -2,8 +2,9 @@
 
 Triton on CUDA tensors; the C++ extension (``zkernels._C``) on CPU tensors where it is built
 and implements the op; the reference otherwise. ``ZKERNELS_BACKEND=reference|triton|cpp``
-forces one (read at call time, never at import). Triton on CPU tensors needs
-``TRITON_INTERPRET=1`` set before ``zkernels.kernels`` is first imported.
+forces one (read at call time, never at import) for the public ``zkernels.ops.*`` functions;
+:class:`zkernels.ops.OpSet` resolves every op once instead (see ``opset.py``). Triton on CPU
+tensors needs ``TRITON_INTERPRET=1`` set before ``zkernels.kernels`` is first imported.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 log = logging.getLogger("zkernels.ops")
 
 BACKENDS = ("reference", "triton", "cpp")
+# ``resolve(op, device) -> implementation``: how a checked op finds its kernel.
+Resolve = Callable[[str, torch.device], Callable]
 _MODULES = {"reference": "zkernels.reference", "triton": "zkernels.kernels",
             "cpp": "zkernels._cpu"}
 
@@ -46,17 +49,28 @@ def _say_once(op: str, device_type: str, backend: str) -> None:
     log.debug("zkernels.ops.%s on %s tensors runs on the %s backend", op, device_type, backend)
 
 
+def forced_backend() -> str:
+    """``ZKERNELS_BACKEND`` as set now, lower case ("" when unset)."""
+    return os.environ.get("ZKERNELS_BACKEND", "").strip().lower()
+
+
 def choose(op: str, device: torch.device) -> str:
-    """Name of the backend that runs ``op`` for tensors on ``device``."""
-    forced = os.environ.get("ZKERNELS_BACKEND", "").strip().lower()
+    """Name of the backend that runs ``op`` for tensors on ``device`` (reads
+    ``ZKERNELS_BACKEND`` now)."""
+    return resolve_backend(op, device, forced_backend(), "ZKERNELS_BACKEND")
+
+
+def resolve_backend(op: str, device: torch.device, forced: str, source: str) -> str:
+    """The backend for ``op`` on ``device``: ``forced`` (checked; ``source`` names where it came
+    from in errors, e.g. "ZKERNELS_BACKEND" or "ops_backend") or, when empty, the default."""
     if forced:
         if forced not in BACKENDS:
-            raise ValueError(f"ZKERNELS_BACKEND must be one of {BACKENDS}, got {forced!r}")
+            raise ValueError(f"{source} must be one of {BACKENDS}, got {forced!r}")
         if forced == "triton" and device.type != "cuda" and \
                 os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
-            raise RuntimeError("ZKERNELS_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1")
+            raise RuntimeError(f"{source}=triton on CPU tensors needs TRITON_INTERPRET=1")
         if forced != "reference" and not _has(forced, op):
-            raise RuntimeError(f"ZKERNELS_BACKEND={forced} but that backend is not available "
+            raise RuntimeError(f"{source}={forced} but that backend is not available "
                                f"for op {op!r} here")
         return forced
     if device.type == "cuda" and _has("triton", op):

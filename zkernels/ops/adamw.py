@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _checks
-from ._backend import implementation
+from ._backend import Resolve, implementation
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -18,6 +18,18 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One fused AdamW update over a flat fp32 shard. See
     :func:`zkernels.reference.adamw_step` for the arguments."""
+    return _adamw_step(implementation, param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
+                       beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                       decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
+                       out=out)
+
+
+def _adamw_step(resolve: Resolve,
+                param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float = 0.0, step: Scalar, decoupled: bool = True,
+                grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     fp32 = (torch.float32,)
     _checks.tensor("param", param, dtypes=fp32, one_dim=True)
     n, dev = param.numel(), param.device
@@ -39,7 +51,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         raise ValueError(f"step must be >= 1 (the step number after incrementing), got {step}")
     if n == 0:
         return param
-    return implementation("adamw_step", dev)(
+    return resolve("adamw_step", dev)(
         param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, step=step, decoupled=decoupled, grad_scale=grad_scale,
         found_inf=found_inf, out=out)
@@ -48,7 +60,12 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares over all elements of all tensors, in fp32, one launch. See
     :func:`zkernels.reference.sum_squares`."""
+    return _sum_squares(implementation, tensors)
+
+
+def _sum_squares(resolve: Resolve,
+                 tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     _checks.tensor_list("tensors", tensors, same_dtype=False)
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    return implementation("sum_squares", tensors[0].device)(tensors)
+    return resolve("sum_squares", tensors[0].device)(tensors)

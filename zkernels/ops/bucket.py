@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from . import _checks
-from ._backend import implementation
+from ._backend import Resolve, implementation
 
 
 def _scale(scale) -> float:
@@ -19,6 +19,12 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
                 scale: float = 1.0) -> torch.Tensor:
     """Place gradients into a rank-aligned bucket, cast and scaled, in one launch. See
     :func:`zkernels.reference.bucket_pack`."""
+    return _bucket_pack(implementation, tensors, bucket, offsets, scale=scale)
+
+
+def _bucket_pack(resolve: Resolve,
+                 tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int], *,
+                 scale: float = 1.0) -> torch.Tensor:
     _checks.tensor("bucket", bucket, one_dim=True)
     _checks.tensor_list("tensors", tensors, device=bucket.device)
     _checks.offsets("offsets", list(offsets), [t.numel() for t in tensors], bucket.numel(),
@@ -26,7 +32,7 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
     scale = _scale(scale)
     if not tensors:
         return bucket
-    return implementation("bucket_pack", bucket.device)(tensors, bucket, list(offsets),
+    return resolve("bucket_pack", bucket.device)(tensors, bucket, list(offsets),
                                                         scale=scale)
 
 
@@ -34,6 +40,12 @@ def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: S
                   scale: float = 1.0) -> Sequence[torch.Tensor]:
     """Copy slices of a bucket back into tensors, scaled and cast, in one launch. See
     :func:`zkernels.reference.bucket_unpack`."""
+    return _bucket_unpack(implementation, bucket, outs, offsets, scale=scale)
+
+
+def _bucket_unpack(resolve: Resolve,
+                   bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: Sequence[int], *,
+                   scale: float = 1.0) -> Sequence[torch.Tensor]:
     _checks.tensor("bucket", bucket, one_dim=True)
     _checks.tensor_list("outs", outs, device=bucket.device)
     _checks.offsets("offsets", list(offsets), [t.numel() for t in outs], bucket.numel(),
@@ -41,5 +53,5 @@ def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: S
     scale = _scale(scale)
     if not outs:
         return outs
-    return implementation("bucket_unpack", bucket.device)(bucket, outs, list(offsets),
+    return resolve("bucket_unpack", bucket.device)(bucket, outs, list(offsets),
                                                           scale=scale)

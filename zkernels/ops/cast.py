@@ -6,13 +6,19 @@ from typing import Optional, Union
 import torch
 
 from . import _checks
-from ._backend import implementation
+from ._backend import Resolve, implementation
 
 
 def cast(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x.to(dtype)`` bit for bit (round to nearest even). See
     :func:`zkernels.reference.cast`."""
+    return _cast(implementation, x, dtype, out=out)
+
+
+def _cast(resolve: Resolve,
+          x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     _checks.tensor("x", x)
     if out is None:
         if dtype is None:
@@ -26,13 +32,19 @@ def cast(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             raise TypeError(f"dtype={dtype} disagrees with out.dtype={out.dtype}")
     if x.numel() == 0:
         return out
-    return implementation("cast", x.device)(x, out=out)
+    return resolve("cast", x.device)(x, out=out)
 
 
 def unscale_and_check_(x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
                        found_inf: torch.Tensor) -> torch.Tensor:
     """In place ``x *= inv_scale``; ``found_inf = 1`` on any inf/NaN. See
     :func:`zkernels.reference.unscale_and_check_`."""
+    return _unscale_and_check_(implementation, x, inv_scale, found_inf)
+
+
+def _unscale_and_check_(resolve: Resolve,
+                        x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
+                        found_inf: torch.Tensor) -> torch.Tensor:
     _checks.tensor("x", x)
     _checks.tensor("found_inf", found_inf, dtypes=(torch.float32,), device=x.device, numel=1)
     if isinstance(inv_scale, torch.Tensor):
@@ -40,4 +52,4 @@ def unscale_and_check_(x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
                        numel=1)
     if x.numel() == 0:
         return found_inf
-    return implementation("unscale_and_check_", x.device)(x, inv_scale, found_inf)
+    return resolve("unscale_and_check_", x.device)(x, inv_scale, found_inf)

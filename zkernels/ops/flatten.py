@@ -6,8 +6,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _checks
-from ._backend import implementation
-from ..reference.flatten import packed_offsets
+from ._backend import Resolve, implementation
+from ..layout import packed_offsets
 
 
 def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = None,
@@ -15,6 +15,13 @@ def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = No
             offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Copy ``tensors`` into one flat buffer in one launch. See
     :func:`zkernels.reference.flatten` for the arguments."""
+    return _flatten(implementation, tensors, out=out, dtype=dtype, offsets=offsets)
+
+
+def _flatten(resolve: Resolve,
+             tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = None,
+             dtype: Optional[torch.dtype] = None,
+             offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
     _checks.tensor_list("tensors", tensors)
     numels = [t.numel() for t in tensors]
     offs = list(offsets) if offsets is not None else packed_offsets(numels)
@@ -32,7 +39,7 @@ def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = No
                           device=device)
     if not tensors:
         return out
-    return implementation("flatten", device)(tensors, out=out, offsets=offs)
+    return resolve("flatten", device)(tensors, out=out, offsets=offs)
 
 
 def unflatten(flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = None, *,
@@ -40,6 +47,13 @@ def unflatten(flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = No
               offsets: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     """Views of ``flat`` (``shapes=``), or a one-launch copy into existing tensors (``out=``).
     See :func:`zkernels.reference.unflatten`."""
+    return _unflatten(implementation, flat, shapes, out=out, offsets=offsets)
+
+
+def _unflatten(resolve: Resolve,
+               flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = None, *,
+               out: Optional[Sequence[torch.Tensor]] = None,
+               offsets: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     _checks.tensor("flat", flat, one_dim=True)
     if (shapes is None) == (out is None):
         raise ValueError("unflatten: give exactly one of shapes= or out=")
@@ -55,4 +69,4 @@ def unflatten(flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = No
     _checks.offsets("offsets", offs, numels, flat.numel(), "flat")
     if not out:
         return []
-    return implementation("unflatten", flat.device)(flat, out=out, offsets=offs)
+    return resolve("unflatten", flat.device)(flat, out=out, offsets=offs)

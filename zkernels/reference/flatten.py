@@ -5,14 +5,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-
-def packed_offsets(numels: Sequence[int]) -> List[int]:
-    """Offsets that place tensors of ``numels`` back to back from 0."""
-    out, pos = [], 0
-    for n in numels:
-        out.append(pos)
-        pos += int(n)
-    return out
+from ..layout import packed_offsets
 
 
 def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = None,

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .estimate import count_params, rung_name
-from .ladder import RUNGS, choose_rung
+from .ladder import choose_rung
+from .policy import RUNGS, implemented_stages, rung_implemented
 
 log = logging.getLogger("zkernels.zero")
 
@@ -89,7 +90,7 @@ def _min_over_ranks(value: int, group, device: torch.device) -> int:
 def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
                        param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
                        memory_budget_bytes: Optional[int] = None, group=None,
-                       implemented: Sequence[int] = (1, 2), num_param_groups: int = 1) -> int:
+                       num_param_groups: int = 1) -> int:
     """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
 
     Args:
@@ -99,11 +100,11 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
         memory_budget_bytes: bytes per rank the user allows (taken as is); None: measure the
             device (see [Note: auto budget]).
         group: the process group (None: the world).
-        implemented: stages this version implements; offload rungs are never implemented here.
         num_param_groups: the optimizer's param groups (they size the reduce buffers).
 
     Returns:
-        The stage (an int in ``implemented``). Logs at INFO which rung and why.
+        The stage (implemented: see ``policy.rung_implemented``). Logs at INFO which rung and
+        why.
 
     Raises:
         NoRungFitsError: not even the last rung fits.
@@ -132,11 +133,11 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
         headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
         num_param_groups=num_param_groups, rungs=rungs)
-    if offload is not None or stage not in implemented:
+    if not rung_implemented(stage, offload):
         raise RungNotAvailableError(
             f"stage='auto': this model needs {rung_name(stage, offload)} ({reason}), which is "
             f"not available in this version of zkernels (implemented stages: "
-            f"{', '.join(map(str, implemented))}). Use more ranks, a narrower param_dtype, "
-            f"or a larger memory budget")
+            f"{', '.join(map(str, implemented_stages()))}). Use more ranks, a narrower "
+            f"param_dtype, or a larger memory budget")
     log.info("stage='auto' chose stage %d (budget from %s): %s", stage, source, reason)
     return stage

@@ -1,19 +1,16 @@
-"""Flat rank-aligned buckets over the trainable parameters: the compute buffer the model's
-parameters become views of, this rank's master shard and its AdamW moments.
+"""How stages 1-2 cut the trainable parameters into flat rank-aligned buckets (each becomes
+one :class:`~zkernels.zero.units.FlatParamUnit`, the unit one reduce-scatter moves).
 
 See [Note: rank-aligned flat buffers] in ``zkernels/layout.py``. Buckets never mix param
 groups, so every hyperparameter is uniform over a bucket and AdamW runs once per bucket shard.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 
-from .. import ops
 from ..layout import FlatLayout
-from .precision import MixedPrecision
 
 ALIGN_BYTES = 16  # every tensor and shard starts 16-byte aligned for vector loads
 
@@ -79,71 +76,3 @@ def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, wor
     for gi in sorted(open_):
         close(gi)
     return plans
-
-
-@dataclass
-class Bucket:
-    """One bucket's persistent buffers on this rank.
-
-    Attributes:
-        index: position in launch order.
-        group_index: the param group all its parameters belong to.
-        params: its parameters; ``params[i].data`` is a view of ``compute`` at
-            ``layout.offsets[i]``.
-        layout: placement in the flat buffers.
-        compute: [padded_numel] param_dtype, the full compute parameters (all-gather output).
-        master: [shard_numel] fp32, this rank's master shard: a view of ``compute`` in pure
-            fp32, a separate buffer with a low-precision ``param_dtype``.
-        exp_avg, exp_avg_sq: [shard_numel] fp32 AdamW moments of the shard.
-        step: AdamW steps applied to this bucket.
-    """
-
-    index: int
-    group_index: int
-    params: List[torch.Tensor]
-    layout: FlatLayout
-    rank: int
-    compute: torch.Tensor
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: int = 0
-
-    @property
-    def shard_slice(self) -> slice:
-        lo, hi = self.layout.shard_range(self.rank)
-        return slice(lo, hi)
-
-    @property
-    def compute_shard(self) -> torch.Tensor:
-        """[shard_numel] param_dtype view of this rank's slice of ``compute``."""
-        return self.compute[self.shard_slice]
-
-
-def build_bucket(index: int, group_index: int, params: List[torch.Tensor], layout: FlatLayout,
-                 rank: int, precision: MixedPrecision) -> Bucket:
-    """Copy ``params`` into a new flat compute buffer and make them views of it.
-
-    The master shard is taken from the original fp32 values before any cast, so a
-    low-precision ``param_dtype`` loses nothing in the master copy.
-    """
-    device = params[0].device
-    lo, hi = layout.shard_range(rank)
-    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        ops.flatten([p.detach().contiguous() for p in params], out=fp32,
-                    offsets=layout.offsets)
-    if precision.has_master:
-        master = fp32[lo:hi].clone()
-        compute = ops.cast(fp32, precision.param_dtype)
-        del fp32
-    else:
-        compute = fp32
-        master = compute[lo:hi]
-    views = ops.unflatten(compute, [p.shape for p in params], offsets=layout.offsets)
-    for p, v in zip(params, views):
-        p.data = v
-    shard = layout.shard_numel
-    return Bucket(index, group_index, list(params), layout, rank, compute, master,
-                  torch.zeros(shard, dtype=torch.float32, device=device),
-                  torch.zeros(shard, dtype=torch.float32, device=device))

@@ -17,15 +17,15 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .. import ops
 from ..comm.base import Comm
+from ..ops import OpSet
 
 GradScale = Union[None, float, torch.Tensor]
 
 
 def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: float,
                             loss_scale: Optional[float],
-                            max_grad_norm: Optional[float]) -> Tuple[GradScale, bool]:
+                            max_grad_norm: Optional[float], ops: OpSet) -> Tuple[GradScale, bool]:
     """What to divide the gradient shards by, and whether the step must be skipped.
 
     Args:
@@ -34,6 +34,7 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
         divisor: factor not yet divided out of ``shards`` (N or 1; see precision.py's Note).
         loss_scale: the current loss scale (fp16), or None.
         max_grad_norm: clip the global norm to this, or None.
+        ops: the optimizer's OpSet (``sum_squares``).
 
     Returns:
         ``(grad_scale, skip)``: ``grad_scale`` is None (nothing to divide), a float, or a

@@ -18,6 +18,10 @@ of param groups.
     buffers           0               2rB (pooled)   (1 + G)rB      (1 + G)rB
     transient         0               rΨ/N           0              2p·(largest unit)
 
+Which kind is sharded at which stage, the transient memory and the number of reduce buffers
+come from the stage registry (``policy.py``: ``StagePolicy`` fields, ``num_reduce_buffers``),
+the same entries the optimizer and its gradient strategies are built from.
+
 ``model_states_bytes`` (params + grads + master + optimizer_states) is the ZeRO paper's
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are held between steps: two bucket-sized reduce buffers
@@ -50,6 +54,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+
+from .policy import NUM_REDUCE_BUFFERS, STAGES, offload_policy, stage_policy
 
 ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
@@ -119,7 +125,7 @@ class MemoryEstimate:
     @property
     def gathered_peak_bytes(self) -> int:
         """Stage 3's gathered units at their peak (0 at the other stages)."""
-        return self.transient_bytes if self.stage == 3 else 0
+        return self.transient_bytes if stage_policy(self.stage).shards_params else 0
 
     @property
     def held_device_bytes(self) -> int:
@@ -174,9 +180,6 @@ def _largest_tensor_numel(model) -> int:
         if isinstance(model, torch.nn.Module) else 0
 
 
-NUM_REDUCE_BUFFERS = 2      # bucket-sized reduce buffers: one filling, one reducing
-
-
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
                     stage: int, param_dtype=None, reduce_dtype=None,
                     offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
@@ -208,12 +211,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     num_params = count_params(model_or_num_params)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if offload not in (None, "cpu", "nvme"):
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    if offload is not None and stage < 2:
-        raise ValueError(f"offload={offload!r} needs stage 2 or 3, got stage {stage}")
+    policy = stage_policy(stage)
+    off = offload_policy(offload)
+    if stage < off.min_stage:
+        allowed = " or ".join(str(s) for s in STAGES if s >= off.min_stage)
+        raise ValueError(f"offload={offload!r} needs stage {allowed}, got stage {stage}")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     pdt = parse_dtype(param_dtype, "param_dtype") or torch.float32
@@ -236,30 +238,31 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if isinstance(num_param_groups, bool) or not isinstance(num_param_groups, int) \
             or num_param_groups < 1:
         raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
-    num_buffers = NUM_REDUCE_BUFFERS + (num_param_groups - 1 if stage >= 2 else 0)
-    if bucket_numel:  # never more buffers than buckets (at least one per group)
-        num_buffers = min(num_buffers, max(-(-n_psi // bucket_numel), num_param_groups))
-    pool = num_buffers * r * bucket_numel
+    # Buckets never mix groups, so there are at least as many buckets as groups.
+    num_buckets = max(-(-n_psi // bucket_numel), num_param_groups) if bucket_numel \
+        else NUM_REDUCE_BUFFERS + num_param_groups
+    pool = policy.num_reduce_buffers(num_buckets, num_param_groups) * r * bucket_numel
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,
                      master=MASTER_BYTES * n_psi if mixed else 0,
                      optimizer_states=ADAM_STATE_BYTES * n_psi, buffers=0, transient=0)
     else:
-        # Stage 1 reduce-scatters its flat gradient in place unless it must cast or pre-divide.
-        pooled = stage > 1 or rdt != pdt or pdt == torch.float16
-        kinds = dict(params=p * n_psi if stage < 3 else p * shard,
-                     grads=p * n_psi if stage == 1 else g * shard,
+        transient = {"none": 0, "reduced_grad_shard": r * shard,
+                     "gathered_units": 2 * p * max_unit_numel}[policy.transient]
+        kinds = dict(params=p * shard if policy.shards_params else p * n_psi,
+                     grads=g * shard if policy.shards_grads else p * n_psi,
                      master=MASTER_BYTES * shard if mixed else 0,
                      optimizer_states=ADAM_STATE_BYTES * shard,
-                     buffers=pool if pooled else 0,
-                     transient={1: r * shard, 2: 0, 3: 2 * p * max_unit_numel}[stage])
+                     buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
+                     transient=transient)
     device = dict(kinds)
     host, disk = {}, {}
+    sharded_params = ("params",) if policy.shards_params else ()
     if offload == "cpu":
-        for k in ("master", "optimizer_states", "grads") + (("params",) if stage == 3 else ()):
+        for k in ("master", "optimizer_states", "grads") + sharded_params:
             host[k] = device.pop(k)
     elif offload == "nvme":
-        for k in ("master", "optimizer_states") + (("params",) if stage == 3 else ()):
+        for k in ("master", "optimizer_states") + sharded_params:
             disk[k] = device.pop(k)
         host["grads"] = device.pop("grads")
         host["staging"] = r * bucket_numel      # one bucket between disk and the update
@@ -267,10 +270,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     frac = (big_n - 1) / big_n
     if stage == 0:      # DDP all-reduces the gradients in their own dtype
         comm = 2 * p * n_psi * frac
-    elif stage < 3:
-        comm = (r + p) * n_psi * frac
-    else:
-        comm = (r + 2 * p) * n_psi * frac
+    else:               # one reduce-scatter, one or two all-gathers
+        comm = (r + policy.gathers_per_step * p) * n_psi * frac
     h2d = 0 if offload is None else g * shard + p * shard
     disk_io = 0 if offload != "nvme" else 2 * (kinds["master"] + kinds["optimizer_states"])
     return MemoryEstimate(

@@ -4,7 +4,9 @@ Stage 1 (:class:`FullGradReducer`) keeps full gradients until ``step()``; stage 
 (:class:`ShardedGradReducer`) reduces them bucket by bucket *during* backward and keeps only
 this rank's shard. The optimizer talks to either through the same four members: ``sync``
 (False inside ``no_sync``), ``finish()``, ``zero_grad()`` and the tensors they hold (for
-``stats()``). Stage 3 and offload add strategies here instead of branches in shared code.
+``stats()``). Stage 3 and offload add strategies here (``GRAD_REDUCERS``) instead of branches
+in shared code. Stage 2's launch order and buffers are ``zkernels.comm.bucketed``'s; the number
+of reduce buffers is the registry's rule (``policy.num_reduce_buffers``).
 
 [Note: gradient accumulation]
 Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype) and communicates
@@ -24,13 +26,13 @@ from typing import Dict, List, Protocol, Sequence, Tuple
 
 import torch
 
-from .. import ops
 from ..comm.base import Comm
-from .buckets import Bucket
+from ..comm.bucketed import BucketedReduceScatter
+from ..comm.reduce_pool import ReducePool
+from ..ops import OpSet
+from .policy import StagePolicy
 from .precision import MixedPrecision
-from .reduce_pool import ReducePool
-
-NUM_REDUCE_BUFFERS = 2  # buckets in flight: one filling, one reducing, as DDP/FSDP do
+from .units import FlatParamUnit
 
 
 class GradReducer(Protocol):
@@ -61,20 +63,22 @@ class FullGradReducer:
     The reduced shards exist only during ``step()``.
     """
 
-    def __init__(self, buckets: Sequence[Bucket], comm: Comm, precision: MixedPrecision) -> None:
+    def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
+                 precision: MixedPrecision, ops: OpSet) -> None:
         self.sync = True
         self._buckets = list(buckets)
         self._comm = comm
-        dev = buckets[0].compute.device
+        self._ops = ops
+        dev = buckets[0].device
         self.grads = [torch.zeros(b.layout.padded_numel, dtype=precision.param_dtype, device=dev)
                       for b in buckets]
         self._views = [ops.unflatten(g, [p.shape for p in b.params], offsets=b.layout.offsets)
                        for b, g in zip(buckets, self.grads)]
-        self._direct = (precision.reduce_dtype == precision.param_dtype
-                        and precision.reduce_dtype != torch.float16)
+        self._direct = not policy.uses_reduce_pool(precision.param_dtype, precision.reduce_dtype)
+        num_groups = len({b.group_index for b in buckets})
         self._pool = None if self._direct else ReducePool(
             comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype, dev,
-            min(NUM_REDUCE_BUFFERS, len(buckets)))
+            policy.num_reduce_buffers(len(buckets), num_groups))
         self._attach(zero_foreign=True)
 
     def _attach(self, zero_foreign: bool) -> None:
@@ -117,7 +121,7 @@ class FullGradReducer:
         shards: List[torch.Tensor] = [None] * len(self._buckets)  # type: ignore[list-item]
         for b, g in zip(self._buckets, self.grads):
             buf = self._pool.acquire(b.layout.padded_numel)
-            ops.bucket_pack([g], buf, [0], scale=1.0 / n)
+            self._ops.bucket_pack([g], buf, [0], scale=1.0 / n)
             self._pool.launch(buf, b.shard_slice,
                               lambda s, i=b.index: shards.__setitem__(i, s.clone()))
         self._pool.drain()
@@ -139,11 +143,13 @@ class ShardedGradReducer:
     shard per bucket, the only gradient memory held between steps.
     """
 
-    def __init__(self, buckets: Sequence[Bucket], comm: Comm, precision: MixedPrecision) -> None:
+    def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
+                 precision: MixedPrecision, ops: OpSet) -> None:
         self.sync = True
         self._buckets = list(buckets)
         self._comm = comm
-        dev = buckets[0].compute.device
+        self._ops = ops
+        dev = buckets[0].device
         self.shards = [torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=dev)
                        for b in buckets]
         self._filled = [False] * len(buckets)  # shard holds a reduced gradient since zero_grad
@@ -151,13 +157,18 @@ class ShardedGradReducer:
             id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
         # One open (partly filled) bucket per group can wait for an earlier one: see
         # plan_buckets. More buffers than that, or than buckets, would only hold memory.
-        num_groups = len({b.group_index for b in buckets})
-        self._pool = ReducePool(comm, max(b.layout.padded_numel for b in buckets),
-                                precision.reduce_dtype, dev,
-                                min(NUM_REDUCE_BUFFERS + num_groups - 1, len(buckets)))
-        # The hooks hold the reducer weakly and go away with it, so a dropped optimizer
-        # leaves no hooks (and no buffers) behind on the model.
+        # The hooks (and the reduce-scatter's callback) hold the reducer weakly and go away
+        # with it, so a dropped optimizer leaves no hooks (and no buffers) behind on the model.
         this = weakref.ref(self)
+
+        def on_reduced(bi: int, shard: torch.Tensor) -> None:
+            this()._accumulate(bi, shard)
+
+        num_groups = len({b.group_index for b in buckets})
+        self._rs = BucketedReduceScatter(
+            comm, [b.layout.padded_numel for b in buckets], [b.shard_slice for b in buckets],
+            [len(b.params) for b in buckets], precision.reduce_dtype, dev,
+            policy.num_reduce_buffers(len(buckets), num_groups), on_reduced)
 
         def hook(p: torch.Tensor) -> None:
             reducer = this()
@@ -166,53 +177,26 @@ class ShardedGradReducer:
 
         handles = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
         weakref.finalize(self, _remove_all, handles)
-        self._reset_round()
-
-    def _reset_round(self) -> None:
-        self._bufs: List = [None] * len(self._buckets)
-        self._packed = [set() for _ in self._buckets]
-        self._next = 0  # first bucket not yet launched this round
-
-    def _round_started(self) -> bool:
-        return self._next > 0 or any(b is not None for b in self._bufs)
 
     def _hook(self, p: torch.Tensor) -> None:
         if not self.sync or p.grad is None:
             return
         bi, pi = self._where[id(p)]
-        if bi < self._next or pi in self._packed[bi]:
+        if self._rs.seen(bi, pi):
             # A second gradient for a parameter this round (two backwards, some parameter
             # unused in the first): close the round, start a new one.
             self._flush_round()
         self._pack(bi, pi)
-        if len(self._packed[bi]) == len(self._buckets[bi].params):
-            self._launch_ready()
+        self._rs.complete(bi, pi)
 
     def _pack(self, bi: int, pi: int) -> None:
         b = self._buckets[bi]
-        if self._bufs[bi] is None:
-            self._bufs[bi] = self._pool.acquire(b.layout.padded_numel)
         p = b.params[pi]
         g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-        ops.bucket_pack([g], self._bufs[bi], [b.layout.offsets[pi]],
-                        scale=1.0 / self._comm.world_size)
+        self._ops.bucket_pack([g], self._rs.buffer(bi), [b.layout.offsets[pi]],
+                              scale=1.0 / self._comm.world_size)
         p.grad = None
-        self._packed[bi].add(pi)
-
-    def _launch_ready(self) -> None:
-        while (self._next < len(self._buckets)
-               and len(self._packed[self._next]) == len(self._buckets[self._next].params)):
-            self._launch(self._next)
-        if self._next == len(self._buckets):
-            self._reset_round()
-
-    def _launch(self, bi: int) -> None:
-        b = self._buckets[bi]
-        if self._bufs[bi] is None:  # no gradient at all on this rank: reduce zeros
-            self._bufs[bi] = self._pool.acquire(b.layout.padded_numel)
-        self._pool.launch(self._bufs[bi], b.shard_slice, lambda s: self._accumulate(bi, s))
-        self._bufs[bi] = None
-        self._next = bi + 1
+        self._rs.mark(bi, pi)
 
     def _accumulate(self, bi: int, reduced: torch.Tensor) -> None:
         if self._filled[bi]:
@@ -221,16 +205,15 @@ class ShardedGradReducer:
             self.shards[bi].copy_(reduced)
             self._filled[bi] = True
 
+    def _pack_held(self, bi: int) -> None:
+        for pi, p in enumerate(self._buckets[bi].params):
+            if p.grad is not None and not self._rs.is_done(bi, pi):
+                self._pack(bi, pi)
+
     def _flush_round(self) -> None:
         """Launch every bucket not launched this round, packing gradients still held (from
         ``no_sync`` micro-steps, or parameters whose hook has not run)."""
-        for bi in range(self._next, len(self._buckets)):
-            b = self._buckets[bi]
-            for pi, p in enumerate(b.params):
-                if p.grad is not None and pi not in self._packed[bi]:
-                    self._pack(bi, pi)
-            self._launch(bi)
-        self._reset_round()
+        self._rs.flush(self._pack_held)
 
     def finish(self) -> Tuple[List[torch.Tensor], float]:
         """Launch what backward left, wait for everything in flight.
@@ -238,21 +221,17 @@ class ShardedGradReducer:
         Returns:
             the fp32 gradient shard per bucket ([shard_numel], already divided by N) and 1.0.
         """
-        if self._round_started() or any(p.grad is not None for b in self._buckets
-                                         for p in b.params):
+        if self._rs.round_started() or any(p.grad is not None for b in self._buckets
+                                            for p in b.params):
             self._flush_round()
-        self._pool.drain()
+        self._rs.drain()
         for bi, filled in enumerate(self._filled):
             if not filled:  # no backward since zero_grad on this (and every) rank
                 self.shards[bi].zero_()
         return self.shards, 1.0
 
     def zero_grad(self) -> None:
-        self._pool.drain()
-        for bi, buf in enumerate(self._bufs):
-            if buf is not None:
-                self._pool.release(buf)
-        self._reset_round()
+        self._rs.discard()
         self._filled = [False] * len(self._buckets)
         for b in self._buckets:
             for p in b.params:
@@ -262,7 +241,7 @@ class ShardedGradReducer:
         return list(self.shards)
 
     def held_buffers(self) -> List[torch.Tensor]:
-        return list(self._pool.buffers)
+        return self._rs.buffers
 
 
 def _remove_all(handles) -> None:
@@ -270,10 +249,14 @@ def _remove_all(handles) -> None:
         h.remove()
 
 
-def make_grad_reducer(stage: int, buckets: Sequence[Bucket], comm: Comm,
-                      precision: MixedPrecision) -> GradReducer:
-    """The gradient strategy of ``stage`` (1 or 2)."""
-    reducers = {1: FullGradReducer, 2: ShardedGradReducer}
-    if stage not in reducers:
-        raise ValueError(f"stage must be one of {tuple(reducers)}, got {stage!r}")
-    return reducers[stage](buckets, comm, precision)
+GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer}
+
+
+def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm: Comm,
+                      precision: MixedPrecision, ops: OpSet) -> GradReducer:
+    """The gradient strategy of ``policy``'s stage (``GRAD_REDUCERS``; stage 3 registers its
+    own)."""
+    if policy.stage not in GRAD_REDUCERS:
+        raise ValueError(f"no gradient strategy for stage {policy.stage} (have "
+                         f"{tuple(GRAD_REDUCERS)})")
+    return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops)

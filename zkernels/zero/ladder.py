@@ -1,16 +1,17 @@
 """The ladder's decision: the lowest rung whose estimate fits a memory budget (pure arithmetic).
 
 ``stage="auto"`` (:mod:`zkernels.zero.auto`) and ``python -m zkernels plan`` both decide here.
-Rungs, lowest first: stage 1, 2, 3, then stage 3 with offload to host RAM, then to NVMe.
+Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 3 with offload to host RAM,
+then to NVMe.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 from .estimate import MemoryEstimate, count_params, estimate_memory
+from .policy import RUNGS
 
-RUNGS: Tuple[Tuple[int, Optional[str]], ...] = ((1, None), (2, None), (3, None),
-                                                (3, "cpu"), (3, "nvme"))
+__all__ = ["RUNGS", "NoRungFitsError", "choose_rung"]
 
 
 class NoRungFitsError(RuntimeError):

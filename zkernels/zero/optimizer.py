@@ -1,10 +1,14 @@
 """``ZeroOptimizer``: ZeRO stage 1/2 AdamW as a ``torch.optim.Optimizer``.
 
-The class is thin: buckets (``buckets.py``) own the flat compute buffer, the master shard and
-the moments; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers
-this rank's reduced gradient shard per bucket; ``clip.py`` folds the 1/N, the loss scale and
-the clip coefficient into one divisor; then one fused AdamW per bucket shard and one
-all-gather per bucket rebuild the parameters, which are views of the compute buffers.
+The class is thin glue (see [Note: parameters and state] in ``units.py``): the stage's
+:class:`~zkernels.zero.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
+units (``units.py``, cut by ``buckets.py``) own the compute copy through their gather policy;
+the update strategy (``update.py``) owns the ShardStates (master, moments) and their
+placement; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers this
+rank's reduced gradient shard per unit; ``clip.py`` folds the 1/N, the loss scale and the clip
+coefficient into one divisor; then one fused AdamW per unit shard and each unit's gather
+policy's ``publish`` (one all-gather per unit at stages 1-2) rebuild the parameters. Every op
+goes through one :class:`~zkernels.ops.OpSet` chosen at construction (``ops_backend=``).
 """
 from __future__ import annotations
 
@@ -14,25 +18,35 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
 from .auto import resolve_auto_stage
-from .buckets import align_numel, bucket_capacity, build_bucket, plan_buckets
+from .buckets import align_numel, bucket_capacity, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
 from .params import resolve_param_groups
+from .policy import OFFLOADS, STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_bytes
-from .update import FusedAdamW
-
-STAGES = (1, 2)
+from .units import build_replicated_unit, param_names
+from .update import DeviceUpdate
 
 
 def resolve_stage(stage) -> int:
-    """An explicit ZeRO stage (1 or 2; stage 3 comes with a later issue). ``"auto"`` is
-    resolved by the constructor once the world size is known (``auto.py``)."""
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES} or 'auto', got {stage!r}")
+    """An explicit ZeRO stage, one the registry (``policy.STAGES``) marks implemented.
+    ``"auto"`` is resolved by the constructor once the world size is known (``auto.py``).
+
+    Raises:
+        ValueError: not an implemented stage (the message says when a known stage is not
+            available in this version).
+    """
+    implemented = implemented_stages()
+    if isinstance(stage, bool) or stage not in implemented:
+        known = (not isinstance(stage, bool) and isinstance(stage, int) and stage in STAGES
+                 and stage > 0)
+        extra = f" (stage {stage} is not available in this version)" if known else ""
+        raise ValueError(f"stage must be one of {implemented} or 'auto', got {stage!r}{extra}")
     return int(stage)
 
 
@@ -76,6 +90,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds:
             a collective not done within it (a rank died, raised or is stuck) raises
             ``zkernels.comm.CollectiveError`` naming it instead of waiting on.
+        ops_backend: None (``ZKERNELS_BACKEND`` as set at construction, else the best backend
+            per op) or ``"reference"``, ``"triton"``, ``"cpp"``: the fused ops' backend, chosen
+            once here (see [Note: ops chosen once] in ``zkernels/ops/opset.py``).
+
+    Attributes:
+        policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
+        ops: the :class:`~zkernels.ops.OpSet` every op goes through.
+        units: the :class:`~zkernels.zero.units.FlatParamUnit` list, in launch order.
+        shard_update: the update strategy (:class:`~zkernels.zero.update.DeviceUpdate`); its
+            ``states`` are the per-unit :class:`~zkernels.zero.shard_state.ShardState`.
+        reducer: the gradient strategy.
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -86,8 +111,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
-                 timeout=None) -> None:
-        if offload is not None:
+                 ops_backend: Optional[str] = None, timeout=None) -> None:
+        # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
+        # the update strategy (update.py) when its kind is flipped to implemented.
+        if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
+                                        and OFFLOADS[offload].implemented):
             raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
                                       f"offload comes with a later issue): pass offload=None")
         if offload_dir is not None:
@@ -110,15 +138,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             _check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"],
                            g["weight_decay"])
         device = groups[0]["params"][0].device
+        try:
+            self.ops = _ops.for_device(device, ops_backend, arg_name="ops_backend")
+        except RuntimeError as exc:
+            raise RuntimeError(f"ops_backend={ops_backend!r}: {exc}") from exc
         self.meter = VolumeMeter()
-        self.comm = MeteredComm(make_comm(process_group, device, comm_backend, timeout), self.meter)
+        self.comm = MeteredComm(make_comm(process_group, device, comm_backend, timeout),
+                                self.meter)
         n = self.comm.world_size
         if auto:
             self.stage = resolve_auto_stage(
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
-                implemented=STAGES, num_param_groups=len(groups))
+                num_param_groups=len(groups))
+        self.policy = STAGES[self.stage]
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
         capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
@@ -127,11 +161,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructing = False
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         ordered = [(group_of[id(p)], p) for p in model.parameters() if id(p) in group_of]
-        plans = plan_buckets(ordered, capacity, n, align)
-        self.buckets = [build_bucket(i, gi, ps, lay, self.comm.rank, self.precision)
-                        for i, (gi, ps, lay) in enumerate(plans)]
-        self.reducer = make_grad_reducer(self.stage, self.buckets, self.comm, self.precision)
-        self.shard_update = FusedAdamW(write_compute=self.precision.has_master)
+        names = param_names(model)
+        self.shard_update = DeviceUpdate(self.ops)
+        self.units = []
+        for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
+            unit, initial_master = build_replicated_unit(
+                i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype, self.ops)
+            self.shard_update.init_state(unit, initial_master)
+            self.units.append(unit)
+            del initial_master  # the full fp32 copy goes before the next unit is built
+        self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
+                                         self.ops)
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -142,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_constructing", False):
-            raise RuntimeError("ZeroOptimizer lays out its buckets at construction: pass every "
+            raise RuntimeError("ZeroOptimizer lays out its units at construction: pass every "
                                "param group to the constructor (param_groups=...)")
         super().add_param_group(param_group)
 
@@ -183,7 +223,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards, divisor = self.reducer.finish()
         grad_scale, skip = grad_scale_and_overflow(
             shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
-            self.max_grad_norm)
+            self.max_grad_norm, self.ops)
         if skip:
             self._overflow_skips += 1
         else:
@@ -197,10 +237,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _update(self, shards, grad_scale) -> None:
         handles = []
-        for b, g in zip(self.buckets, shards):
-            self.shard_update(b, g, self.param_groups[b.group_index], grad_scale)
-            # Gather this bucket while the next one updates.
-            handles.append(self.comm.all_gather(b.compute, b.compute_shard))
+        for u, g in zip(self.units, shards):
+            self.shard_update.update(u, g, self.param_groups[u.group_index], grad_scale)
+            # Gather this unit while the next one updates.
+            handles.append(u.gather.publish(self.comm))
         for h in handles:
             h.wait()
 
@@ -228,11 +268,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             2Ψ + 14Ψ/N.
         """
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
+        held = self.shard_update.held()
         mem = memory_bytes({
             "params": self._model_params,
             "grads": grads,
-            "master": [b.master for b in self.buckets],
-            "optimizer_states": [t for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq)],
+            "master": held["master"],
+            "optimizer_states": held["optimizer_states"],
             "buffers": self.reducer.held_buffers(),
         })
         return {"step": self._num_steps, "overflow_skips": self._overflow_skips,

@@ -1,8 +1,11 @@
 """Optimizer state_dict / load_state_dict for one rank's shards (same world size and layout).
 
-The state is self-contained: each bucket's fp32 master shard is saved too (in pure fp32 it is
+The state is self-contained: each unit's fp32 master shard is saved too (in pure fp32 it is
 this rank's slice of the parameters), so loading restores the parameters exactly even in
-mixed precision, where the model's own state_dict holds only the rounded compute copy.
+mixed precision, where the model's own state_dict holds only the rounded compute copy. The
+tensors come from the update strategy's ShardStates (``opt.shard_update.states``), the layout
+from the units (``opt.units``); the key "buckets" of the fingerprint is kept for format
+stability.
 """
 from __future__ import annotations
 
@@ -10,18 +13,16 @@ from typing import Any, Dict
 
 import torch
 
-from .. import ops
-
 
 def _fingerprint(opt) -> list:
-    return [list(b.layout.numels) for b in opt.buckets]
+    return [list(u.layout.numels) for u in opt.units]
 
 
 def state_dict(opt) -> Dict[str, Any]:
     """A snapshot (tensors are cloned) of ``opt``'s per-rank state.
 
     Returns:
-        ``{"state": {bucket_index: {"step", "master", "exp_avg", "exp_avg_sq"}},
+        ``{"state": {unit_index: {"step", "master", "exp_avg", "exp_avg_sq"}},
         "param_groups": [torch-style groups with parameter indices], "zero": {...}}``.
     """
     index = 0
@@ -30,9 +31,10 @@ def state_dict(opt) -> Dict[str, Any]:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": list(range(index, index + len(g["params"])))})
         index += len(g["params"])
-    state = {b.index: {"step": b.step, "master": b.master.detach().clone(),
-                       "exp_avg": b.exp_avg.detach().clone(),
-                       "exp_avg_sq": b.exp_avg_sq.detach().clone()} for b in opt.buckets}
+    state = {st.unit_index: {"step": st.step, "master": st.master.detach().clone(),
+                             "exp_avg": st.exp_avg.detach().clone(),
+                             "exp_avg_sq": st.exp_avg_sq.detach().clone()}
+             for st in opt.shard_update.states}
     zero = {"world_size": opt.comm.world_size, "rank": opt.comm.rank, "stage": opt.stage,
             "param_dtype": str(opt.precision.param_dtype), "buckets": _fingerprint(opt),
             "num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,
@@ -68,15 +70,11 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
         g.update({k: v for k, v in saved.items() if k != "params"})
     with torch.no_grad():
         handles = []
-        for b in opt.buckets:
-            s = sd["state"][b.index]
-            b.step = int(s["step"])
-            b.exp_avg.copy_(s["exp_avg"])
-            b.exp_avg_sq.copy_(s["exp_avg_sq"])
-            b.master.copy_(s["master"])
-            if opt.precision.has_master:
-                ops.cast(b.master, out=b.compute_shard)
-            handles.append(opt.comm.all_gather(b.compute, b.compute_shard))
+        for u in opt.units:
+            s = sd["state"][u.index]
+            opt.shard_update.load_state(u, s["step"], s["master"], s["exp_avg"],
+                                        s["exp_avg_sq"])
+            handles.append(u.gather.publish(opt.comm))
         for h in handles:
             h.wait()
     opt._num_steps = int(zero["num_steps"])

@@ -6,7 +6,7 @@ from typing import Callable, Deque, List, Tuple
 
 import torch
 
-from ..comm.base import Comm, Handle
+from .base import Comm, Handle
 
 
 class ReducePool:

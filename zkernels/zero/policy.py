@@ -1,0 +1,157 @@
+"""The stage registry: which ZeRO stages and offload kinds exist, what each keeps, which
+buffers it needs. The optimizer, ``stage="auto"``, the ladder, ``python -m zkernels plan`` and
+``estimate_memory`` all read it; nothing else lists stages.
+
+[Note: the stage registry]
+A stage is a frozen :class:`StagePolicy` in ``STAGES``: what it shards (optimizer states,
+gradients, parameters), the transient memory of its step and whether ``ZeroOptimizer``
+implements it. Offload kinds are :class:`OffloadPolicy` entries in ``OFFLOADS``. The ladder's
+rungs (``RUNGS``) are (stage, offload) pairs, lowest first. To make a stage or an offload kind
+available, flip its ``implemented=`` here (and register its strategies: the gradient strategy in
+``grad_reducers.make_grad_reducer``, the parameter policy in ``units.py``, the update placement in
+``update.py``); ``resolve_stage``, ``stage="auto"`` and ``plan`` follow. The reduce-buffer rule
+(:func:`num_reduce_buffers`) is shared by the gradient strategies and the estimator so that
+``estimate_memory`` and ``stats()`` count the same buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+NUM_REDUCE_BUFFERS = 2  # bucket-sized reduce buffers in flight: one filling, one reducing
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What one stage keeps per rank and how its step moves data.
+
+    Attributes:
+        stage: 0 (plain data parallel, DDP + AdamW: the estimator's baseline) to 3.
+        shards_optimizer: master and AdamW moments are sharded (1/N per rank).
+        shards_grads: gradients are reduce-scattered during backward and only this rank's shard
+            is kept (otherwise full gradients are kept until ``step()``).
+        shards_params: parameters are sharded between uses and gathered just in time
+            (otherwise every rank keeps the full compute copy).
+        transient: memory that lives only inside a step: "none", "reduced_grad_shard" (stage 1's
+            reduced shards during ``step()``) or "gathered_units" (stage 3's gathered units).
+        implemented: ``ZeroOptimizer(stage=...)`` runs it in this version.
+    """
+
+    stage: int
+    shards_optimizer: bool
+    shards_grads: bool
+    shards_params: bool
+    transient: str
+    implemented: bool
+
+    @property
+    def name(self) -> str:
+        return "data parallel" if self.stage == 0 else f"stage {self.stage}"
+
+    @property
+    def gathers_per_step(self) -> int:
+        """All-gathers of the parameters per step: 1 after the update (stages 1-2), 2 at stage
+        3 (before forward and again before backward), 0 for data parallel."""
+        if self.stage == 0:
+            return 0
+        return 2 if self.shards_params else 1
+
+    def uses_reduce_pool(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+        """Whether gradients go through pooled reduce buffers. Stages that reduce during
+        backward always do; stage 1 reduce-scatters its flat gradient in place unless it must
+        cast it (reduce dtype != param dtype) or pre-divide it (fp16, see precision.py)."""
+        if self.stage == 0:
+            return False
+        if self.shards_grads:
+            return True
+        return reduce_dtype != param_dtype or param_dtype == torch.float16
+
+    def num_reduce_buffers(self, num_buckets: int, num_groups: int) -> int:
+        """Reduce buffers the pool holds: see :func:`num_reduce_buffers`."""
+        return num_reduce_buffers(self, num_buckets, num_groups)
+
+
+def num_reduce_buffers(policy: StagePolicy, num_buckets: int, num_groups: int) -> int:
+    """THE reduce-buffer rule (reducers and estimator both call it): two buffers (one filling,
+    one reducing); a stage that reduces during backward adds one per param group beyond the
+    first (a partly filled bucket of one group may wait for another group's); never more than
+    there are buckets."""
+    extra = num_groups - 1 if policy.shards_grads else 0
+    return min(NUM_REDUCE_BUFFERS + extra, num_buckets)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where the fp32 work lives (ZeRO-Offload / ZeRO-Infinity).
+
+    Attributes:
+        kind: None (the device), "cpu" (master, moments and gradient shard in host RAM; at
+            stage 3 the parameter shard too) or "nvme" (master and moments, at stage 3 the
+            parameter shard, on disk; gradient shard and a staging bucket in host RAM).
+        min_stage: the lowest stage it combines with.
+        implemented: ``ZeroOptimizer(offload=kind)`` runs it in this version.
+    """
+
+    kind: Optional[str]
+    min_stage: int
+    implemented: bool
+
+    @property
+    def name(self) -> str:
+        return "none" if self.kind is None else f"{self.kind} offload"
+
+
+STAGES: Dict[int, StagePolicy] = {
+    0: StagePolicy(0, shards_optimizer=False, shards_grads=False, shards_params=False,
+                   transient="none", implemented=False),   # DDP: the baseline, not ours
+    1: StagePolicy(1, shards_optimizer=True, shards_grads=False, shards_params=False,
+                   transient="reduced_grad_shard", implemented=True),
+    2: StagePolicy(2, shards_optimizer=True, shards_grads=True, shards_params=False,
+                   transient="none", implemented=True),
+    3: StagePolicy(3, shards_optimizer=True, shards_grads=True, shards_params=True,
+                   transient="gathered_units", implemented=False),
+}
+
+OFFLOADS: Dict[Optional[str], OffloadPolicy] = {
+    None: OffloadPolicy(None, min_stage=0, implemented=True),
+    "cpu": OffloadPolicy("cpu", min_stage=2, implemented=False),
+    "nvme": OffloadPolicy("nvme", min_stage=2, implemented=False),
+}
+
+# The ladder, lowest first: (stage, offload kind).
+RUNGS: Tuple[Tuple[int, Optional[str]], ...] = ((1, None), (2, None), (3, None),
+                                                (3, "cpu"), (3, "nvme"))
+
+
+def implemented_stages() -> Tuple[int, ...]:
+    """Stages ``ZeroOptimizer`` runs in this version, ascending."""
+    return tuple(s for s, p in sorted(STAGES.items()) if p.implemented)
+
+
+def rung_implemented(stage: int, offload: Optional[str]) -> bool:
+    """Whether ``ZeroOptimizer(stage=stage, offload=offload)`` runs in this version."""
+    return STAGES[stage].implemented and OFFLOADS[offload].implemented
+
+
+def stage_policy(stage) -> StagePolicy:
+    """The policy of a known stage (0-3), implemented or not.
+
+    Raises:
+        ValueError: not one of ``STAGES``.
+    """
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {tuple(STAGES)}, got {stage!r}")
+    return STAGES[stage]
+
+
+def offload_policy(offload) -> OffloadPolicy:
+    """The policy of a known offload kind (None, "cpu", "nvme").
+
+    Raises:
+        ValueError: not one of ``OFFLOADS``.
+    """
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    return OFFLOADS[offload]

@@ -1,0 +1,283 @@
+"""Flat parameter units: the parameters of one flat, rank-aligned buffer, their names, and the
+policy that says where the full compute copy lives (the optimizer state is elsewhere: see
+``shard_state.py``).
+
+[Note: parameters and state]
+ZeRO's objects are split in two, so that each stage (and offload, and checkpoints) changes one
+side only:
+
+- a :class:`FlatParamUnit` is the parameter side: an ordered set of parameters (fully
+  qualified names from ``model.named_parameters()``; a tied parameter has one canonical name
+  and its aliases), their :class:`~zkernels.layout.FlatLayout`, the compute dtype, and a gather
+  policy that owns the compute storage. :class:`ReplicatedParams` (stages 1-2) keeps the full
+  compute buffer permanently, the parameters are permanent views of it, ``ensure_gathered`` and
+  ``free`` do nothing and ``publish`` (after the update wrote this rank's shard) all-gathers
+  the shards into the full buffer. A sharded policy (stage 3) keeps only this rank's compute
+  shard persistently and allocates the full buffer in ``ensure_gathered``, frees it in ``free``
+  (the interface is :class:`GatherPolicy`); the unit is the same object either way.
+- a :class:`~zkernels.zero.shard_state.ShardState` is the optimizer side: this rank's fp32
+  master shard, AdamW moments and step count of one unit. The update strategy
+  (``update.py``) allocates the states (so it decides where they live: the device today,
+  host or NVMe with offload), receives the reduced gradient shard per unit, and writes the
+  updated compute shard back into the unit's ``compute_shard``. In pure fp32 the master *is*
+  the unit's compute shard (a view: no extra memory).
+- the gradient strategy (``grad_reducers.py``) owns gradient storage and reduce buffers.
+
+``ZeroOptimizer`` composes them: units + gradient strategy + update strategy, and the gather
+policy's ``publish`` after each unit's update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..comm.base import Comm, Handle
+from ..layout import FlatLayout
+from ..ops import OpSet
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class GatherPolicy(Protocol):
+    """Where a unit's compute copy lives and how it is (re)built. Implemented by
+    :class:`ReplicatedParams` (stages 1-2); stage 3's sharded policy implements the same.
+
+    Attributes:
+        compute_shard: [shard_numel] compute dtype, this rank's slice: the update writes it.
+        full: [padded_numel] compute dtype, the whole buffer the parameters are views of, or
+            None while not gathered.
+        is_gathered: whether ``full`` holds the current parameters.
+    """
+
+    compute_shard: torch.Tensor
+    full: Optional[torch.Tensor]
+
+    @property
+    def is_gathered(self) -> bool: ...
+
+    def ensure_gathered(self, comm: Comm) -> Handle:
+        """Start building ``full`` (if needed); after ``wait()`` the parameters are views of
+        it."""
+
+    def free(self) -> None:
+        """Give back ``full`` (where the policy may: replicated units keep it)."""
+
+    def publish(self, comm: Comm) -> Handle:
+        """``compute_shard`` changed (the update): make every rank's copy current."""
+
+    def held(self) -> List[torch.Tensor]:
+        """Parameter storage held now (for ``stats()``)."""
+
+
+class ReplicatedParams:
+    """Stages 1-2: the full compute buffer is permanent and the parameters are permanent views.
+
+    Args:
+        full: [padded_numel] compute dtype buffer.
+        shard: this rank's slice of it.
+    """
+
+    def __init__(self, full: torch.Tensor, shard: slice) -> None:
+        self.full = full
+        self.compute_shard = full[shard]
+
+    @property
+    def is_gathered(self) -> bool:
+        return True
+
+    def ensure_gathered(self, comm: Comm) -> Handle:
+        return _Done()
+
+    def free(self) -> None:
+        return None
+
+    def publish(self, comm: Comm) -> Handle:
+        """All-gather every rank's updated shard into the full buffer (in place)."""
+        return comm.all_gather(self.full, self.compute_shard)
+
+    def held(self) -> List[torch.Tensor]:
+        """Parameter storage held between steps (for ``stats()``)."""
+        return [self.full]
+
+
+class _Gathering:
+    """The handle of a gather in flight: waiting completes it once."""
+
+    def __init__(self, owner: "ShardedParams", handle: Handle) -> None:
+        self._owner, self._handle = owner, handle
+
+    def wait(self) -> None:
+        if self._owner._pending is self:
+            self._handle.wait()
+            self._owner._pending = None
+
+
+class ShardedParams:
+    """Stage 3's policy: only the compute shard is persistent; the full buffer exists between
+    :meth:`ensure_gathered` and :meth:`free`.
+
+    The parameters stay views of one full tensor whose *storage* is released on ``free`` and
+    re-allocated on ``ensure_gathered`` (as FSDP1 does), so their shapes never change and a
+    use while freed fails loudly (the storage is empty) instead of reading stale values.
+
+    Args:
+        params: the unit's parameters, in layout order; they become views of the full buffer.
+        layout: the unit's layout.
+        compute_shard: [shard_numel] compute dtype, this rank's persistent shard (owned).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
+                 compute_shard: torch.Tensor) -> None:
+        if compute_shard.numel() != layout.shard_numel:
+            raise ValueError(f"compute_shard has {compute_shard.numel()} elements, the layout's "
+                             f"shard {layout.shard_numel}")
+        self.compute_shard = compute_shard
+        self._full = torch.empty(layout.padded_numel, dtype=compute_shard.dtype,
+                                 device=compute_shard.device)
+        self._nbytes = self._full.untyped_storage().nbytes()
+        views = [self._full[o:o + p.numel()].view(p.shape)
+                 for p, o in zip(params, layout.offsets)]
+        for p, v in zip(params, views):
+            p.data = v
+        self._pending: Optional[_Gathering] = None
+        self._gathered = True  # storage allocated (values valid once any gather finished)
+        self.free()
+
+    @property
+    def full(self) -> Optional[torch.Tensor]:
+        return self._full if self._gathered else None
+
+    @property
+    def is_gathered(self) -> bool:
+        """The full buffer is allocated and no gather into it is in flight."""
+        return self._gathered and self._pending is None
+
+    def ensure_gathered(self, comm: Comm) -> Handle:
+        """Allocate the full buffer and start the all-gather of every rank's shard into it
+        (a gather already in flight or done is not repeated). Collective."""
+        if self._pending is not None:
+            return self._pending
+        if self._gathered:
+            return _Done()
+        self._full.untyped_storage().resize_(self._nbytes)
+        self._gathered = True
+        self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard))
+        return self._pending
+
+    def free(self) -> None:
+        """Release the full buffer's storage (waits for a gather in flight first)."""
+        if self._pending is not None:
+            self._pending.wait()
+        self._full.untyped_storage().resize_(0)
+        self._gathered = False
+
+    def publish(self, comm: Comm) -> Handle:
+        """The shard changed: a full copy still held is stale, so it is freed; the next
+        ``ensure_gathered`` reads the new shards."""
+        if self._gathered:
+            self.free()
+        return _Done()
+
+    def held(self) -> List[torch.Tensor]:
+        """Parameter storage held (for ``stats()``): the shard, and the full buffer while
+        gathered."""
+        return [self.compute_shard] + ([self._full] if self._gathered else [])
+
+
+@dataclass
+class FlatParamUnit:
+    """One flat unit of parameters on this rank.
+
+    Attributes:
+        index: position in launch order (also the key of its ShardState and its state_dict
+            entry).
+        group_index: the param group all its parameters belong to.
+        names: canonical fully qualified name of each parameter (``model.named_parameters()``).
+        aliases: per parameter, the other names a tied parameter has (often empty).
+        params: the parameters; while gathered ``params[i].data`` is a view of ``full`` at
+            ``layout.offsets[i]``.
+        layout: placement in the flat buffer.
+        rank: this rank.
+        compute_dtype: dtype of the compute copy (``param_dtype``).
+        gather: the :class:`GatherPolicy` that owns the compute storage.
+    """
+
+    index: int
+    group_index: int
+    names: Tuple[str, ...]
+    aliases: Tuple[Tuple[str, ...], ...]
+    params: List[torch.Tensor]
+    layout: FlatLayout
+    rank: int
+    compute_dtype: torch.dtype
+    gather: GatherPolicy
+    device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device = self.gather.compute_shard.device
+
+    @property
+    def shard_slice(self) -> slice:
+        lo, hi = self.layout.shard_range(self.rank)
+        return slice(lo, hi)
+
+    @property
+    def compute_shard(self) -> torch.Tensor:
+        """[shard_numel] compute-dtype view of this rank's slice (the update's output)."""
+        return self.gather.compute_shard
+
+    @property
+    def full(self) -> Optional[torch.Tensor]:
+        """[padded_numel] full compute buffer, or None while not gathered."""
+        return self.gather.full
+
+    def param_slices_in_shard(self):
+        """For each parameter overlapping this rank's shard, yield ``(name, start_in_param,
+        start_in_shard, length)`` (flat element offsets; see
+        ``FlatLayout.tensor_slices_in_shard``)."""
+        for i, a, s, n in self.layout.tensor_slices_in_shard(self.rank):
+            yield self.names[i], a, s, n
+
+
+def param_names(model: nn.Module) -> Dict[int, Tuple[str, Tuple[str, ...]]]:
+    """``id(param) -> (canonical name, aliases)``; the canonical name is the first under which
+    ``model.named_parameters()`` yields it, aliases are its other (tied) names."""
+    names: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {k: (v[0], tuple(v[1:])) for k, v in names.items()}
+
+
+def build_replicated_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
+                          names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
+                          rank: int, compute_dtype: torch.dtype,
+                          ops: OpSet) -> Tuple[FlatParamUnit, torch.Tensor]:
+    """Copy ``params`` into a new flat compute buffer and make them views of it.
+
+    Returns:
+        ``(unit, initial_master)``: ``initial_master`` is this rank's shard of the original
+        fp32 values ([shard_numel] fp32, taken before any cast, so a low-precision compute
+        dtype loses nothing in the master copy); in pure fp32 it is the unit's compute shard
+        itself. The update strategy turns it into the unit's ShardState.
+    """
+    device = params[0].device
+    lo, hi = layout.shard_range(rank)
+    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        ops.flatten([p.detach().contiguous() for p in params], out=fp32,
+                    offsets=layout.offsets)
+    initial = fp32[lo:hi]
+    compute = fp32 if compute_dtype == torch.float32 else ops.cast(fp32, compute_dtype)
+    views = ops.unflatten(compute, [p.shape for p in params], offsets=layout.offsets)
+    for p, v in zip(params, views):
+        p.data = v
+    unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
+                         tuple(names[id(p)][1] for p in params), list(params), layout, rank,
+                         compute_dtype, ReplicatedParams(compute, slice(lo, hi)))
+    return unit, initial
