@@ -11,7 +11,7 @@ from tests.zero._fault_checks import faulty_training
 
 PG_TIMEOUT_S = 5.0  # the process group's: what bounds a kill when no own timeout is given
 OWN_TIMEOUT_S = 3.0  # ZeroOptimizer(timeout=...) for a stuck rank, under a 60 s group timeout
-SLACK_S = 6.0  # scheduling on a shared 2-core machine: a hang would take the whole timeout
+SLACK_S = 10.0  # the step before the fault, on a loaded 2-core machine; a hang is unbounded
 
 CASES = [  # (fault, world size, victim)
     ("kill_backward", 2, 1),
