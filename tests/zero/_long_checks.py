@@ -1,5 +1,5 @@
 """Rank side of the long-run tests: 500 steps with flat memory and a constant hook count, and
-50 optimizers built and dropped without leaking (module-level for spawned ranks).
+50 models and optimizers built and dropped without leaking (module-level for spawned ranks).
 
 [Note: measuring what a rank holds]
 Bytes are counted from live storages: every tensor the garbage collector tracks (every
@@ -110,34 +110,42 @@ def long_run(rank, ws, stage, steps=500, every=50):
 
 
 def build_and_drop(rank, ws, stage, times=50):
-    """Build ``times`` optimizers over one model, train one step with each, drop it: the
-    optimizer is freed at once (by reference counting: no cycle keeps its buffers waiting for
-    the garbage collector), the hooks are back to the model's own after each drop, live bytes
-    after the 10th and the last equal those after the first, and RSS grows by less than
-    8 MiB over the last 40."""
-    model = make_model()
+    """Build ``times`` models and optimizers, train one step with each, drop the optimizer,
+    then the model. Each drop frees at once (by reference counting: no cycle keeps buffers
+    waiting for the garbage collector, no hook keeps the optimizer alive), the model has no
+    hooks left once its optimizer is gone, live bytes after the 1st, 10th and last round
+    equal those before the first, and RSS grows by less than 8 MiB over the last 40.
+
+    A fresh model each round, not one model wrapped again and again: a stage-3 optimizer
+    leaves its model sharded when dropped (the parameters' full storages are freed), so
+    such a model is not one to build a second optimizer over."""
     proc = psutil.Process()
-    hooks_before = count_hooks(model)
-    ref = rss = None
+    baseline = live_storage_bytes()
+    rss = None
     for i in range(times):
+        model = make_model()
+        assert count_hooks(model) == 0
         opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, bucket_bytes=SMALL_BUCKET)
+        assert count_hooks(model) > 0 or stage == 1
         model(*_batch(i, rank, ws)).backward()
         opt.step()
         opt.zero_grad()
-        gone = weakref.ref(opt)
+        opt_ref, model_ref = weakref.ref(opt), weakref.ref(model)
         del opt
-        assert gone() is None, f"stage {stage}: the dropped optimizer is still referenced"
+        assert opt_ref() is None, f"stage {stage}: the dropped optimizer is still referenced"
         hooks = count_hooks(model)
-        assert hooks == hooks_before, f"stage {stage}: {hooks - hooks_before} hooks left"
+        assert hooks == 0, f"stage {stage}: {hooks} hooks left on the model"
+        del model
+        assert model_ref() is None, f"stage {stage}: the dropped model is still referenced"
         if i in (0, 9, times - 1):
             live = live_storage_bytes()
-            ref = live if ref is None else ref
-            assert live == ref, f"stage {stage} build {i}: {live} B live != the first's {ref}"
+            assert live == baseline, (f"stage {stage} round {i}: {live - baseline} B still "
+                                      f"live after the drop")
         if i == 9:
             rss = proc.memory_info().rss
     growth = proc.memory_info().rss - rss
-    assert growth < 8 * 2**20, f"stage {stage}: RSS grew {growth} B over {times - 10} builds"
-    return {"live_bytes": ref, "rss_growth": growth}
+    assert growth < 8 * 2**20, f"stage {stage}: RSS grew {growth} B over {times - 10} rounds"
+    return {"live_bytes": baseline, "rss_growth": growth}
 
 
 def battery(rank, ws, stages):
