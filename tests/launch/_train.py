@@ -10,6 +10,7 @@ GROUP_RANK), local rank and agent pid it ran under, so a test can tell how it wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -37,7 +38,9 @@ def train(stage: int, rank: int, ws: int, steps: int):
         opt.step()
         opt.zero_grad()
         losses.append(world_mean(loss.item(), ws))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Stage 3 keeps only shards between steps: read full parameters inside gathered().
+    with opt.gathered() if stage == 3 else contextlib.nullcontext():
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def main() -> None:
