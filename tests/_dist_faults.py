@@ -33,8 +33,16 @@ def _worker(fn, rank, world_size, port, args, queue, pg_timeout_s):
         torch.set_num_threads(1)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+        except Exception as exc:  # noqa: BLE001
+            if "EADDRINUSE" not in str(exc):
+                raise
+            # Another process took the free port before the store bound it: start again.
+            queue.put((rank, "port_in_use", str(exc)))
+            code = 1
+            return
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -48,7 +56,17 @@ def _worker(fn, rank, world_size, port, args, queue, pg_timeout_s):
 def run_ranks_outcomes(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                        pg_timeout_s: float = 60.0) -> Dict[int, Tuple[str, Any]]:
     """Outcome per rank of ``fn(rank, world_size, *args)``. Raises AssertionError only when
-    some rank is still running after ``timeout`` seconds (a hang: every rank is killed)."""
+    some rank is still running after ``timeout`` seconds (a hang: every rank is killed).
+    A rendezvous port taken by another process between choosing and binding it (other test
+    runs share the machine) restarts the ranks on a new port, up to 3 times."""
+    for attempt in range(3):
+        outcomes = _run_once(fn, world_size, args, timeout, pg_timeout_s)
+        if not any(kind == "port_in_use" for kind, _ in outcomes.values()):
+            return outcomes
+    raise AssertionError(f"no free rendezvous port after 3 attempts: {outcomes}")
+
+
+def _run_once(fn, world_size, args, timeout, pg_timeout_s):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -66,6 +84,8 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args: Any, timeout: float
                 outcomes[rank] = (kind, payload)
             except queue_mod.Empty:
                 pass
+            if any(kind == "port_in_use" for kind, _ in outcomes.values()):
+                return outcomes  # the others may be talking to a stranger: kill, retry
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         while True:  # what was sent just before the processes ended
             try:
