@@ -15,7 +15,9 @@ WORLD_SIZE = 2
 def results():
     stages = implemented_stages()
     per_rank = run_ranks(battery, WORLD_SIZE, stages, timeout=500.0, pg_timeout_s=60.0)
-    return {name: next((r[name] for r in per_rank if r[name][0]), per_rank[0][name])
+    # Every rank's error: the first rank's may only say that its peer left after failing.
+    return {name: ("\n".join(f"rank {r}: {res[name][0]}" for r, res in enumerate(per_rank)
+                             if res[name][0]) or None, per_rank[0][name][1])
             for name in per_rank[0]}
 
 
