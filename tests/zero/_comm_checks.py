@@ -5,15 +5,24 @@ import time
 
 import torch
 
-from zkernels.comm import MeteredComm, VolumeMeter, make_comm
+from zkernels.comm import CollectiveError, MeteredComm, VolumeMeter, make_comm
 from zkernels.comm.torch_comm import TorchComm
 
 
 def collectives(rank, ws):
     """Every collective, every dtype, exact on integer-valued inputs (any summation order
-    gives the same sum), in place (shard = slice of the full buffer) and not."""
-    comm = make_comm(None, torch.device("cpu"))
+    gives the same sum), in place (shard = slice of the full buffer) and not; through the
+    public ``dist.*`` functions and, with an own timeout, the group's methods (see [Note:
+    timeouts on torch.distributed])."""
+    for timeout in (None, 30.0):
+        _collectives(rank, ws, timeout)
+    return True
+
+
+def _collectives(rank, ws, timeout):
+    comm = make_comm(None, torch.device("cpu"), timeout=timeout)
     assert isinstance(comm, TorchComm) and comm.rank == rank and comm.world_size == ws
+    assert comm.timeout_s == timeout
     try:  # the native engine is for CUDA buffers only, built or not
         make_comm(None, torch.device("cpu"), backend="nccl")
     except (RuntimeError, ValueError) as exc:
@@ -58,20 +67,24 @@ def collectives(rank, ws):
         assert "output" in str(exc)
     else:
         raise AssertionError("a mis-sized all_gather must fail")
-    return True
 
 
-def dead_peer(rank, ws, mode):
-    """The last rank leaves ("exit") or never joins ("silent"); the others must raise within
-    the process group's timeout instead of hanging."""
+def dead_peer(rank, ws, mode, timeout=None, linger_s=7.0):
+    """The last rank leaves ("exit") or never joins ("silent": it lingers ``linger_s``, past
+    the timeout); the others must raise :class:`CollectiveError` naming the collective, its
+    bytes and the tag within the timeout (the comm's own ``timeout`` when given, else the
+    process group's) instead of hanging."""
     if rank == ws - 1:
         if mode == "silent":
-            time.sleep(7.0)  # past the 3 s process-group timeout
+            time.sleep(linger_s)
         return None
-    comm = make_comm(None, torch.device("cpu"))
+    comm = make_comm(None, torch.device("cpu"), timeout=timeout)
     start = time.time()
     try:
-        comm.all_gather(torch.empty(4 * ws), torch.zeros(4)).wait()
-    except RuntimeError as exc:
-        return time.time() - start, str(exc)[:200]
+        comm.all_gather(torch.empty(4 * ws), torch.zeros(4), tag="unit blocks.7").wait()
+    except CollectiveError as exc:
+        assert exc.collective == "all_gather" and exc.nbytes == 16 * ws, (exc.collective,
+                                                                          exc.nbytes)
+        assert exc.tag == "unit blocks.7" and isinstance(exc.__cause__, RuntimeError)
+        return time.time() - start, str(exc)
     raise AssertionError("all_gather with a missing peer returned")

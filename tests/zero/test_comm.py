@@ -1,4 +1,6 @@
 """The torch.distributed comm backend, the single-rank backend and the volume meter."""
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -50,3 +52,24 @@ def test_dead_peer_fails_within_timeout(mode):
     results = run_ranks(dead_peer, 2, mode, pg_timeout_s=pg_timeout_s, timeout=60.0)
     elapsed, message = results[0]
     assert elapsed < pg_timeout_s + 5.0, (elapsed, message)
+    assert message.startswith("all_gather of 32 bytes (torch.float32) on rank 0 of 2 "
+                              "[unit blocks.7] failed or did not complete within the process "
+                              "group's timeout"), message
+
+
+def test_own_timeout_bounds_a_silent_peer():
+    """make_comm(timeout=...) bounds the wait on a stuck peer even when the process group's
+    timeout is much longer (see [Note: timeouts on torch.distributed])."""
+    results = run_ranks(dead_peer, 2, "silent", timedelta(seconds=2), 6.0, pg_timeout_s=60.0,
+                        timeout=60.0)
+    elapsed, message = results[0]
+    assert 1.5 < elapsed < 2.0 + 3.0, (elapsed, message)
+    assert "within timeout 2s" in message, message
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1.0, ValueError),
+                                        (timedelta(0), ValueError), ("5", TypeError),
+                                        (True, TypeError)])
+def test_timeout_must_be_positive_seconds(bad, error):
+    with pytest.raises(error, match="timeout"):
+        make_comm(None, torch.device("cpu"), timeout=bad)

@@ -1,10 +1,10 @@
 """Bucketed asynchronous collectives behind one interface (see ``base``)."""
-from .base import Comm, Handle
+from .base import CollectiveError, Comm, Handle
 from .bucketed import BucketedReduceScatter
 from .local import LocalComm
 from .meter import MeteredComm, VolumeMeter
 from .reduce_pool import ReducePool
 from .select import make_comm
 
-__all__ = ["Comm", "Handle", "LocalComm", "MeteredComm", "VolumeMeter", "make_comm",
-           "ReducePool", "BucketedReduceScatter"]
+__all__ = ["CollectiveError", "Comm", "Handle", "LocalComm", "MeteredComm", "VolumeMeter",
+           "make_comm", "ReducePool", "BucketedReduceScatter"]

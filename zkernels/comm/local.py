@@ -4,6 +4,8 @@ Every collective over one rank is a copy (or nothing), done at once; handles are
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .base import Handle
@@ -21,19 +23,21 @@ class LocalComm:
     world_size = 1
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
-                       average: bool = False) -> Handle:
+                       average: bool = False, tag: Optional[str] = None) -> Handle:
         _check_sizes("reduce_scatter", output, input)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
         _check_sizes("all_gather", input, output)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done()
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
+                   tag: Optional[str] = None) -> Handle:
         if op not in ("sum", "max"):
             raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
         return _Done()

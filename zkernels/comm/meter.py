@@ -10,7 +10,7 @@ divide by ``N``, so the counts are exact integers for them; tiny all-reduces rou
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -70,14 +70,16 @@ class MeteredComm:
         self.world_size = inner.world_size
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
-                       average: bool = False) -> Handle:
+                       average: bool = False, tag: Optional[str] = None) -> Handle:
         self.meter.record("reduce_scatter", _nbytes(input), self.world_size)
-        return self.inner.reduce_scatter(output, input, average=average)
+        return self.inner.reduce_scatter(output, input, average=average, tag=tag)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
         self.meter.record("all_gather", _nbytes(output), self.world_size)
-        return self.inner.all_gather(output, input)
+        return self.inner.all_gather(output, input, tag=tag)
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
+                   tag: Optional[str] = None) -> Handle:
         self.meter.record("all_reduce", _nbytes(tensor), self.world_size)
-        return self.inner.all_reduce(tensor, op=op)
+        return self.inner.all_reduce(tensor, op=op, tag=tag)

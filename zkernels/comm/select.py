@@ -29,14 +29,15 @@ import torch.distributed as dist
 if dist.is_available():
     import torch.distributed.nn  # noqa: F401 - see [Note: process group teardown]
 
-from .base import Comm
+from .base import Comm, timeout_seconds
 from .local import LocalComm
 
 BACKENDS = ("auto", "torch", "nccl")
 
 
 def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
-              device: Optional[torch.device] = None, backend: str = "auto") -> Comm:
+              device: Optional[torch.device] = None, backend: str = "auto",
+              timeout=None) -> Comm:
     """The :class:`Comm` for ``process_group`` and buffers on ``device``.
 
     Args:
@@ -47,12 +48,18 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
         backend: ``"torch"`` (torch.distributed: gloo/NCCL), ``"nccl"`` (the native engine
             of ``zkernels._C_nccl``: its own communicator and comm stream), or ``"auto"``:
             the native engine for CUDA buffers where it is built, torch.distributed otherwise.
+        timeout: None, a ``datetime.timedelta`` or seconds (> 0): a collective not done within
+            it raises :class:`zkernels.comm.CollectiveError` (see [Note: collective errors] in
+            base.py). None keeps the process group's timeout (the native engine's default:
+            300 s). On CUDA with ``backend="torch"`` the NCCL watchdog enforces the process
+            group's timeout whatever this says (see torch_comm.py).
 
     Returns:
         an object implementing :class:`zkernels.comm.base.Comm`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    timeout_s = timeout_seconds(timeout)
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized:
         if process_group is not None:
@@ -63,9 +70,11 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
             else "torch"
     if backend == "nccl":
         from .nccl import NcclComm
-        return NcclComm(process_group, device=device)
+        if timeout_s is None:
+            return NcclComm(process_group, device=device)
+        return NcclComm(process_group, device=device, timeout_s=timeout_s)
     from .torch_comm import TorchComm
-    return TorchComm(process_group, device)
+    return TorchComm(process_group, device, timeout=timeout_s)
 
 
 def _native_built() -> bool:

@@ -10,18 +10,29 @@ caller's stream is ordered after the collective once it has waited, so the memor
 reused early, with no ``record_stream``. On CPU (gloo) collectives are ``async_op=True`` works
 and ``wait()`` blocks.
 
-A dead or silent peer makes ``wait()`` raise within the process group's timeout (gloo: the
-transport reports a reset connection at once, or the op times out; NCCL: the watchdog aborts
-the communicator), never hang.
+[Note: timeouts on torch.distributed]
+A dead or silent peer makes ``wait()`` raise :class:`CollectiveError` (see [Note: collective
+errors] in base.py), never hang. gloo reports a peer killed mid-collective at once (its TCP
+connection resets) and a stuck peer when the op's timeout expires: by default the process
+group's, or this comm's own ``timeout``. gloo's ``Work.wait(timeout)`` does not bound the wait
+(measured on torch 2.13: it returned after the group's timeout, not the one given), so the own
+timeout goes where gloo reads it, the collective's options (``opts.timeout``), which the public
+``dist.*`` functions do not expose: with a timeout, CPU collectives are issued through the
+group's own methods (``ProcessGroup.reduce_scatter_single`` or, on torch < 2.13,
+``_reduce_scatter_base``; the same for all-gather; ``allreduce``), exactly what the public
+functions call. On CUDA the NCCL watchdog enforces the process group's timeout (the CPU does
+not block on NCCL here, so there is no wait to bound): set it with
+``init_process_group(timeout=...)``.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .base import Handle
+from .base import Handle, collective_error, describe, timeout_seconds
 
 
 def _pick(*names: str) -> Callable:
@@ -35,23 +46,49 @@ def _pick(*names: str) -> Callable:
 
 
 class _Work:
-    """Handle of one collective (see [Note: comm stream])."""
+    """Handle of one collective (see [Note: comm stream]); a failure raises ``fail(exc)``."""
 
     def __init__(self, work, event, device: torch.device, keep: Sequence[torch.Tensor],
-                 after: Optional[Callable[[], None]] = None) -> None:
+                 after: Optional[Callable[[], None]],
+                 fail: Callable[[BaseException], Exception]) -> None:
         self._work, self._event, self._device = work, event, device
-        self._keep, self._after = keep, after
+        self._keep, self._after, self._fail = keep, after, fail
 
     def wait(self) -> None:
         if self._keep is None:
             return
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except Exception as exc:  # noqa: BLE001 - every backend error, named
+                self._keep = None
+                raise self._fail(exc) from exc
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         if self._after is not None:
             self._after()
         self._keep = None
+
+
+def _raw_ops(group: dist.ProcessGroup, timeout_s: float):
+    """reduce_scatter(output, input, op), all_gather(output, input), all_reduce(tensor, op)
+    on ``group`` with ``opts.timeout`` (see [Note: timeouts on torch.distributed])."""
+    from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions,
+                                            ReduceScatterOptions)
+    limit = timedelta(seconds=timeout_s)
+    rs = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
+    ag = getattr(group, "all_gather_single", None) or group._allgather_base
+
+    def opts(cls, op=None):
+        o = cls()
+        o.timeout = limit
+        if op is not None:
+            o.reduceOp = op
+        return o
+
+    return (lambda out, inp, op: rs(out, inp, opts(ReduceScatterOptions, op)),
+            lambda out, inp: ag(out, inp, opts(AllgatherOptions)),
+            lambda t, op: group.allreduce([t], opts(AllreduceOptions, op)))
 
 
 class TorchComm:
@@ -60,10 +97,12 @@ class TorchComm:
     Args:
         process_group: the group (None: the default world group, which must be initialized).
         device: where the buffers live; CUDA devices get a side stream for collectives.
+        timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds
+            that bounds every CPU collective (see [Note: timeouts on torch.distributed]).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, timeout=None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("TorchComm needs an initialized torch.distributed process group "
                                "(dist.init_process_group)")
@@ -71,27 +110,50 @@ class TorchComm:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.timeout_s = timeout_seconds(timeout)
         backend = str(dist.get_backend(process_group)).lower()
         # gloo lacks ReduceOp.AVG on some versions and dtypes: average there as SUM + scale.
         self._native_avg = "nccl" in backend
-        self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
-        self._all_gather = _pick("all_gather_single", "all_gather_into_tensor")
         self._stream = (torch.cuda.Stream(device=self.device)
                         if self.device.type == "cuda" else None)
+        if self.timeout_s is not None and self._stream is None:
+            group = process_group if process_group is not None else dist.group.WORLD
+            self._reduce_scatter, self._all_gather, self._all_reduce = _raw_ops(
+                group, self.timeout_s)
+        else:
+            rs = _pick("reduce_scatter_single", "reduce_scatter_tensor")
+            ag = _pick("all_gather_single", "all_gather_into_tensor")
+            g = self.group
+            self._reduce_scatter = lambda out, inp, op, a=True: rs(out, inp, op=op, group=g,
+                                                                  async_op=a)
+            self._all_gather = lambda out, inp, a=True: ag(out, inp, group=g, async_op=a)
+            self._all_reduce = lambda t, op, a=True: dist.all_reduce(t, op=op, group=g,
+                                                                    async_op=a)
 
-    def _launch(self, run: Callable[[bool], object], keep: Sequence[torch.Tensor],
-                after: Optional[Callable[[], None]] = None) -> Handle:
-        if self._stream is None:
-            return _Work(run(True), None, self.device, keep, after)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            run(False)  # ordered on the side stream; the CPU does not block on NCCL
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return _Work(None, event, self.device, keep, after)
+    def _launch(self, run: Callable[..., object], keep: Sequence[torch.Tensor], what: str,
+                tag: Optional[str], after: Optional[Callable[[], None]] = None) -> Handle:
+        full = keep[-1]  # the full buffer, whose bytes the meter counts too
+        nbytes = full.numel() * full.element_size()
+
+        def fail(exc: BaseException) -> Exception:
+            return collective_error(describe(what, nbytes, full.dtype, self.rank,
+                                             self.world_size, tag),
+                                    what, nbytes, tag, self.timeout_s, exc)
+
+        try:
+            if self._stream is None:
+                return _Work(run(), None, self.device, keep, after, fail)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                run(a=False)  # ordered on the side stream; the CPU does not block on NCCL
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        except dist.DistBackendError as exc:  # a broken group; misuse raises as it is
+            raise fail(exc) from exc
+        return _Work(None, event, self.device, keep, after, fail)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
-                       average: bool = False) -> Handle:
+                       average: bool = False, tag: Optional[str] = None) -> Handle:
         _check(output, input, self.world_size, "reduce_scatter", "output", "input")
         op = dist.ReduceOp.SUM
         after = None
@@ -100,20 +162,22 @@ class TorchComm:
         elif average and self.world_size > 1:
             inv = 1.0 / self.world_size
             after = lambda: output.mul_(inv)  # noqa: E731 - runs on the waiter's stream
-        return self._launch(lambda async_op: self._reduce_scatter(
-            output, input, op=op, group=self.group, async_op=async_op), (output, input), after)
+        return self._launch(lambda **kw: self._reduce_scatter(output, input, op, **kw),
+                            (output, input), "reduce_scatter", tag, after)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
         _check(input, output, self.world_size, "all_gather", "input", "output")
-        return self._launch(lambda async_op: self._all_gather(
-            output, input, group=self.group, async_op=async_op), (output, input))
+        return self._launch(lambda **kw: self._all_gather(output, input, **kw),
+                            (input, output), "all_gather", tag)
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
+                   tag: Optional[str] = None) -> Handle:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
         if op not in ops:
             raise ValueError(f"op must be one of {tuple(ops)}, got {op!r}")
-        return self._launch(lambda async_op: dist.all_reduce(
-            tensor, op=ops[op], group=self.group, async_op=async_op), (tensor,))
+        return self._launch(lambda **kw: self._all_reduce(tensor, ops[op], **kw), (tensor,),
+                            "all_reduce", tag)
 
 
 def _check(shard: torch.Tensor, full: torch.Tensor, world_size: int, what: str,

@@ -87,6 +87,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comm_backend: ``"auto"`` (the native NCCL engine for CUDA buffers where it is built,
             torch.distributed otherwise), ``"torch"`` or ``"nccl"``; see
             ``zkernels.comm.make_comm``.
+        timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds:
+            a collective not done within it (a rank died, raised or is stuck) raises
+            ``zkernels.comm.CollectiveError`` naming it instead of waiting on.
         ops_backend: None (``ZKERNELS_BACKEND`` as set at construction, else the best backend
             per op) or ``"reference"``, ``"triton"``, ``"cpp"``: the fused ops' backend, chosen
             once here (see [Note: ops chosen once] in ``zkernels/ops/opset.py``).
@@ -108,7 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
-                 ops_backend: Optional[str] = None) -> None:
+                 ops_backend: Optional[str] = None, timeout=None) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
         # the update strategy (update.py) when its kind is flipped to implemented.
         if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
@@ -140,7 +143,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except RuntimeError as exc:
             raise RuntimeError(f"ops_backend={ops_backend!r}: {exc}") from exc
         self.meter = VolumeMeter()
-        self.comm = MeteredComm(make_comm(process_group, device, comm_backend), self.meter)
+        self.comm = MeteredComm(make_comm(process_group, device, comm_backend, timeout),
+                                self.meter)
         n = self.comm.world_size
         if auto:
             self.stage = resolve_auto_stage(
