@@ -5,6 +5,10 @@ process group (one thread each, as multi-rank CPU runs should), call ``fn(rank, 
 *args)`` and send back its return value or its traceback. The parent fails the test with the
 rank's traceback, and kills every rank after ``timeout`` seconds instead of hanging.
 ``fn`` must be importable (a module-level function in a test module or helper).
+
+``ZKERNELS_TEST_THREADS`` (default 1) sets the intra-op threads of each rank (and of the
+in-process world-size-1 runs): CI runs the parity tests once more with 2, since BLAS and
+ATen reductions may block differently per thread count and the verdicts must not change.
 """
 from __future__ import annotations
 
@@ -14,6 +18,19 @@ import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List
+
+
+def rank_threads() -> int:
+    """Intra-op threads per rank in the tests (``ZKERNELS_TEST_THREADS``, default 1: the
+    machine's 2 cores are shared by the ranks)."""
+    raw = os.environ.get("ZKERNELS_TEST_THREADS", "1")
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"ZKERNELS_TEST_THREADS must be a positive integer, got {raw!r}")
+    return threads
 
 
 def _free_port() -> int:
@@ -26,7 +43,7 @@ def _worker(fn, rank, world_size, port, args, queue, pg_timeout_s):
     try:
         import torch
         import torch.distributed as dist
-        torch.set_num_threads(1)
+        torch.set_num_threads(rank_threads())
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,

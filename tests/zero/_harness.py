@@ -71,6 +71,55 @@ def split_groups(model, weight_decay: float) -> List[dict]:
             {"params": plain, "weight_decay": 0.0}]
 
 
+# [Note: same-order reference]
+# Adam turns gradient round-off into parameter differences: at step 1 the update of an element
+# is lr * g / (|g| + eps), whose derivative in g is lr * eps / (|g| + eps)^2, up to
+# lr / (4 eps) = 750 (LR 3e-3, EPS 1e-6) where |g| is near eps. A gradient element that is
+# small because large per-sample terms cancel (~1e-3 each, so fp32 round-off ~1e-10 per sum)
+# therefore moves by up to ~1e-7 for a summation-order change alone. The ranks compute each
+# micro-batch's gradient with a matmul over 2 samples; one process over the whole batch of
+# N * micro * 2 samples calls BLAS on other shapes, which block and vectorize the reduction
+# differently per CPU (AVX-512 vs AVX2 kernels, thread count): on an AVX-512 EPYC that gave one
+# element of 5184 a 1.6e-9 gradient difference, amplified to 1.24e-6 > atol after step 0.
+# So the reference computes the gradient of every (rank, micro-batch) chunk with the same
+# shapes, in the same process with the same thread count, as the ranks do: those chunk
+# gradients are the same BLAS calls on the same inputs, bit for bit on any CPU. It accumulates
+# each rank's micro-batches in fp32 in the ranks' order (autograd adds them into .grad), then
+# sums the ranks' gradients in fp64 and rounds once: the ranks' reduction (a gloo ring in
+# fp32, times 1/N exact for N = 1, 2, 4) differs from that only by its summation order, at
+# most (N - 1) fp32 roundings of the partial sums (~N * 6e-8 * sum |g_r|); through Adam's
+# worst-case 750 that is < 2e-7 for the gradients here (|g_r| < 1e-3 where |g| ~ eps), well
+# inside tol(float32)'s atol 1e-6. The tolerance stays tol(float32); what the reference no
+# longer tests is BLAS shape-dependence, which is torch's, not ours. tests/zero's
+# "catches_*" checks show that a wrong 1/N, a skipped micro-batch and a 1% error in a single
+# gradient element still fail this comparison.
+
+
+def reference_grads(ref, batch, world_size: int, micro: int,
+                    size: int = MICRO_BATCH) -> List[float]:
+    """Set ``ref``'s ``.grad`` to the data-parallel average gradient of ``batch`` computed as
+    the ranks compute it (see [Note: same-order reference]): micro-batch ``m`` of rank ``r``
+    is chunk ``r * micro + m``, its loss divided by ``micro``. Returns each rank's loss (the
+    sum of its micro-batch losses), for the loss check."""
+    params = [p for p in ref.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    losses = []
+    for r in range(world_size):
+        local = 0.0
+        for m in range(micro):
+            loss = ref(*chunk(batch, r * micro + m, size)) / micro
+            loss.backward()
+            local += loss.item()
+        losses.append(local)
+        for acc, p in zip(total, params):
+            if p.grad is not None:
+                acc += p.grad
+        ref.zero_grad(set_to_none=True)
+    for acc, p in zip(total, params):
+        p.grad = (acc / world_size).to(p.dtype)
+    return losses
+
+
 def assert_params_close(model, ref, step: int, **tol) -> None:
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().float(), q.detach().float(), **tol,

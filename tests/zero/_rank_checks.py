@@ -17,8 +17,8 @@ import zkernels as zk
 from zkernels.zero import LossScaleConfig
 from tests.conftest import tol
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, chunk, clone_model,
-                                 make_batches, make_model, run_checks, split_groups,
-                                 world_mean)
+                                 make_batches, make_model, run_checks, reference_grads,
+                                 split_groups, world_mean)
 
 BETAS = (0.9, 0.95)
 WD = 0.1
@@ -29,11 +29,20 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
+FAULTS = ("wrong_mean", "skip_micro", "one_element")
+
+
 def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, frozen=False,
-                sched=False):
+                sched=False, fault=None):
     """ZeRO on N ranks with micro-batch b (x micro) == torch.optim.AdamW on one process with
     the whole batch, loss and every parameter each step, to fp32 round-off (tol(float32):
-    rtol 1e-5, atol 1e-6; see [Note: eps in the parity tests])."""
+    rtol 1e-5, atol 1e-6), the reference's gradient computed micro-batch by micro-batch as the
+    ranks do (see [Note: same-order reference] and [Note: eps in the parity tests]).
+
+    ``fault`` breaks the ZeRO side on purpose, to show the comparison catches real errors
+    (``catches``): "wrong_mean" averages over N + 1 instead of N, "skip_micro" drops the last
+    micro-batch of the last rank from step 1 on, "one_element" makes one gradient element 1%
+    too large on every rank."""
     model = make_model()
     if frozen:
         model.wpe.weight.requires_grad_(False)
@@ -51,6 +60,14 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
         for b in opt.buckets:  # buckets never mix groups
             assert all(any(p is q for q in opt.param_groups[b.group_index]["params"])
                        for p in b.params)
+    if fault == "one_element":
+        def neighbour(g):  # an off-by-one in one offset: element [5, 7] gets [5, 8]'s value
+            g = g.clone()
+            g[5, 7] = g[5, 8]
+            return g
+
+        model.blocks[0].fc.weight.register_hook(neighbour)
+    grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0
     num_buffers = len(opt.reducer.held_buffers())
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.
     # while the embedding gradients were still to be computed (stage 2 overlaps).
@@ -72,11 +89,14 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             last = m == micro - 1
             with (contextlib.nullcontext() if last else opt.no_sync()):
                 loss = model(*chunk(batch, rank * micro + m)) / micro
-                loss.backward()
+                if not (fault == "skip_micro" and last and rank == ws - 1 and step >= 1):
+                    (loss * grad_factor).backward()
             local += loss.item()
             if not last:
                 assert opt.meter.current_step()["total"] == 0, "no_sync must not communicate"
-        if stage == 2:
+        if fault == "skip_micro":
+            pass  # the last rank ran no synced backward: nothing overlapped on it
+        elif stage == 2:
             assert all(p.grad is None for p in model.parameters()), "stage 2 frees full grads"
             sent = opt.meter.current_step()["reduce_scatter"]
             assert ws == 1 or 0 < mid_backward[-1] < sent, "stage 2 reduces during backward"
@@ -84,8 +104,7 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             assert mid_backward[-1] == 0, "stage 1 communicates only in step()"
         opt.step()
         opt.zero_grad()
-        rloss = ref(*batch)
-        rloss.backward()
+        rlosses = reference_grads(ref, batch, ws, micro)
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(_trainable(ref), clip)
             clipped += int(norm > clip)
@@ -95,7 +114,8 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             s.step()
         if sched:
             assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"] != LR or step == 0
-        torch.testing.assert_close(world_mean(local, ws), rloss.item(), **tol(torch.float32))
+        torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
+                                   **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
         assert_params_close(model, ref, step, **tol(torch.float32))
     assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
     if clip is not None:
@@ -103,6 +123,18 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
     if frozen:
         assert torch.equal(model.wpe.weight, frozen_before) and model.wpe.weight.grad is None
     assert opt.stats()["step"] == steps
+
+
+def catches(rank, ws, *, fault, stage, steps=2):
+    """The parity comparison must fail on a broken ZeRO side (every rank compares the same
+    gathered parameters with the same reference, so every rank fails at the same step and
+    none is left waiting in a collective)."""
+    try:
+        fp32_parity(rank, ws, stage=stage, steps=steps, micro=2, fault=fault)
+    except AssertionError as exc:
+        assert "step" in str(exc), f"failed for another reason than the comparison: {exc}"
+        return
+    raise AssertionError(f"the parity check did not notice fault {fault!r}")
 
 
 def bf16_parity(rank, ws, *, stage, steps=10):
@@ -290,6 +322,8 @@ CHECKS = {
     "clip_stage2": partial(fp32_parity, stage=2, steps=6, clip=0.05),
     "accumulate_stage1": partial(fp32_parity, stage=1, steps=6, micro=2),
     "accumulate_stage2": partial(fp32_parity, stage=2, steps=6, micro=2),
+    **{f"catches_{f}_stage{s}": partial(catches, fault=f, stage=s)
+       for f in FAULTS for s in (1, 2)},
     "bf16_stage1": partial(bf16_parity, stage=1),
     "bf16_stage2": partial(bf16_parity, stage=2),
     "fp16_overflow_stage1": partial(fp16_overflow, stage=1),
