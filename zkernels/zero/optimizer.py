@@ -70,9 +70,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
         memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
             measured free device memory less 10% headroom).
-        comm_backend: ``"auto"`` (the native NCCL engine for CUDA buffers where it is built,
-            torch.distributed otherwise), ``"torch"`` or ``"nccl"``; see
-            ``zkernels.comm.make_comm``.
+        comm_backend: ``"auto"`` or ``"torch"`` (torch.distributed, CUDA included), or
+            ``"nccl"`` (opt-in: the native NCCL engine, CUDA buffers, where ``_C_nccl`` is
+            built); see ``zkernels.comm.make_comm``.
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
