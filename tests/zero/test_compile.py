@@ -3,11 +3,11 @@ every step equal to torch.optim.AdamW's on the same (eager) model to a stated to
 graph break.
 
 One tiny model, 3 steps, one process: compiling costs tens of seconds on 2 cores, so each
-stage pays one compile. The tolerance: inductor fuses the forward and backward (other
-summation orders than eager's, ~1e-7 relative per op), and Adam turns the gradient round-off
-into parameter differences (see [Note: same-order reference] in _harness.py); over 3 steps the
-loss stays within rtol 2e-5 of eager AdamW's (measured: see LOSS_RTOL). Parameters are
-compared too, at the eager parity tests' scale times 10 for the same reason.
+stage pays one compile. Tolerances: losses tol(float32)'s rtol 1e-5 (measured: equal to the
+last bit at both stages over the 3 steps); parameters rtol 1e-4, atol 1e-5, ten times the
+eager parity tests' (measured 0.52x of it at both stages): inductor's fused backward sums in
+other orders than eager's, and Adam amplifies that gradient round-off on elements whose
+gradient is near zero (see [Note: same-order reference] in _harness.py).
 """
 import pytest
 import torch
@@ -18,7 +18,7 @@ from tests.zero._harness import EPS, LR, MICRO_BATCH, chunk, clone_model, make_b
 
 STAGES = (1, 2)  # stage 3 joins with one word (and its expected graph breaks, if any)
 STEPS = 3
-LOSS_RTOL = 2e-5
+LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
