@@ -5,10 +5,16 @@
 #   3. the kernel benchmark at GPU sizes (64M and 256M elements)        -> OUTDIR/kernels.json
 #   4. each kernel's GB/s as a fraction of the device copy bandwidth measured in that same run
 #   5. the native extension's GPU check, benchmarks/gpu_native.sh OUTDIR, when that file exists
+#      (it builds zkernels._C_nccl in place, which step 6 then uses)
+#   6. the demo's model trained on CUDA at world size 1, every stage in TRAIN_STAGES x both
+#      comm backends (torch.distributed, the native NCCL engine), against torch.optim.AdamW
+#      on the same data, one line per check (benchmarks/train_check.py) -> OUTDIR/train.json
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
+# The whole run fits one GPU session (under 10 minutes on an H100/H200).
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR   (from anywhere; runs from the repository root)
 # Env:   GPU_CHECK_SIZES="67108864 268435456" to change the benchmark sizes.
+#        GPU_CHECK_STAGES="1 2" to change the trained stages.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -22,6 +28,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Compiled kernels, automatic backend choice: nothing forced from the caller's shell.
 unset TRITON_INTERPRET ZKERNELS_BACKEND
 SIZES=${GPU_CHECK_SIZES:-"67108864 268435456"}
+TRAIN_STAGES=${GPU_CHECK_STAGES:-"1 2"}  # stage 3 joins with one word here
+TRAIN_BACKENDS="torch nccl"
 failed=()
 
 echo "== 1. versions"
@@ -83,6 +91,14 @@ if [[ -f benchmarks/gpu_native.sh ]]; then
     fi
 else
     echo "benchmarks/gpu_native.sh not present in this checkout: nothing to run"
+fi
+
+echo
+echo "== 6. train the demo's model at world size 1: stages $TRAIN_STAGES x comm $TRAIN_BACKENDS"
+if ! python benchmarks/train_check.py --device cuda --stages "$TRAIN_STAGES" \
+        --backends "$TRAIN_BACKENDS" --json "$OUTDIR/train.json" 2>&1 \
+        | tee "$OUTDIR/train.log"; then
+    failed+=("train check")
 fi
 
 echo

@@ -11,6 +11,10 @@ zkernels/comm/select.py): it destroys the process group, and then checks that th
 worker threads are gone, so a test that leaves something holding the group (a DDP wrapper, a
 pending handle, a late import binding ``group.WORLD``) fails here, every time, instead of
 aborting at interpreter exit once in a few dozen runs.
+
+``ZKERNELS_TEST_THREADS`` (default 1) sets the intra-op threads of each rank (and of the
+in-process world-size-1 runs): CI runs the parity tests once more with 2, since BLAS and
+ATen reductions may block differently per thread count and the verdicts must not change.
 """
 from __future__ import annotations
 
@@ -20,6 +24,19 @@ import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List
+
+
+def rank_threads() -> int:
+    """Intra-op threads per rank in the tests (``ZKERNELS_TEST_THREADS``, default 1: the
+    machine's 2 cores are shared by the ranks)."""
+    raw = os.environ.get("ZKERNELS_TEST_THREADS", "1")
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"ZKERNELS_TEST_THREADS must be a positive integer, got {raw!r}")
+    return threads
 
 
 def _free_port() -> int:
@@ -54,7 +71,7 @@ def _worker(fn, rank, world_size, port, args, queue, pg_timeout_s):
         import torch
         import torch.distributed as dist
         import zkernels  # noqa: F401 - before init_process_group: [Note: process group teardown]
-        torch.set_num_threads(1)
+        torch.set_num_threads(rank_threads())
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,

@@ -49,12 +49,14 @@ ISAS = ("scalar", "avx2", "avx512")
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
-    """One intra-op thread per test: the 2 cores are shared, and a 2-thread parallel region
-    waits for a descheduled thread (50x slower here under load). The threaded path is tested
-    explicitly (num_threads=2) and by the C++ tests."""
+    """One intra-op thread per test (``ZKERNELS_TEST_THREADS``, see tests/_dist.py): the 2
+    cores are shared, and a 2-thread parallel region waits for a descheduled thread (50x
+    slower here under load). The threaded path is tested explicitly (num_threads=2) and by
+    the C++ tests."""
     import torch
+    from tests._dist import rank_threads
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(rank_threads())
     yield
     torch.set_num_threads(before)
 

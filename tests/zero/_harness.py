@@ -71,6 +71,62 @@ def split_groups(model, weight_decay: float) -> List[dict]:
             {"params": plain, "weight_decay": 0.0}]
 
 
+# [Note: same-order reference]
+# Adam turns gradient round-off into parameter differences: at step 1 the update of an element
+# is lr * g / (|g| + eps), whose derivative in g is lr * eps / (|g| + eps)^2, up to
+# lr / (4 eps) = 750 (LR 3e-3, EPS 1e-6) where |g| is near eps. A gradient element that is
+# small because large per-sample terms cancel (~1e-3 each, so fp32 round-off ~1e-10 per sum)
+# therefore moves by up to ~1e-7 for a summation-order change alone. The ranks compute each
+# micro-batch's gradient with a matmul over 2 samples; one process over the whole batch of
+# N * micro * 2 samples calls BLAS on other shapes, which block and vectorize the reduction
+# differently per CPU (AVX-512 vs AVX2 kernels, thread count): on an AVX-512 EPYC that gave one
+# element of 5184 a 1.6e-9 gradient difference, amplified to 1.24e-6 > atol after step 0.
+# So the reference computes the gradient of every (rank, micro-batch) chunk with the same
+# shapes, in the same process with the same thread count, as the ranks do: those chunk
+# gradients are the same BLAS calls on the same inputs, bit for bit on any CPU. It accumulates
+# each rank's micro-batches in fp32 in the ranks' order (autograd adds them into .grad), then
+# sums the ranks' gradients in fp64 and rounds once: the ranks' reduction (a gloo ring in
+# fp32, times 1/N exact for N = 1, 2, 4) differs from that only by its summation order, at
+# most N - 1 fp32 roundings of partial sums, and the optimizer's AdamW differs from torch's
+# by its own round-off. Measured (worst |zero - ref| / (atol + rtol |ref|) over every fp32
+# check at world size 4, step by step): 0.13 on this AVX-512 CPU, 0.26 with
+# ATEN_CPU_CAPABILITY=avx2 (also with ZKERNELS_CPU_ISA=scalar), 0.13 with =default, 0.12 with
+# ZKERNELS_BACKEND=reference, 0.17 with 2 threads per rank (world size 2); the whole-batch
+# reference exceeded 1 (the failure above). So the tolerance stays tol(float32), with 4x
+# headroom; what the reference no longer covers is BLAS's shape-dependent round-off, which is
+# torch's, not ours. The "catches_*" checks (_rank_checks.py) show that a wrong 1/N (5e2x
+# the tolerance at step 0), a skipped micro-batch (5e3x at step 1) and one gradient element
+# taking its neighbour's value (6e3x at step 0) still fail this comparison. What Adam's
+# per-element normalization hides from any parameter comparison is a gradient element off by
+# a constant factor near 1 (10% in one element moved it by 0.15x the tolerance in 4 steps):
+# the bucket pack/scale that could cause one is compared bit for bit in tests/ops.
+
+
+def reference_grads(ref, batch, world_size: int, micro: int,
+                    size: int = MICRO_BATCH) -> List[float]:
+    """Set ``ref``'s ``.grad`` to the data-parallel average gradient of ``batch`` computed as
+    the ranks compute it (see [Note: same-order reference]): micro-batch ``m`` of rank ``r``
+    is chunk ``r * micro + m``, its loss divided by ``micro``. Returns each rank's loss (the
+    sum of its micro-batch losses), for the loss check."""
+    params = [p for p in ref.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    losses = []
+    for r in range(world_size):
+        local = 0.0
+        for m in range(micro):
+            loss = ref(*chunk(batch, r * micro + m, size)) / micro
+            loss.backward()
+            local += loss.item()
+        losses.append(local)
+        for acc, p in zip(total, params):
+            if p.grad is not None:
+                acc += p.grad
+        ref.zero_grad(set_to_none=True)
+    for acc, p in zip(total, params):
+        p.grad = (acc / world_size).to(p.dtype)
+    return losses
+
+
 def assert_params_close(model, ref, step: int, **tol) -> None:
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().float(), q.detach().float(), **tol,

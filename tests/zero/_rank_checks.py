@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 from functools import partial
 
@@ -17,23 +18,33 @@ import zkernels as zk
 from zkernels.zero import LossScaleConfig
 from tests.conftest import tol
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, chunk, clone_model,
-                                 make_batches, make_model, run_checks, split_groups,
-                                 world_mean)
+                                 make_batches, make_model, run_checks, reference_grads,
+                                 split_groups, world_mean)
 
 BETAS = (0.9, 0.95)
 WD = 0.1
 SMALL_BUCKET = 3000  # bytes: several buckets, and fc/fc_out/wte larger than one bucket
+STAGES = (1, 2)  # of the checks parametrized over stages: stage 3 joins with one word
 
 
 def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
+FAULTS = ("wrong_mean", "skip_micro", "one_element")
+
+
 def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, frozen=False,
-                sched=False):
+                sched=False, fault=None):
     """ZeRO on N ranks with micro-batch b (x micro) == torch.optim.AdamW on one process with
     the whole batch, loss and every parameter each step, to fp32 round-off (tol(float32):
-    rtol 1e-5, atol 1e-6; see [Note: eps in the parity tests])."""
+    rtol 1e-5, atol 1e-6), the reference's gradient computed micro-batch by micro-batch as the
+    ranks do (see [Note: same-order reference] and [Note: eps in the parity tests]).
+
+    ``fault`` breaks the ZeRO side on purpose, to show the comparison catches real errors
+    (``catches``): "wrong_mean" averages over N + 1 instead of N, "skip_micro" drops the last
+    micro-batch of the last rank from step 1 on, "one_element" makes one gradient element 1%
+    too large on every rank."""
     model = make_model()
     if frozen:
         model.wpe.weight.requires_grad_(False)
@@ -51,6 +62,14 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
         for b in opt.units:  # buckets never mix groups
             assert all(any(p is q for q in opt.param_groups[b.group_index]["params"])
                        for p in b.params)
+    if fault == "one_element":
+        def neighbour(g):  # an off-by-one in one offset: element [5, 7] gets [5, 8]'s value
+            g = g.clone()
+            g[5, 7] = g[5, 8]
+            return g
+
+        model.blocks[0].fc.weight.register_hook(neighbour)
+    grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0
     num_buffers = len(opt.reducer.held_buffers())
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.
     # while the embedding gradients were still to be computed (stage 2 overlaps).
@@ -72,11 +91,14 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             last = m == micro - 1
             with (contextlib.nullcontext() if last else opt.no_sync()):
                 loss = model(*chunk(batch, rank * micro + m)) / micro
-                loss.backward()
+                if not (fault == "skip_micro" and last and rank == ws - 1 and step >= 1):
+                    (loss * grad_factor).backward()
             local += loss.item()
             if not last:
                 assert opt.meter.current_step()["total"] == 0, "no_sync must not communicate"
-        if stage == 2:
+        if fault == "skip_micro":
+            pass  # the last rank ran no synced backward: nothing overlapped on it
+        elif stage == 2:
             assert all(p.grad is None for p in model.parameters()), "stage 2 frees full grads"
             sent = opt.meter.current_step()["reduce_scatter"]
             assert ws == 1 or 0 < mid_backward[-1] < sent, "stage 2 reduces during backward"
@@ -84,8 +106,7 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             assert mid_backward[-1] == 0, "stage 1 communicates only in step()"
         opt.step()
         opt.zero_grad()
-        rloss = ref(*batch)
-        rloss.backward()
+        rlosses = reference_grads(ref, batch, ws, micro)
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(_trainable(ref), clip)
             clipped += int(norm > clip)
@@ -95,7 +116,8 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             s.step()
         if sched:
             assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"] != LR or step == 0
-        torch.testing.assert_close(world_mean(local, ws), rloss.item(), **tol(torch.float32))
+        torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
+                                   **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
         assert_params_close(model, ref, step, **tol(torch.float32))
     assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
     if clip is not None:
@@ -103,6 +125,18 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
     if frozen:
         assert torch.equal(model.wpe.weight, frozen_before) and model.wpe.weight.grad is None
     assert opt.stats()["step"] == steps
+
+
+def catches(rank, ws, *, fault, stage, steps=2):
+    """The parity comparison must fail on a broken ZeRO side (every rank compares the same
+    gathered parameters with the same reference, so every rank fails at the same step and
+    none is left waiting in a collective)."""
+    try:
+        fp32_parity(rank, ws, stage=stage, steps=steps, micro=2, fault=fault)
+    except AssertionError as exc:
+        assert "step" in str(exc), f"failed for another reason than the comparison: {exc}"
+        return
+    raise AssertionError(f"the parity check did not notice fault {fault!r}")
 
 
 def bf16_parity(rank, ws, *, stage, steps=10):
@@ -194,6 +228,73 @@ def fp16_overflow(rank, ws, *, stage):
             assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
+    """fp32/bf16 (no loss scaling): an inf gradient at step 2 and a NaN at step 3, on the last
+    rank only (after the reduce-scatter only the owner of that element sees it).
+
+    "skip": every rank skips both steps bit for bit (params, masters, moments, bucket steps),
+    ``overflow_skips`` counts 2, rank 0 logs one WARNING per skip naming the step, and clean
+    steps update. "raise": every rank raises NonFiniteGradientError naming the step, exactly
+    one rank (the owner) names ln_f.bias, nothing changes, stats() counts the skip, and training
+    goes on after zero_grad."""
+    from zkernels.zero.nonfinite import NonFiniteGradientError
+    model = make_model()
+    opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, param_dtype=param_dtype,
+                           bucket_bytes=SMALL_BUCKET, nonfinite=policy)
+    records = _Records()
+    logging.getLogger("zkernels.zero").addHandler(records)
+    try:
+        for step, batch in enumerate(make_batches(5, ws * MICRO_BATCH)):
+            loss = model(*chunk(batch, rank))
+            if step in (1, 2) and rank == ws - 1:
+                loss = loss + model.ln_f.bias[0] * float("inf" if step == 1 else "nan")
+            before = [p.detach().clone() for p in model.parameters()]
+            states = [t.clone() for b in opt.buckets for t in (b.master, b.exp_avg,
+                                                                b.exp_avg_sq)]
+            loss.backward()
+            error = None
+            try:
+                opt.step()
+            except NonFiniteGradientError as exc:
+                error = str(exc)
+            opt.zero_grad()
+            same = (all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                    and all(torch.equal(a, t) for a, t in zip(
+                        states, [t for b in opt.buckets for t in (b.master, b.exp_avg,
+                                                                  b.exp_avg_sq)])))
+            bad = step in (1, 2)
+            if not bad:
+                assert error is None and not same, f"step {step + 1} must update"
+                assert all(torch.isfinite(p).all() for p in model.parameters())
+                continue
+            assert same, f"step {step + 1} (non-finite) changed something"
+            if policy == "raise":
+                assert error is not None and f"step {step + 1}:" in error, error
+                named = world_mean(float("ln_f.bias" in error), ws) * ws
+                assert named == 1.0, f"{named} ranks named the parameter: {error}"
+        st = opt.stats()
+        assert st["step"] == 5
+        assert st["overflow_skips"] == 2, st
+        warned = [m for m in records.messages if "inf/NaN" in m]
+        if policy == "skip" and rank == 0:
+            assert len(warned) == 2 and "step 2:" in warned[0] and "step 3:" in warned[1], \
+                warned
+        else:
+            assert warned == [], warned
+        assert all(b.step == 3 for b in opt.buckets)
+    finally:
+        logging.getLogger("zkernels.zero").removeHandler(records)
+
+
 def traffic_and_memory(rank, ws, *, stage, param_dtype):
     """Bytes sent per step (volume meter) and held per rank (allocated storages) against the
     ring formula and DESIGN.md's table. Exact against the padded layout; within 1% of the
@@ -214,10 +315,14 @@ def traffic_and_memory(rank, ws, *, stage, param_dtype):
     comm = st["comm_bytes"]
     assert comm["reduce_scatter"] == padded * rel * (ws - 1) // ws, comm
     assert comm["all_gather"] == padded * pel * (ws - 1) // ws, comm
-    assert comm["all_reduce"] == 0 and comm["total"] == comm["reduce_scatter"] + comm["all_gather"]
+    # One 4-byte all-reduce per step: the non-finite check (clip.py's Note), metered apart
+    # from the 2 Psi, which counts reduce-scatter and all-gather only.
+    flag = 2 * 4 * (ws - 1) // ws
+    assert comm["all_reduce"] == flag, comm
+    moved = comm["reduce_scatter"] + comm["all_gather"]
+    assert comm["total"] == moved + flag
     ideal = psi * (rel + pel) * (ws - 1) / ws  # 2 Psi (N-1)/N in the two dtypes
-    assert ws == 1 and comm["total"] == 0 or abs(comm["total"] - ideal) <= 0.01 * ideal, \
-        (comm, ideal)
+    assert ws == 1 and moved == 0 or abs(moved - ideal) <= 0.01 * ideal, (comm, ideal)
     mem = st["memory_bytes"]
     biggest = max(b.layout.padded_numel for b in opt.units)
     pooled = stage == 2 or param_dtype is not None  # stage 1 casts through the pool
@@ -291,10 +396,16 @@ CHECKS = {
     "clip_stage2": partial(fp32_parity, stage=2, steps=6, clip=0.05),
     "accumulate_stage1": partial(fp32_parity, stage=1, steps=6, micro=2),
     "accumulate_stage2": partial(fp32_parity, stage=2, steps=6, micro=2),
+    **{f"catches_{f}_stage{s}": partial(catches, fault=f, stage=s)
+       for f in FAULTS for s in STAGES},
     "bf16_stage1": partial(bf16_parity, stage=1),
     "bf16_stage2": partial(bf16_parity, stage=2),
     "fp16_overflow_stage1": partial(fp16_overflow, stage=1),
     "fp16_overflow_stage2": partial(fp16_overflow, stage=2),
+    **{f"nonfinite_{policy}_{name}_stage{s}": partial(nonfinite_policy, stage=s,
+                                                       policy=policy, param_dtype=dt)
+       for policy in ("skip", "raise") for name, dt in (("fp32", None), ("bf16", torch.bfloat16))
+       for s in STAGES},
     "traffic_memory_fp32_stage1": partial(traffic_and_memory, stage=1, param_dtype=None),
     "traffic_memory_fp32_stage2": partial(traffic_and_memory, stage=2, param_dtype=None),
     "traffic_memory_bf16_stage1": partial(traffic_and_memory, stage=1,

@@ -42,6 +42,20 @@ def test_single_rank_backend_without_process_group():
         make_comm(None, torch.device("cpu"), backend="mpi")
 
 
+def test_auto_is_torch_distributed_even_on_cuda(monkeypatch):
+    """The native engine is opt-in until benchmarks/gpu_check.sh has passed on a GPU
+    ([Note: the native engine is opt-in]): "auto" never picks it, even where it is built."""
+    from zkernels.comm import nccl
+    from zkernels.comm.select import resolve_backend
+    monkeypatch.setattr(nccl, "AVAILABLE", True)
+    for device in (torch.device("cuda", 0), torch.device("cpu"), None):
+        assert resolve_backend("auto", device) == "torch"
+        assert resolve_backend("torch", device) == "torch"
+    assert resolve_backend("nccl", torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(ValueError, match="comm_backend must be one of"):
+        resolve_backend("gloo", None)
+
+
 def test_collectives_on_three_gloo_ranks():
     assert run_ranks(collectives, 3) == [True] * 3
 

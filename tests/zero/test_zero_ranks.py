@@ -6,7 +6,7 @@ import); each check is then reported as its own test.
 import pytest
 import torch
 
-from tests._dist import run_ranks
+from tests._dist import run_ranks, rank_threads
 from tests.zero._harness import run_checks
 from tests.zero._rank_checks import CHECKS, battery
 
@@ -21,10 +21,10 @@ def results():
     def get(world_size):
         if world_size not in cache:
             if world_size == 1:  # no torch.distributed at all: the single-process path
-                # One thread, like the spawned ranks: OpenMP barriers on a shared 2-core
-                # machine make tiny ops ~1000x slower.
+                # One thread (ZKERNELS_TEST_THREADS), like the spawned ranks: OpenMP
+                # barriers on a shared 2-core machine make tiny ops ~1000x slower.
                 threads = torch.get_num_threads()
-                torch.set_num_threads(1)
+                torch.set_num_threads(rank_threads())
                 try:
                     per_rank = [run_checks(CHECKS, 0, 1)]
                 finally:

@@ -35,6 +35,22 @@ from .local import LocalComm
 BACKENDS = ("auto", "torch", "nccl")
 
 
+def resolve_backend(backend: str, device: Optional[torch.device]) -> str:
+    """The engine ``backend`` means for buffers on ``device``: ``"torch"`` or ``"nccl"``.
+
+    [Note: the native engine is opt-in]
+    ``"auto"`` is torch.distributed everywhere, CUDA included, even where ``_C_nccl`` is
+    built: the native engine compiles and links in CI and passes its no-GPU tests, but it has
+    not yet passed ``benchmarks/gpu_check.sh`` on a GPU, and a default that has never run
+    where it would be used is a guess. ``comm_backend="nccl"`` asks for it explicitly. When
+    gpu_check.sh has passed on a GPU (its train check compares both engines with
+    torch.optim.AdamW), "auto" can choose the engine for CUDA buffers here, in this one place.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"comm_backend must be one of {BACKENDS}, got {backend!r}")
+    return "nccl" if backend == "nccl" else "torch"
+
+
 def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
               device: Optional[torch.device] = None, backend: str = "auto",
               timeout=None) -> Comm:
@@ -43,11 +59,11 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
     Args:
         process_group: a torch.distributed group, or None for the default group. When
             torch.distributed is not initialized and no group is given, the world is this one
-            process (:class:`LocalComm`).
+            process (:class:`LocalComm`), whatever ``backend`` says.
         device: device of the flat buffers (CUDA gets a side stream for collectives).
-        backend: ``"torch"`` (torch.distributed: gloo/NCCL), ``"nccl"`` (the native engine
-            of ``zkernels._C_nccl``: its own communicator and comm stream), or ``"auto"``:
-            the native engine for CUDA buffers where it is built, torch.distributed otherwise.
+        backend: ``"auto"`` or ``"torch"`` (torch.distributed: gloo/NCCL), or ``"nccl"``
+            (opt-in: the native engine of ``zkernels._C_nccl``, its own communicator and comm
+            stream, CUDA buffers only); see [Note: the native engine is opt-in].
         timeout: None, a ``datetime.timedelta`` or seconds (> 0): a collective not done within
             it raises :class:`zkernels.comm.CollectiveError` (see [Note: collective errors] in
             base.py). None keeps the process group's timeout (the native engine's default:
@@ -57,17 +73,13 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
     Returns:
         an object implementing :class:`zkernels.comm.base.Comm`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = resolve_backend(backend, device)
     timeout_s = timeout_seconds(timeout)
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized:
         if process_group is not None:
             raise ValueError("process_group was given but torch.distributed is not initialized")
         return LocalComm()
-    if backend == "auto":
-        backend = "nccl" if device is not None and device.type == "cuda" and _native_built() \
-            else "torch"
     if backend == "nccl":
         from .nccl import NcclComm
         if timeout_s is None:
@@ -75,8 +87,3 @@ def make_comm(process_group: Optional["dist.ProcessGroup"] = None,
         return NcclComm(process_group, device=device, timeout_s=timeout_s)
     from .torch_comm import TorchComm
     return TorchComm(process_group, device, timeout=timeout_s)
-
-
-def _native_built() -> bool:
-    from . import nccl
-    return nccl.AVAILABLE

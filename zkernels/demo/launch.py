@@ -41,6 +41,27 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+def check_args(args) -> Optional[str]:
+    """The first problem with the numeric options, or None: checked before any rank starts,
+    so that a bad value fails in a second instead of after a rung has trained (or trains on
+    NaN losses, as --batch-size 0 did)."""
+    for flag in ("nproc", "steps", "n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                 "bucket_bytes"):
+        value = getattr(args, flag)
+        if value < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
+    if args.n_embd % args.n_head:
+        return (f"--n-embd must be a multiple of --n-head, got --n-embd {args.n_embd} and "
+                f"--n-head {args.n_head}")
+    for flag in ("lr", "weight_decay"):
+        value = getattr(args, flag)
+        if not value >= 0.0:
+            return f"--{flag.replace('_', '-')} must be >= 0, got {value}"
+    if not args.timeout_s > 0.0:
+        return f"--timeout-s must be > 0, got {args.timeout_s}"
+    return None
+
+
 def _device(choice: str, nproc: int) -> str:
     if choice != "auto":
         return choice
@@ -93,8 +114,9 @@ def run_workers(args, out_dir: str) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    if args.nproc < 1 or args.steps < 1:
-        print("zkernels demo: error: --nproc and --steps must be >= 1", file=sys.stderr)
+    problem = check_args(args)
+    if problem:
+        print(f"zkernels demo: error: {problem}", file=sys.stderr)
         return 2
     rungs = [r.strip() for r in args.rungs.split(",")]
     if not rungs or any(r not in ("ddp", "1", "2") for r in rungs):

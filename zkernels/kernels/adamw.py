@@ -172,8 +172,15 @@ def _sum_squares_kernel(meta, partials_ptr, num_tensors, num_blocks, SRC: tl.con
     """``partials[pid]`` = fp32 sum of squares of block ``pid``'s elements.
 
     ``meta`` columns: byte address, dtype code (0 fp32, 1 bf16, 2 fp16; see ``_tables.py``).
-    With ``MIXED`` the tensors' dtypes differ and each block loads through the pointer type
-    of its code (the other two loads are fully masked off, so they move no data).
+    With ``MIXED`` the tensors' dtypes differ and each block branches on its code (uniform
+    across the program) to load through that pointer type.
+
+    [Note: no scalar in a mask]
+    The mixed path used to load all three pointer types with ``mask=(offs < numel) &
+    (code == k)``, a block ANDed with a scalar. Triton 3.9's interpreter broadcasts that
+    scalar int1 to a non-bool array and rejects the mask ("mask has unsupported dtype");
+    3.6 accepts it. A branch on the scalar code keeps every mask a plain block
+    comparison, valid on every version, and issues one load per block instead of three.
     """
     pid = tl.program_id(0)
     tensor = tl.load(meta + 4 * num_tensors + pid)
@@ -185,12 +192,14 @@ def _sum_squares_kernel(meta, partials_ptr, num_tensors, num_blocks, SRC: tl.con
     if MIXED:
         code = tl.load(meta + num_tensors + tensor)
         mask = offs < numel
-        x = tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=mask & (code == 0),
-                    other=0.0)
-        x += tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + offs, mask=mask & (code == 1),
-                     other=0.0).to(tl.float32)
-        x += tl.load(addr.to(tl.pointer_type(tl.float16)) + offs, mask=mask & (code == 2),
-                     other=0.0).to(tl.float32)
+        if code == 0:
+            x = tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+        elif code == 1:
+            x = tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + offs, mask=mask,
+                        other=0.0).to(tl.float32)
+        else:
+            x = tl.load(addr.to(tl.pointer_type(tl.float16)) + offs, mask=mask,
+                        other=0.0).to(tl.float32)
         total = tl.sum(x * x, axis=0)
     else:
         ptrs = addr.to(tl.pointer_type(SRC)) + offs

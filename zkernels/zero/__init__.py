@@ -6,9 +6,11 @@ registry] in ``policy.py``): ``policy`` (StagePolicy, OffloadPolicy, STAGES, OFF
 ``update`` (DeviceUpdate), ``grad_reducers`` (gradient strategies); the bucketed
 reduce-scatter lives in ``zkernels.comm.bucketed``.
 """
+from .nonfinite import NonFiniteGradientError
 from .optimizer import ZeroOptimizer, resolve_stage
 from .policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
 from .precision import LossScaleConfig, MixedPrecision
 
 __all__ = ["ZeroOptimizer", "resolve_stage", "LossScaleConfig", "MixedPrecision",
-           "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS"]
+           "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS",
+           "NonFiniteGradientError"]

@@ -25,6 +25,7 @@ from .auto import resolve_auto_stage
 from .buckets import align_numel, bucket_capacity, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
+from .nonfinite import NonFiniteGradientError, check_policy, locate
 from .params import resolve_param_groups
 from .policy import OFFLOADS, STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
@@ -50,7 +51,16 @@ def resolve_stage(stage) -> int:
     return int(stage)
 
 
+def _number(where: str, name: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}{name} must be a number, got {value!r}") from None
+
+
 def _check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
+    lr, eps, weight_decay = (_number(where, n, v) for n, v in
+                             (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)))
     if not float(lr) >= 0.0:
         raise ValueError(f"{where}lr must be >= 0, got {lr}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2
@@ -84,9 +94,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
         memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
             measured free device memory less 10% headroom).
-        comm_backend: ``"auto"`` (the native NCCL engine for CUDA buffers where it is built,
-            torch.distributed otherwise), ``"torch"`` or ``"nccl"``; see
-            ``zkernels.comm.make_comm``.
+        comm_backend: ``"auto"`` or ``"torch"`` (torch.distributed, CUDA included), or
+            ``"nccl"`` (opt-in: the native NCCL engine, CUDA buffers, where ``_C_nccl`` is
+            built); see ``zkernels.comm.make_comm``.
+        nonfinite: what a step with an inf/NaN gradient does outside fp16's loss scaling:
+            ``"skip"`` it on every rank (counted in ``stats()["overflow_skips"]``, logged at
+            WARNING) or ``"raise"`` :class:`~zkernels.zero.nonfinite.NonFiniteGradientError`
+            on every rank; see [Note: non-finite gradients outside fp16].
         timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds:
             a collective not done within it (a rank died, raised or is stuck) raises
             ``zkernels.comm.CollectiveError`` naming it instead of waiting on.
@@ -111,7 +125,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
-                 ops_backend: Optional[str] = None, timeout=None) -> None:
+                 ops_backend: Optional[str] = None, timeout=None,
+                 nonfinite: str = "skip") -> None:
         # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
         # the update strategy (update.py) when its kind is flipped to implemented.
         if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
@@ -130,6 +145,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         self.precision = MixedPrecision.build(param_dtype, reduce_dtype)
+        if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
+            raise TypeError(f"loss_scale must be a LossScaleConfig or None, got "
+                            f"{type(loss_scale).__name__}")
         if loss_scale is not None and not self.precision.needs_loss_scaling:
             raise ValueError("loss_scale applies only to param_dtype=torch.float16")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -156,6 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
         capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
+        self.nonfinite = check_policy(nonfinite)
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
@@ -177,6 +196,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._model_params = list(model.parameters())
         self.module = model  # zkernels.checkpoint names parameters and buffers through it
+        self._named = list(model.named_parameters())
         self._num_steps = 0
         self._overflow_skips = 0
         self._scaled_backward = False
@@ -222,9 +242,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("param_dtype=torch.float16 uses dynamic loss scaling: call "
                                "opt.backward(loss) instead of loss.backward() before step()")
         shards, divisor = self.reducer.finish()
-        grad_scale, skip = grad_scale_and_overflow(
-            shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
-            self.max_grad_norm, self.ops)
+        try:
+            grad_scale, skip = grad_scale_and_overflow(
+                shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
+                self.max_grad_norm, self.ops, self.nonfinite, self._num_steps + 1, lambda: locate(
+                    shards, self.units, {id(p): n for n, p in self._named}, self.comm.rank))
+        except NonFiniteGradientError:  # counted as a skipped step, then raised
+            self._overflow_skips, self._num_steps = self._overflow_skips + 1, self._num_steps + 1
+            self.meter.close_step()
+            raise
         if skip:
             self._overflow_skips += 1
         else:
