@@ -249,7 +249,9 @@ def _remove_all(handles) -> None:
         h.remove()
 
 
-GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer}
+# Stage 3 reduces exactly as stage 2, over its units (blocks, in backward order) instead of
+# buckets; freeing the gathered parameters is the gather schedule's (zero/stage3.py).
+GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer, 3: ShardedGradReducer}
 
 
 def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm: Comm,

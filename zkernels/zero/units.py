@@ -281,3 +281,31 @@ def build_replicated_unit(index: int, group_index: int, params: Sequence[torch.T
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
                          compute_dtype, ReplicatedParams(compute, slice(lo, hi)))
     return unit, initial
+
+
+def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
+                       names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
+                       rank: int, compute_dtype: torch.dtype,
+                       ops: OpSet) -> Tuple[FlatParamUnit, torch.Tensor]:
+    """Stage 3: keep only this rank's shard of ``params`` (compute dtype) and make them views
+    of a full buffer that exists only while gathered (:class:`ShardedParams`, built freed).
+
+    Returns:
+        ``(unit, initial_master)`` as :func:`build_replicated_unit`: this rank's fp32 shard of
+        the original values (in pure fp32 the unit's compute shard itself). The full fp32 copy
+        made here is released before the function returns.
+    """
+    device = params[0].device
+    lo, hi = layout.shard_range(rank)
+    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        ops.flatten([p.detach().contiguous() for p in params], out=fp32,
+                    offsets=layout.offsets)
+    initial = fp32[lo:hi].clone()
+    del fp32
+    compute = initial if compute_dtype == torch.float32 else ops.cast(initial, compute_dtype)
+    gather = ShardedParams(params, layout, compute)
+    unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
+                         tuple(names[id(p)][1] for p in params), list(params), layout, rank,
+                         compute_dtype, gather)
+    return unit, initial
