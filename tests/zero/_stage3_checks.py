@@ -189,7 +189,8 @@ def traffic_and_memory(rank, ws, *, reshard, param_dtype=None):
     gathers = 2 if reshard else 1
     assert comm["reduce_scatter"] == padded * rel * (ws - 1) // ws, comm
     assert comm["all_gather"] == gathers * padded * pel * (ws - 1) // ws, comm
-    assert comm["all_reduce"] == 0
+    checks = (gathers * len(opt.units)) if ws > 1 else 0  # [Note: divergent paths]
+    assert comm["all_reduce"] == checks * 2 * 16 * (ws - 1) // ws, comm
     ideal = psi * (rel + gathers * pel) * (ws - 1) / ws
     assert ws == 1 and comm["total"] == 0 or abs(comm["total"] - ideal) <= 0.01 * ideal, \
         (comm, ideal)
@@ -325,10 +326,14 @@ def battery(rank, world_size):
     return run_checks(CHECKS, rank, world_size)
 
 
-def divergent_path(rank, world_size):
-    """Rank 1 skips block 1: every rank must fail (not hang) with an error naming a unit."""
-    model = variant(make_model(), (0, 1) if rank == 0 else (0,))
+def divergent_path(rank, world_size, mode):
+    """``mode="skip"``: rank 1 skips block 1; ``"stop"``: rank 1 runs nothing at all. Every
+    rank that runs must fail (not hang, not exchange wrong shards) with an error naming a
+    unit."""
+    model = variant(make_model(), (0, 1) if rank == 0 or mode == "stop" else (0,))
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR)
+    if mode == "stop" and rank == 1:
+        return "stopped"
     try:
         for batch in make_batches(2, world_size * MICRO_BATCH):
             model(*chunk(batch, rank)).backward()

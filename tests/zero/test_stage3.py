@@ -40,10 +40,16 @@ def test_check(results, world_size, check):
     assert error is None, f"{check} failed at world size {world_size}:\n{error}"
 
 
-def test_divergent_path_fails_naming_the_unit():
-    """Rank 1's forward skips a block: both ranks raise within the process group's timeout
-    (10 s here) instead of hanging, and the error names the unit whose gather failed."""
-    errors = run_ranks(divergent_path, 2, timeout=120.0, pg_timeout_s=10.0)
-    for rank, err in enumerate(errors):
-        assert err is not None, f"rank {rank} did not notice"
-        assert "stage 3: the all-gather of unit '" in err, err
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_divergent_path_fails_naming_the_unit(mode):
+    """Rank 1's forward skips a block (both ranks see that they disagree, and on which units)
+    or rank 1 stops (rank 0 fails within the process group's timeout, 10 s here): an error
+    naming the unit instead of a hang, a crash or wrong shards."""
+    errors = run_ranks(divergent_path, 2, mode, timeout=120.0, pg_timeout_s=10.0)
+    if mode == "skip":
+        for rank, err in enumerate(errors):
+            assert err is not None and "ranks disagree on the next unit" in err, (rank, err)
+            assert "'blocks.1'" in err and "'<root>'" in err, err
+    else:
+        assert errors[1] == "stopped"
+        assert errors[0] is not None and "waited to gather unit '<root>'" in errors[0], errors

@@ -1,4 +1,4 @@
-"""``ZeroOptimizer``: ZeRO stage 1/2 AdamW as a ``torch.optim.Optimizer``.
+"""``ZeroOptimizer``: ZeRO stage 1/2/3 AdamW as a ``torch.optim.Optimizer``.
 
 The class is thin glue (see [Note: parameters and state] in ``units.py``): the stage's
 :class:`~zkernels.zero.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
@@ -64,12 +64,15 @@ def _check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """AdamW with optimizer states (stage 1) and gradients (stage 2) sharded across ranks.
+    """AdamW with optimizer states (stage 1), gradients (stage 2) and parameters (stage 3)
+    sharded across ranks.
 
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
-            (and, with ``param_dtype``, change dtype). Stage 2 installs gradient hooks on them.
-        stage: 1, 2 or "auto" (the lowest stage whose estimate fits the device, see
+            (and, with ``param_dtype``, change dtype). Stages 2-3 install gradient hooks on them;
+            stage 3 also installs forward hooks on its units, and between uses a parameter has
+            no storage (read it inside ``opt.gathered()``).
+        stage: 1, 2, 3 or "auto" (the lowest stage whose estimate fits the device, see
             ``zkernels/zero/auto.py``; logs its choice at INFO).
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
@@ -78,7 +81,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             the fp32 master shard lives with the optimizer.
         reduce_dtype: dtype of the gradient reduction (default fp32).
         offload, offload_dir: must be None (offload comes with a later issue).
-        bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket.
+        bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
+            (stages 1-2; stage 3 reduces one unit at a time).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank).
@@ -91,6 +95,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ops_backend: None (``ZKERNELS_BACKEND`` as set at construction, else the best backend
             per op) or ``"reference"``, ``"triton"``, ``"cpp"``: the fused ops' backend, chosen
             once here (see [Note: ops chosen once] in ``zkernels/ops/opset.py``).
+        units: stage 3: None (one unit per transformer block: the children of a ModuleList /
+            Sequential of one repeated class; the rest is the root unit) or a list of module
+            classes and/or submodules; see [Note: stage-3 units] in ``unit_plan.py``.
+        reshard_after_forward: stage 3: free each unit after its forward and gather it again
+            for backward (True: 3Ψ per step) or keep it from forward to backward (False: 2Ψ,
+            every unit gathered at the end of forward); see [Note: stage-3 gather schedule].
+        check_paths: stage 3: before each all-gather, check that every rank gathers the same
+            unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
 
     Attributes:
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
@@ -99,6 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard_update: the update strategy (:class:`~zkernels.zero.update.DeviceUpdate`); its
             ``states`` are the per-unit :class:`~zkernels.zero.shard_state.ShardState`.
         reducer: the gradient strategy.
+        schedule: stage 3's :class:`~zkernels.zero.stage3.GatherSchedule` (None below).
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -110,7 +123,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, units=None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, check_paths: bool = True) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
         # the update strategy (update.py) when its kind is flipped to implemented.
         if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
@@ -187,7 +200,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.policy.shards_params:
             # After the reducer: its gradient hooks (pack, reduce) run before the schedule's
             # (count, free), see [Note: stage-3 gather schedule].
-            self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward)
+            self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward,
+                                           check_paths=check_paths)
         self._model = model
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)

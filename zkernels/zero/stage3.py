@@ -29,9 +29,20 @@ usually one) whose gather policy is :class:`~zkernels.zero.units.ShardedParams`.
 - ``gathered()`` pins units: hooks neither gather nor free a pinned unit again.
 
 Every rank must run the same units in the same order: gathers, prefetches and reduce-scatters
-are then issued in the same order everywhere (they depend only on the graph). A rank that
-takes another path makes a collective mismatch or wait; the wait raises within the process
-group's timeout, and the error names the unit whose all-gather failed.
+are then issued in the same order everywhere (they depend only on the graph).
+
+[Note: divergent paths]
+A rank that takes another path (skips a block, stops generating earlier) would issue a
+different all-gather than its peers: gloo aborts the process on a size mismatch, NCCL hangs
+until its watchdog fires, and two units of one size silently exchange the wrong shards. So
+before each all-gather (``check_paths=True``, the default) the ranks all-reduce (max) the pair
+``(unit index, -unit index)``, 16 bytes: if the max and the min differ, every rank raises an
+error naming its unit and the range of units the others asked for; a rank that issues nothing
+leaves the others in that all-reduce, which raises within the process group's timeout (the
+error names the unit). The pair is counted in the meter (``all_reduce``: 16 B x 2(N-1)/N per
+gather) and costs one small round trip before each gather; on a GPU it also waits for the
+device (``.tolist()``), which is why it can be switched off once a model's paths are known
+to agree.
 """
 from __future__ import annotations
 
@@ -113,13 +124,17 @@ class GatherSchedule:
         units: the GatherUnits in module order, the root last.
         comm: the collectives (metered).
         reshard_after_forward: free a unit after its forward (True) or keep it for backward.
+        check_paths: check before each all-gather that every rank gathers the same unit
+            (see [Note: divergent paths]).
         limit_bytes: bound on gathered bytes a prefetch may bring the total to (default: the
             root plus twice the largest other unit).
     """
 
     def __init__(self, units: Sequence[GatherUnit], comm: Comm, reshard_after_forward: bool,
-                 limit_bytes: Optional[int] = None) -> None:
+                 limit_bytes: Optional[int] = None, check_paths: bool = True) -> None:
         self.units = list(units)
+        self.check_paths = bool(check_paths) and comm.world_size > 1
+        self._index = {id(u): i for i, u in enumerate(self.units)}
         self.root = self.units[-1]
         self.comm = comm
         self.reshard_after_forward = bool(reshard_after_forward)
@@ -157,8 +172,33 @@ class GatherSchedule:
         return sum(u.nbytes for u in self.units
                    if u.allocated and not (transient_only and u.keep_for_backward))
 
+    def _check_same_unit(self, u: GatherUnit) -> None:
+        i = self._index[id(u)]
+        pair = torch.tensor([i, -i], dtype=torch.int64, device=u.flats[0].device)
+        try:
+            self.comm.all_reduce(pair, op="max").wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
+            raise RuntimeError(
+                f"stage 3: rank {self.comm.rank} waited to gather unit {u.name!r} and its peers "
+                f"did not join ({exc}). Every rank must run the same units in the same order: "
+                f"a rank whose forward or backward takes another path leaves the others "
+                f"waiting") from exc
+        hi, lo = pair.tolist()
+        lo = -lo
+        if hi != lo:
+            raise RuntimeError(
+                f"stage 3: ranks disagree on the next unit to gather: rank {self.comm.rank} "
+                f"gathers {u.name!r}, the ranks' units range from {self.units[lo].name!r} to "
+                f"{self.units[hi].name!r} (in module order). Every rank must run the same "
+                f"units in the same order (a forward that skips or repeats a block on some "
+                f"ranks, or generation that stops at different lengths, diverges); gather the "
+                f"model once with opt.gathered() around such loops")
+
     def _start(self, u: GatherUnit) -> List[Handle]:
         handles = []
+        fresh = any(f.gather.full is None for f in u.flats)
+        if fresh and self.check_paths:
+            self._check_same_unit(u)
         for f in u.flats:
             if f.gather.full is None:
                 self.gathers += 1
