@@ -168,7 +168,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
-                num_param_groups=len(groups))
+                num_param_groups=len(groups), model=model)
         self.policy = STAGES[self.stage]
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)

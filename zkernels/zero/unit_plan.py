@@ -5,7 +5,7 @@ A unit is a module whose trainable parameters are gathered with one all-gather b
 (FSDP2's ``fully_shard`` granularity), never a leaf module (DeepSpeed's per-leaf gathers are
 its users' top complaint). By default the units are the children of every ``nn.ModuleList`` /
 ``nn.Sequential`` whose children are two or more modules of one class that hold trainable
-parameters (transformer blocks), outermost first; ``units=`` names classes (every outermost
+parameters (transformer blocks; the model itself may be such a list), outermost first; ``units=`` names classes (every outermost
 module of that class) or module instances instead. Everything else (embeddings, final norm,
 a head, parameters registered on the model itself) is the *root* unit: the model, gathered
 for its whole forward and its whole backward.
@@ -56,16 +56,17 @@ def _default_unit_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     def trainable(m: nn.Module) -> bool:
         return any(p.requires_grad for p in m.parameters())
 
+    def blocks(mod: nn.Module) -> bool:
+        kids = list(mod.children())
+        return (isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2
+                and len({type(k) for k in kids}) == 1 and all(trainable(k) for k in kids))
+
     def visit(prefix: str, mod: nn.Module) -> None:
+        if blocks(mod):
+            found.extend((f"{prefix}{n}", k) for n, k in mod.named_children())
+            return
         for cname, child in mod.named_children():
-            path = f"{prefix}{cname}"
-            kids = list(child.named_children())
-            if (isinstance(child, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2
-                    and len({type(k) for _, k in kids}) == 1
-                    and all(trainable(k) for _, k in kids)):
-                found.extend((f"{path}.{n}", k) for n, k in kids)
-            else:
-                visit(f"{path}.", child)
+            visit(f"{prefix}{cname}.", child)
 
     visit("", model)
     return found
