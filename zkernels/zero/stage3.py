@@ -157,7 +157,11 @@ class GatherSchedule:
         def on_grad(u):
             return lambda p: this() and this()._on_grad(u, p)
 
-        handles = []
+        def state_dict_check(module, prefix, keep_vars):
+            if this() is not None:
+                this()._check_state_dict()
+
+        handles = [self.root.module.register_state_dict_pre_hook(state_dict_check)]
         for u in self.units:
             handles.append(u.module.register_forward_pre_hook(pre(u)))
             handles.append(u.module.register_forward_hook(post(u), always_call=True))
@@ -297,6 +301,15 @@ class GatherSchedule:
             u.accumulated.clear()
             u.keep_for_backward = False
         self.free_all()
+
+    def _check_state_dict(self) -> None:
+        freed = [u.name for u in self.units if u.flats and not u.allocated]
+        if freed:
+            raise RuntimeError(
+                f"stage 3: model.state_dict() while the parameters are sharded (units "
+                f"{freed} are not gathered; their parameters are empty): call it inside "
+                f"`with opt.gathered():` on every rank (a collective), or save per shard with "
+                f"opt.state_dict()")
 
     # -- public -----------------------------------------------------------------------------
 

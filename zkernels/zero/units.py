@@ -122,9 +122,17 @@ class ShardedParams:
     """Stage 3's policy: only the compute shard is persistent; the full buffer exists between
     :meth:`ensure_gathered` and :meth:`free`.
 
-    The parameters stay views of one full tensor whose *storage* is released on ``free`` and
-    re-allocated on ``ensure_gathered`` (as FSDP1 does), so their shapes never change and a
-    use while freed fails loudly (the storage is empty) instead of reading stale values.
+    While gathered the parameters are views of one full tensor whose *storage* is released on
+    ``free`` and re-allocated on ``ensure_gathered`` (as FSDP1 does), so views that autograd
+    saved in forward are valid again once the unit is gathered for backward.
+
+    [Note: freed parameters are empty]
+    While freed, each parameter's ``.data`` is an empty (0-element) tensor of the compute dtype:
+    reading a view of a storage resized to 0 bytes dereferences a null pointer (a segfault, not
+    an error), whereas an empty parameter makes any use fail with a shape error, and
+    ``p.numel() == 0`` says it is sharded (FSDP1's flat parameters look the same outside their
+    unit). Autograd saves a leaf parameter by reference, so it sees the views again in
+    backward; ``.data`` assignment keeps the parameter's version counter.
 
     Args:
         params: the unit's parameters, in layout order; they become views of the full buffer.
@@ -141,10 +149,10 @@ class ShardedParams:
         self._full = torch.empty(layout.padded_numel, dtype=compute_shard.dtype,
                                  device=compute_shard.device)
         self._nbytes = self._full.untyped_storage().nbytes()
-        views = [self._full[o:o + p.numel()].view(p.shape)
-                 for p, o in zip(params, layout.offsets)]
-        for p, v in zip(params, views):
-            p.data = v
+        self._params = list(params)
+        self._views = [self._full[o:o + p.numel()].view(p.shape)
+                       for p, o in zip(params, layout.offsets)]
+        self._empty = torch.empty(0, dtype=compute_shard.dtype, device=compute_shard.device)
         self._pending: Optional[_Gathering] = None
         self._gathered = True  # storage allocated (values valid once any gather finished)
         self.free()
@@ -166,6 +174,8 @@ class ShardedParams:
         if self._gathered:
             return _Done()
         self._full.untyped_storage().resize_(self._nbytes)
+        for p, v in zip(self._params, self._views):
+            p.data = v
         self._gathered = True
         self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard))
         return self._pending
@@ -174,6 +184,8 @@ class ShardedParams:
         """Release the full buffer's storage (waits for a gather in flight first)."""
         if self._pending is not None:
             self._pending.wait()
+        for p in self._params:
+            p.data = self._empty
         self._full.untyped_storage().resize_(0)
         self._gathered = False
 
