@@ -1,8 +1,11 @@
 """Train a small GPT with zkernels' ZeroOptimizer: the whole loop, ready to copy.
 
-What it shows: ``ZeroOptimizer`` (stage 1, 2 or "auto"), a warmup + cosine learning-rate
+What it shows: ``ZeroOptimizer`` (stage 1, 2, 3 or "auto"), a warmup + cosine learning-rate
 schedule (``LambdaLR``), gradient accumulation (``opt.no_sync()`` on all but the last
 micro-step), clipping by the global norm (``max_grad_norm``), and checkpoint save / resume.
+At ``--stage 3`` each block's parameters are sharded and gathered just in time: reading them
+outside a forward (saving, evaluating, generating) goes inside ``with opt.gathered():``, which
+every rank enters.
 
 Checkpoints in this release are per rank: every rank writes its own ``opt.state_dict()`` (its
 shard of the optimizer states) and the model, atomically (a temp file, then ``os.replace``), and
@@ -54,14 +57,15 @@ def save_checkpoint(path: str, model, opt, sched, step: int) -> None:
     """This rank's model, optimizer shard and schedule, written atomically: a crash mid-write
     leaves the previous checkpoint intact."""
     tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "sched": sched.state_dict(), "step": step}, tmp)
+    with opt.gathered():    # stage 3: the full parameters while saving (every rank; else no-op)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "sched": sched.state_dict(), "step": step}, tmp)
     os.replace(tmp, path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stage", default="2", help='1, 2 or "auto"')
+    ap.add_argument("--stage", default="2", help='1, 2, 3 or "auto"')
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--accum-steps", type=int, default=2, help="micro-batches per step")
@@ -105,7 +109,8 @@ def main() -> None:
             raise FileNotFoundError(f"--resume: no checkpoint {ckpt} for this rank and world "
                                     f"size {world_size}")
         state = torch.load(ckpt, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
+        if opt.stage != 3:  # at stage 3 the optimizer's shards are the parameters
+            model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
@@ -122,7 +127,8 @@ def main() -> None:
             with opt.no_sync() if not last else contextlib.nullcontext():
                 loss = model(x, y) / args.accum_steps
                 opt.backward(loss)
-        opt.step()              # clips to max_grad_norm over all shards, updates, gathers
+        opt.step()              # clips to max_grad_norm over all shards, updates (stages 1-2:
+        #                         all-gathers; stage 3 gathers each block at its next use)
         opt.zero_grad()
         sched.step()
         if rank == 0 and step % 10 == 0:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,19 +26,21 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def test_resume_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_resume_matches_uninterrupted(tmp_path, stage):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     straight.mkdir()
     resumed.mkdir()
-    out = _run(straight, "--steps", "6", "--ckpt-every", "100")
+    out = _run(straight, "--steps", "6", "--ckpt-every", "100", "--stage", stage)
     assert "done: 6 of 6 steps" in out
-    _run(resumed, "--steps", "6", "--ckpt-every", "100", "--stop-at", "3")
-    _run(resumed, "--steps", "6", "--ckpt-every", "100", "--resume")
+    _run(resumed, "--steps", "6", "--ckpt-every", "100", "--stop-at", "3", "--stage", stage)
+    _run(resumed, "--steps", "6", "--ckpt-every", "100", "--resume", "--stage", stage)
     for rank in range(2):
         a = _load(straight / "checkpoints" / f"rank{rank}-of-2.pt")
         b = _load(resumed / "checkpoints" / f"rank{rank}-of-2.pt")
         assert a["step"] == b["step"] == 6
         assert a["model"].keys() == b["model"].keys()
+        assert all(v.numel() > 0 for v in a["model"].values()), "saved parameters are full"
         for name in a["model"]:
             assert torch.equal(a["model"][name], b["model"][name]), name
         assert a["sched"]["last_epoch"] == b["sched"]["last_epoch"]

@@ -265,6 +265,34 @@ def no_grad_loops(rank, ws):
         raise AssertionError("gathered() of a foreign module must fail")
 
 
+def fp16_overflow(rank, ws):
+    """fp16 at stage 3: an inf gradient on the last rank only makes every rank skip the step
+    (parameters and master shards bit-identical), the scale halves, stats counts the skip."""
+    model = make_model()
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, param_dtype=torch.float16,
+                           loss_scale=zk.zero.LossScaleConfig(init_scale=2.0 ** 10,
+                                                              growth_interval=2))
+    scales = [2.0 ** 10, 2.0 ** 9, 2.0 ** 9, 2.0 ** 10]
+    for step, batch in enumerate(make_batches(4, ws * MICRO_BATCH)):
+        loss = model(*chunk(batch, rank))
+        if step == 1 and rank == ws - 1:
+            loss = loss + model.ln_f.bias[0] * float("inf")
+        with opt.gathered():
+            before = [p.detach().clone() for p in model.parameters()]
+        masters = [st.master.clone() for st in opt.shard_update.states]
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        with opt.gathered():
+            same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        same_master = all(torch.equal(a, st.master)
+                          for a, st in zip(masters, opt.shard_update.states))
+        st = opt.stats()
+        assert st["loss_scale"] == scales[step], (step, st["loss_scale"])
+        assert st["overflow_skips"] == (0 if step == 0 else 1)
+        assert (same and same_master) == (step == 1), (step, same, same_master)
+
+
 def state_round_trip(rank, ws, *, param_dtype=None):
     """Save after 3 steps, load into a fresh stage-3 optimizer over a differently initialized
     model, continue: bit-identical to the uninterrupted run."""
@@ -308,8 +336,10 @@ CHECKS = {
     "accumulate_clip": partial(fp32_parity, steps=5, micro=2, clip=0.05),
     "block_called_twice": partial(fp32_parity, steps=5, order=(0, 1, 0)),
     "checkpoint_non_reentrant": partial(fp32_parity, steps=5, ckpt="non_reentrant"),
+    "checkpoint_reentrant": partial(fp32_parity, steps=5, ckpt="reentrant"),
     "checkpoint_reentrant_keep": partial(fp32_parity, steps=5, ckpt="reentrant",
                                          reshard=False),
+    "fp16_overflow": fp16_overflow,
     "bf16_reshard": partial(bf16_parity, reshard=True),
     "bf16_keep": partial(bf16_parity, reshard=False, steps=5),
     "traffic_memory_fp32": partial(traffic_and_memory, reshard=True),
