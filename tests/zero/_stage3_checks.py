@@ -275,8 +275,9 @@ def fp16_overflow(rank, ws):
     scales = [2.0 ** 10, 2.0 ** 9, 2.0 ** 9, 2.0 ** 10]
     for step, batch in enumerate(make_batches(4, ws * MICRO_BATCH)):
         loss = model(*chunk(batch, rank))
-        if step == 1 and rank == ws - 1:
-            loss = loss + model.ln_f.bias[0] * float("inf")
+        if step == 1:  # gathered() is collective: every rank enters, only the last adds inf
+            with opt.gathered(model.ln_f):
+                loss = loss + model.ln_f.bias[0] * (float("inf") if rank == ws - 1 else 0.0)
         with opt.gathered():
             before = [p.detach().clone() for p in model.parameters()]
         masters = [st.master.clone() for st in opt.shard_update.states]
