@@ -127,3 +127,28 @@ def test_estimate_matches_stats_stage3(param_dtype):
         assert abs(mem[kind] - want) <= 0.02 * max(want, 1), (kind, mem, est)
     assert st["gather"]["limit_bytes"] <= 1.02 * est.transient_bytes
     assert abs(mem["total"] - est.held_device_bytes) <= 0.02 * est.held_device_bytes
+
+
+def test_a_backward_that_raises_leaves_nothing_gathered():
+    """A backward that raises never runs the end-of-backward callback: the next forward
+    closes it (frees what it had gathered) and training goes on."""
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR)
+    (x, y), (x2, y2) = make_batches(2, 2)
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    h = model.blocks[0].register_full_backward_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x, y).backward()
+    h.remove()
+    opt.zero_grad()
+    model(x2, y2).backward()
+    assert opt.schedule.live_bytes() == 0 and not opt.schedule._in_backward
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model(x2, y2)
+    assert opt.schedule.live_bytes() == 0

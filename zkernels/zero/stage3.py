@@ -244,6 +244,9 @@ class GatherSchedule:
     # -- hooks ------------------------------------------------------------------------------
 
     def _pre_forward(self, u: GatherUnit) -> None:
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            # A backward that raised never ran its end-of-backward callback: close it now.
+            self._end_backward()
         if self._in_backward:  # a recompute (activation checkpointing): gather, never free
             self.gather(u)
             u.active += 1
