@@ -88,7 +88,10 @@ def test_estimate_matches_stats(world_size):
         assert abs(moved - est.comm_bytes) <= REL * est.comm_bytes, (comm, est.comm_bytes)
 
 
-DEEP = GPTConfig(vocab_size=256, block_size=16, n_layer=6, n_head=3, n_embd=57)
+# Twelve blocks: at 2 ranks stage 3 saves half the parameters (2Ψ bytes) but gathers the root
+# and two blocks and reduces one block at a time (buffers of a block each), so it needs less
+# than stage 2 only once the model is many blocks deep (at six blocks it needs more).
+DEEP = GPTConfig(vocab_size=256, block_size=16, n_layer=12, n_head=3, n_embd=57)
 
 
 def _auto_rank(rank, world_size, budgets):
