@@ -19,7 +19,8 @@ import torch.nn as nn
 from zkernels.demo.model import GPT, GPTConfig
 
 MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "buffers")
-METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed")
+METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed", "zk_stage3",
+           "deepspeed_stage3")
 
 
 class MethodUnavailable(RuntimeError):
@@ -187,7 +188,7 @@ class ZkMethod:
 
 
 def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
-          on_bucket: Callable[[int], None]):
+          on_bucket: Callable[[int], None], batch_size: int = 8):
     """A fresh model (identical on every rank) wrapped by method ``name``.
 
     Raises MethodUnavailable when the method cannot run here."""
@@ -207,6 +208,8 @@ def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
         return FSDP2Method(model, lr, world_size)
     if name in ("zk_stage1", "zk_stage2"):
         return ZkMethod(model, lr, stage=int(name[-1]))
+    if name in STAGE3_METHODS:
+        return build_stage3(name, model, lr, batch_size)
     raise ValueError(f"method must be one of {METHODS}, got {name!r}")
 
 
@@ -216,3 +219,105 @@ def all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([0.0 if ok else 1.0])
     dist.all_reduce(flag)
     return flag.item() == 0.0
+
+
+# -- stage 3 rows (added beside the stage 1/2 ones; build() dispatches to them) -----------------
+
+STAGE3_METHODS = ("zk_stage3", "deepspeed_stage3")
+
+
+class ZkStage3Method(ZkMethod):
+    """``ZeroOptimizer(model, stage=3)``: its default units are the GPT's blocks plus the root
+    unit (embeddings, final norm, tied head), the same units as the fsdp2 row's
+    ``fully_shard`` calls; every unit is resharded after forward (3Ψ)."""
+
+    def __init__(self, model: nn.Module, lr: float):
+        import zkernels
+
+        self.model = model
+        self.opt = zkernels.ZeroOptimizer(model, stage=3, lr=lr)
+
+
+def _tensors_in(obj, depth: int = 2) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x, depth - 1)
+    elif depth > 0 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x, depth - 1)
+
+
+class DeepSpeedStage3Method:
+    """DeepSpeed ZeRO stage 3 on the CPU accelerator (``DS_ACCELERATOR=cpu``, gloo), fp32,
+    ``gradient_clipping`` 0, torch AdamW as the client optimizer, DeepSpeed's default
+    prefetch settings and ``stage3_param_persistence_threshold`` 0: every parameter resharded,
+    as zk_stage3 and fsdp2 do (the default 1e5 elements would keep every tensor of the small
+    GPT whole on every rank, i.e. stage 2 with extra steps).
+
+    Memory is counted from the storages DeepSpeed's stage-3 optimizer holds (best effort: its
+    attributes one or two levels deep): the parameter partitions (``ds_tensor``) as params, the
+    fp32 partitions as master, the inner optimizer's state as optimizer_states, tensors whose
+    attribute name mentions "grad" as grads, every other tensor it holds as buffers."""
+
+    def __init__(self, model: nn.Module, lr: float, batch_size: int):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise MethodUnavailable("deepspeed is not importable here (not installed)")
+        import os
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        for k, v in (("LOCAL_RANK", str(dist.get_rank())),
+                     ("LOCAL_WORLD_SIZE", str(dist.get_world_size())),
+                     ("RANK", str(dist.get_rank())), ("WORLD_SIZE", str(dist.get_world_size()))):
+            os.environ.setdefault(k, v)
+        import deepspeed
+
+        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+               "gradient_clipping": 0,
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+               "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                                           config=cfg, dist_init_required=False)
+        self.model = model
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def update(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def zk_stats(self) -> Optional[dict]:
+        return None
+
+    def memory(self) -> Dict[str, int]:
+        seen: set = set()
+        params = [t for p in self.model.parameters()
+                  for t in (p, getattr(p, "ds_tensor", None)) if t is not None]
+        out = {"params": _storage_bytes(params, seen)}
+        ds = self.opt
+        inner = getattr(ds, "optimizer", None)
+        out["master"] = _storage_bytes(_tensors_in(getattr(ds, "fp32_partitioned_groups_flat",
+                                                           [])), seen)
+        out["optimizer_states"] = _storage_bytes(
+            _state_tensors(inner) if inner is not None else [], seen)
+        grads = [t for k, v in vars(ds).items() if "grad" in k.lower() for t in _tensors_in(v)]
+        out["grads"] = _storage_bytes(grads, seen)
+        rest = [t for v in vars(ds).values() for t in _tensors_in(v)]
+        out["buffers"] = _storage_bytes(rest, seen) + _storage_bytes(self.model.buffers(), seen)
+        out["total"] = sum(out[k] for k in MEMORY_KINDS)
+        return out
+
+
+def build_stage3(name: str, model: nn.Module, lr: float, batch_size: int):
+    """The stage-3 rows (``STAGE3_METHODS``) over a fresh ``model``."""
+    if name == "zk_stage3":
+        return ZkStage3Method(model, lr)
+    if name == "deepspeed_stage3":
+        return DeepSpeedStage3Method(model, lr, batch_size)
+    raise ValueError(f"not a stage-3 method: {name!r}")

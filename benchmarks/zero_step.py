@@ -38,7 +38,8 @@ CONFIGS = {
     # seconds for the whole run: a smoke check
     "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=32), "batch_size": 4},
 }
-ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed")
+ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed", "zk_stage3",
+               "deepspeed_stage3")
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -132,6 +133,46 @@ def _launch(opts: dict, world_size: int, timeout_s: float) -> list:
     return [results[r] for r in range(world_size)]
 
 
+def _stage3_verdict(rows: list, num_params: int, n: int) -> None:
+    """Issue 8's bar for the zk_stage3 row: step time <= 1.25x DDP and below fsdp2's and
+    deepspeed_stage3's (same run), traffic 3.00Ψ (Ψ = 4·num_params·(N-1)/N bytes per rank, the
+    ring volume of one fp32 pass), memory within 2% of 16Ψ/N plus the gathered units' bound and
+    the reduce buffers (memory is measured between steps, where nothing is gathered: the
+    gathered units count there as what ``stats()`` says is gathered then). Adds
+    ``traffic_psi`` to every row."""
+    psi_bytes = 4 * num_params * (n - 1) / n
+    by = {r["method"]: r for r in rows if "error" not in r}
+    for r in by.values():
+        r["traffic_psi"] = r["comm_bytes_per_rank"]["total"] / psi_bytes if psi_bytes else None
+    z = by.get("zk_stage3")
+    if z is None:
+        return
+    peers = {m: by[m]["step_time_s"]["median"] for m in ("fsdp2", "deepspeed_stage3") if m in by}
+    t = z["step_time_s"]["median"]
+    mem = z["memory_bytes_per_rank"]
+    gather = (z.get("zk_stats_last") or {}).get("gather", {})
+    bound = 16 * num_params / n + gather.get("gathered_bytes", 0) + mem.get("buffers", 0)
+    z["stage3_bar"] = {
+        "time_ratio_to_ddp": z["step_time_ratio_to_ddp"],
+        "within_1_25x_ddp": z["step_time_ratio_to_ddp"] <= 1.25,
+        "below_peers": {m: t < pt for m, pt in peers.items()},
+        "traffic_psi": z["traffic_psi"],
+        "memory_total": mem.get("total"), "memory_16psi_over_n_plus_gathered_and_buffers": bound,
+        "memory_within_2pct": abs(mem.get("total", 0) - bound) <= 0.02 * bound,
+        "peak_gathered_bytes": gather.get("peak_gathered_bytes"),
+        "gather_limit_bytes": gather.get("limit_bytes"),
+    }
+    print(f"zk_stage3: x{z['step_time_ratio_to_ddp']:.3f} DDP (bar 1.25), "
+          + ", ".join(f"{'below' if t < pt else 'NOT below'} {m} (x{t / pt:.3f})"
+                      for m, pt in peers.items())
+          + f"; traffic {z['traffic_psi']:.3f}Ψ (bar 3.00; "
+          + ", ".join(f"{m} {by[m]['traffic_psi']:.3f}Ψ" for m in peers)
+          + f"); memory held between steps {mem.get('total', 0) / 2**20:.2f} MiB vs 16Ψ/N + "
+          f"gathered + buffers {bound / 2**20:.2f} MiB (x{mem.get('total', 0) / bound:.4f}); "
+          f"peak gathered in the step {gather.get('peak_gathered_bytes', 0) / 2**20:.2f} MiB "
+          f"(bound {gather.get('limit_bytes', 0) / 2**20:.2f} MiB)")
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     # Run from anywhere: the ranks import zkernels from this checkout (spawn copies sys.path).
@@ -194,6 +235,7 @@ def main(argv=None) -> int:
                 f"{'yes' if r['traffic_equal_to_ddp'] else 'no'}"
                 f" (x{r['traffic_ratio_to_ddp'] or float('nan'):.4f})")
             print(f"{r['method']}: {verdict}")
+    _stage3_verdict(rows, num_params, n)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

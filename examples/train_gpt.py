@@ -1,8 +1,11 @@
 """Train a small GPT with zkernels' ZeroOptimizer: the whole loop, ready to copy.
 
-What it shows: ``ZeroOptimizer`` (stage 1, 2 or "auto"), a warmup + cosine learning-rate
+What it shows: ``ZeroOptimizer`` (stage 1, 2, 3 or "auto"), a warmup + cosine learning-rate
 schedule (``LambdaLR``), gradient accumulation (``opt.no_sync()`` on all but the last
 micro-step), clipping by the global norm (``max_grad_norm``), and checkpoint save / resume.
+At ``--stage 3`` each block's parameters are sharded and gathered just in time: reading them
+outside a forward (saving, evaluating, generating) goes inside ``with opt.gathered():``, which
+every rank enters.
 
 Checkpoints are ``zkernels.checkpoint``: every rank writes only its own shards (per
 parameter, so any world size and stage can load them) into the folder ``--ckpt-dir`` (default
@@ -59,7 +62,7 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stage", default="2", help='1, 2 or "auto"')
+    ap.add_argument("--stage", default="2", help='1, 2, 3 or "auto"')
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--accum-steps", type=int, default=2, help="micro-batches per step")
@@ -133,7 +136,8 @@ def train(args, device) -> None:
             with opt.no_sync() if not last else contextlib.nullcontext():
                 loss = model(x, y) / args.accum_steps
                 opt.backward(loss)
-        opt.step()              # clips to max_grad_norm over all shards, updates, gathers
+        opt.step()              # clips to max_grad_norm over all shards, updates (stages 1-2:
+        #                         all-gathers; stage 3 gathers each block at its next use)
         opt.zero_grad()
         sched.step()
         if rank == 0 and step % 10 == 0:
@@ -145,7 +149,6 @@ def train(args, device) -> None:
                 "global_batch": global_batch})
     if rank == 0:
         print(f"done: {stop} of {args.steps} steps; stats of the last step: {opt.stats()}")
-
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from zkernels.zero.auto import (RungNotAvailableError, host_available_bytes,
+from zkernels.zero.auto import (host_available_bytes,
                                 measure_budget_bytes, resolve_auto_stage)
 from zkernels.zero.estimate import estimate_memory
 from zkernels.zero.ladder import NoRungFitsError
@@ -37,13 +37,12 @@ def test_auto_takes_the_lowest_implemented_rung_that_fits(stage, caplog):
     assert f"chose stage {stage}" in caplog.text and "lowest rung that fits" in caplog.text
 
 
-def test_auto_needs_stage3_which_this_version_lacks():
+def test_auto_takes_stage3_when_only_it_fits():
     model = _model()
     budget = _need(model, 4, 3)
     assert budget < _need(model, 4, 2)
-    with pytest.raises(RungNotAvailableError, match="needs stage 3.*not available in this"):
-        resolve_auto_stage(model.parameters(), world_size=4, bucket_bytes=BUCKET,
-                           memory_budget_bytes=budget)
+    assert resolve_auto_stage(model.parameters(), world_size=4, bucket_bytes=BUCKET,
+                              memory_budget_bytes=budget) == 3
 
 
 def test_auto_nothing_fits_and_bad_budget():

@@ -79,9 +79,12 @@ def test_model_input_counts_tied_weights_once_and_units():
     num = sum(p.numel() for p in model.parameters())
     assert estimate_memory(model, 2, 2).num_params == num
     blk = sum(p.numel() for p in model.blocks[0].parameters())
-    assert largest_unit_numel(model) == max(blk, 256 * 48)
+    root = 256 * 48 + 16 * 48 + 2 * 48    # tied wte/head, wpe, ln_f: stage 3's root unit
+    assert largest_unit_numel(model) == max(blk, root)
     e3 = estimate_memory(model, 2, 3, param_dtype="bf16")
-    assert e3.gathered_peak_bytes == 2 * 2 * largest_unit_numel(model)
+    assert e3.gathered_peak_bytes == 2 * (root + 2 * blk)   # the root and two blocks
+    # One reduce buffer per unit in flight (two), each the largest unit, fp32.
+    assert e3.buffers_bytes == 2 * 4 * max(blk, root)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -88,7 +88,10 @@ def test_estimate_matches_stats(world_size):
         assert abs(moved - est.comm_bytes) <= REL * est.comm_bytes, (comm, est.comm_bytes)
 
 
-DEEP = GPTConfig(vocab_size=256, block_size=16, n_layer=6, n_head=3, n_embd=57)
+# Twelve blocks: at 2 ranks stage 3 saves half the parameters (2Ψ bytes) but gathers the root
+# and two blocks and reduces one block at a time (buffers of a block each), so it needs less
+# than stage 2 only once the model is many blocks deep (at six blocks it needs more).
+DEEP = GPTConfig(vocab_size=256, block_size=16, n_layer=12, n_head=3, n_embd=57)
 
 
 def _auto_rank(rank, world_size, budgets):
@@ -115,9 +118,7 @@ def test_optimizer_auto_on_ranks():
                                         1000])
     assert results[0] == results[1]         # every rank takes the same decision
     one, two, three, nothing = results[0]
-    assert (one, two) == (1, 2)
-    assert three.startswith("RungNotAvailableError") and "needs stage 3" in three \
-        and "not available in this version" in three, three
+    assert (one, two, three) == (1, 2, 3)
     assert nothing.startswith("NoRungFitsError") and "no rung of the ladder fits" in nothing
 
 

@@ -41,7 +41,7 @@ def test_param_groups_must_cover_and_not_repeat():
                                            {"params": [model.bias]}])
 
 
-@pytest.mark.parametrize("stage", [0, 3, "Auto", "1", True, None])
+@pytest.mark.parametrize("stage", [0, 4, "Auto", "1", True, None])
 def test_unknown_stage(stage):
     with pytest.raises(ValueError, match="stage"):
         ZeroOptimizer(nn.Linear(3, 2), stage=stage)

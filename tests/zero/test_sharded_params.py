@@ -21,10 +21,9 @@ def _check(rank, world_size, comm):
         flat[o:o + t.numel()] = t.view(-1)
     lo, hi = layout.shard_range(rank)
     sp = ShardedParams(params, layout, flat[lo:hi].to(torch.bfloat16))
-    # Built freed: shapes kept, no storage, a use fails loudly.
+    # Built freed: the parameters are empty (a use fails loudly), no storage.
     assert not sp.is_gathered and sp.full is None
-    assert [p.shape for p in params] == [t.shape for t in originals]
-    assert params[0].untyped_storage().nbytes() == 0
+    assert all(p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in params)
     assert sum(t.untyped_storage().nbytes() for t in sp.held()) == (hi - lo) * 2
     for _ in range(2):   # gather, free, gather again
         h = sp.ensure_gathered(comm)
@@ -32,10 +31,11 @@ def _check(rank, world_size, comm):
         h.wait()
         assert sp.is_gathered and sp.full.numel() == layout.padded_numel
         for p, t in zip(params, originals):
-            assert p.dtype == torch.bfloat16 and torch.equal(p, t.to(torch.bfloat16))
+            assert p.shape == t.shape and p.dtype == torch.bfloat16
+            assert torch.equal(p, t.to(torch.bfloat16))
             assert sp.full.data_ptr() <= p.data_ptr() < sp.full.data_ptr() + sp.full.numel() * 2
         sp.free()
-        assert not sp.is_gathered and params[1].untyped_storage().nbytes() == 0
+        assert not sp.is_gathered and params[1].numel() == 0
     # An update of this rank's shard reaches every rank at the next gather.
     sp.compute_shard.add_(1.0 + rank)
     sp.ensure_gathered(comm).wait()

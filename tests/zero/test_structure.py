@@ -33,8 +33,7 @@ def test_every_consumer_reads_the_one_registry():
             with pytest.raises(ValueError, match="stage"):
                 resolve_stage(stage)
         estimate_memory(1000, 2, stage)  # the estimator knows every registered stage
-    with pytest.raises(ValueError, match="stage 3 is not available in this version"):
-        resolve_stage(3)
+    assert policy.implemented_stages() == (1, 2, 3)
     with pytest.raises(ValueError, match="stage must be one of"):
         resolve_stage(4)
 
@@ -48,14 +47,14 @@ def test_flipping_a_stage_off_changes_optimizer_auto_and_plan(monkeypatch):
     """One entry decides: with stage 2 marked unimplemented, the optimizer refuses it, auto
     reports the rung as unavailable and plan's rung check says so."""
     monkeypatch.setitem(policy.STAGES, 2, replace(policy.STAGES[2], implemented=False))
-    assert policy.implemented_stages() == (1,)
+    assert policy.implemented_stages() == (1, 3)
     with pytest.raises(ValueError, match="stage 2 is not available"):
         zk.ZeroOptimizer(_two_layer(), stage=2)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8)))
     need = estimate_memory(model, 4, 2, bucket_bytes=4096).device_bytes
     assert need < estimate_memory(model, 4, 1, bucket_bytes=4096).device_bytes
-    with pytest.raises(RungNotAvailableError, match="needs stage 2.*implemented stages: 1"):
+    with pytest.raises(RungNotAvailableError, match="needs stage 2.*implemented stages: 1, 3"):
         resolve_auto_stage(model.parameters(), world_size=4, bucket_bytes=4096,
                            memory_budget_bytes=need)
     assert not plan_mod.rung_implemented(2, None)

@@ -125,7 +125,7 @@ def announce(message: str, group=None) -> None:
 def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
                        param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
                        memory_budget_bytes: Optional[int] = None, group=None,
-                       num_param_groups: int = 1) -> int:
+                       num_param_groups: int = 1, model=None) -> int:
     """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
 
     Args:
@@ -136,6 +136,9 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
             device (see [Note: auto budget]).
         group: the process group (None: the world).
         num_param_groups: the optimizer's param groups (they size the reduce buffers).
+        model: the module, when known: stage 3's estimate then counts its units (the gathered
+            root and blocks, one reduce buffer per unit); without it, gathered units are not
+            counted.
 
     Returns:
         The stage (implemented: see ``policy.rung_implemented``). Rank 0 says which rung
@@ -164,7 +167,8 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
     rungs = tuple(r for r in RUNGS if device.type != "cpu" or r[1] is None)
     distinct = {id(p): p for p in params}.values()     # tied weights count once
     (stage, offload), est, reason = choose_rung(
-        count_params(sum(p.numel() for p in distinct)), world_size, budget,
+        model if model is not None else count_params(sum(p.numel() for p in distinct)),
+        world_size, budget,
         headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
         num_param_groups=num_param_groups, rungs=rungs)

@@ -8,15 +8,16 @@ gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a `
 narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
 is its own master (DESIGN.md's table). B = elements of the largest bucket
 (``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model), G = number
-of param groups.
+of param groups, U = elements of stage 3's largest unit (a block; see ``unit_plan.py``), root
+= elements of its root unit (embeddings, final norm, head).
 
     kind              stage 0 (DDP)   stage 1        stage 2        stage 3
     params            pΨ              pΨ             pΨ             pΨ/N
     grads             pΨ              pΨ             gΨ/N           gΨ/N
     master            4Ψ (mixed)      4Ψ/N           4Ψ/N           4Ψ/N
     optimizer_states  8Ψ              8Ψ/N           8Ψ/N           8Ψ/N
-    buffers           0 (2rB if r≠p)  2rB (pooled)   (1 + G)rB      (1 + G)rB
-    transient         0               rΨ/N           0              2p·(largest unit)
+    buffers           0 (2rB if r≠p)  2rB (pooled)   (1 + G)rB      (1 + G)rU
+    transient         0               rΨ/N           0              p·(root + 2 U)
 
 Which kind is sharded at which stage, the transient memory and the number of reduce buffers
 come from the stage registry (``policy.py``: ``StagePolicy`` fields, ``num_reduce_buffers``),
@@ -60,6 +61,7 @@ from typing import Optional, Union
 import torch
 
 from .policy import NUM_REDUCE_BUFFERS, STAGES, offload_policy, stage_policy
+from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
@@ -157,22 +159,16 @@ def count_params(model_or_num_params) -> int:
 
 
 def largest_unit_numel(model: torch.nn.Module) -> int:
-    """Parameters of the largest unit stage 3 gathers at once: each element of a ModuleList /
-    Sequential is a unit (a transformer block), every other child module is one unit."""
-    best, seen = 0, set()
+    """Parameters of the largest unit stage 3 gathers (``unit_plan.plan_units``' default
+    units: the blocks and the root unit)."""
+    return max((sum(p.numel() for p in s.params) for s in plan_units(model)), default=0)
 
-    def visit(mod: torch.nn.Module) -> None:
-        nonlocal best
-        for child in mod.children():
-            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
-                visit(child)
-                continue
-            numel = sum(p.numel() for p in child.parameters() if id(p) not in seen)
-            seen.update(id(p) for p in child.parameters())
-            best = max(best, numel)
-    visit(model)
-    own = sum(p.numel() for p in model.parameters(recurse=False))
-    return max(best, own)
+
+def _stage3_units(model: torch.nn.Module):
+    """(elements gathered at once, largest unit, number of units) for the default units."""
+    specs = [s for s in plan_units(model) if s.params]
+    sizes = [sum(p.numel() for p in s.params) for s in specs]
+    return gathered_peak_numel(model), max(sizes, default=0), len(sizes)
 
 
 def _div(numer: int, n: int) -> int:
@@ -201,8 +197,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             gradients' own dtype, as DDP reduces them).
         offload: None, "cpu" or "nvme" (stages 2-3 only).
         bucket_bytes: reduce bucket size (0: count no buffers, model states only).
-        max_unit_numel: parameters of the largest unit gathered at stage 3; default: the
-            model's largest block when a module is given, else 0 (not counted).
+        max_unit_numel: parameters of the largest unit gathered at stage 3 (two are counted
+            gathered at once); default, when a module is given: its stage-3 units
+            (``unit_plan.py``), counted as ``ZeroOptimizer`` gathers them: the root unit plus
+            two of the largest block, and one reduce buffer per unit instead of per bucket;
+            else 0 (not counted).
         grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
             ``ZeroOptimizer`` keeps it; the ZeRO paper keeps it in fp16).
         max_tensor_numel: elements of the largest parameter (a tensor larger than a bucket
@@ -230,6 +229,12 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     n_psi, big_n = num_params, world_size
     mixed = pdt != torch.float32
 
+    # Stage 3 with a model: its units (unit_plan.py) say what is gathered at once (the root
+    # and two blocks: the prefetch bound) and size the reduce buffers (one unit each).
+    units3 = None
+    if policy.shards_params and max_unit_numel is None \
+            and isinstance(model_or_num_params, torch.nn.Module):
+        units3 = _stage3_units(model_or_num_params)
     if max_unit_numel is None:
         max_unit_numel = largest_unit_numel(model_or_num_params) \
             if isinstance(model_or_num_params, torch.nn.Module) else 0
@@ -246,6 +251,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     # Buckets never mix groups, so there are at least as many buckets as groups.
     num_buckets = max(-(-n_psi // bucket_numel), num_param_groups) if bucket_numel \
         else NUM_REDUCE_BUFFERS + num_param_groups
+    if units3 is not None:  # stage 3 reduces one unit (per group) at a time
+        bucket_numel, num_buckets = units3[1], max(units3[2], num_param_groups)
     pool = policy.num_reduce_buffers(num_buckets, num_param_groups) * r * bucket_numel
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,
@@ -255,7 +262,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                      buffers=pool if reduce_dtype is not None and rdt != pdt else 0)
     else:
         transient = {"none": 0, "reduced_grad_shard": r * shard,
-                     "gathered_units": 2 * p * max_unit_numel}[policy.transient]
+                     "gathered_units": p * (units3[0] if units3 is not None
+                                            else 2 * max_unit_numel)}[policy.transient]
         kinds = dict(params=p * shard if policy.shards_params else p * n_psi,
                      grads=g * shard if policy.shards_grads else p * n_psi,
                      master=MASTER_BYTES * shard if mixed else 0,

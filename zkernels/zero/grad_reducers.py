@@ -17,7 +17,9 @@ reduce it once. The alternative, reducing every micro-step into an fp32 shard (D
 save the full-gradient memory during accumulation but pay the whole reduce-scatter on every
 micro-step; ``no_sync`` is asked to skip communication, so it trades memory for traffic like
 DDP. Two synced backwards without ``zero_grad`` add their reduced shards (fp32) as torch adds
-gradients.
+gradients. Stage 3 reuses stage 2's strategy over its units, so the same holds there: inside
+``no_sync`` full gradients (Ψ in the param dtype) accumulate while the parameters themselves
+stay sharded, like FSDP2's ``set_requires_gradient_sync(False)``.
 """
 from __future__ import annotations
 
@@ -249,7 +251,9 @@ def _remove_all(handles) -> None:
         h.remove()
 
 
-GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer}
+# Stage 3 reduces exactly as stage 2, over its units (blocks, in backward order) instead of
+# buckets; freeing the gathered parameters is the gather schedule's (zero/stage3.py).
+GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer, 3: ShardedGradReducer}
 
 
 def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm: Comm,

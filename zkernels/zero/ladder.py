@@ -58,6 +58,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     if not rungs:
         raise ValueError("rungs must name at least one (stage, offload) pair")
+    model_or_num = num_params  # a module lets stage 3's estimate count its units
     num_params = count_params(num_params)
     usable = budget_bytes * (1 - headroom)
     where = f"{_gb(usable)} usable of {_gb(budget_bytes)} " \
@@ -65,7 +66,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
     rejected = []
     est = None
     for stage, offload in rungs:
-        est = estimate_memory(num_params, world_size, stage, param_dtype=param_dtype,
+        est = estimate_memory(model_or_num, world_size, stage, param_dtype=param_dtype,
                               reduce_dtype=reduce_dtype, grad_shard_dtype=grad_shard_dtype,
                               offload=offload,
                               bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,

@@ -1,4 +1,4 @@
-"""``ZeroOptimizer``: ZeRO stage 1/2 AdamW as a ``torch.optim.Optimizer``.
+"""``ZeroOptimizer``: ZeRO stage 1/2/3 AdamW as a ``torch.optim.Optimizer``.
 
 The class is thin glue (see [Note: parameters and state] in ``units.py``): the stage's
 :class:`~zkernels.zero.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
@@ -30,6 +30,7 @@ from .params import resolve_param_groups
 from .policy import OFFLOADS, STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_bytes
+from .stage3 import GatherSchedule, build_units
 from .units import build_replicated_unit, param_names
 from .update import DeviceUpdate
 
@@ -73,12 +74,15 @@ def _check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """AdamW with optimizer states (stage 1) and gradients (stage 2) sharded across ranks.
+    """AdamW with optimizer states (stage 1), gradients (stage 2) and parameters (stage 3)
+    sharded across ranks.
 
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
-            (and, with ``param_dtype``, change dtype). Stage 2 installs gradient hooks on them.
-        stage: 1, 2 or "auto" (the lowest stage whose estimate fits the device, see
+            (and, with ``param_dtype``, change dtype). Stages 2-3 install gradient hooks on them;
+            stage 3 also installs forward hooks on its units, and between uses a parameter has
+            no storage (read it inside ``opt.gathered()``).
+        stage: 1, 2, 3 or "auto" (the lowest stage whose estimate fits the device, see
             ``zkernels/zero/auto.py``; logs its choice at INFO).
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
@@ -87,7 +91,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             the fp32 master shard lives with the optimizer.
         reduce_dtype: dtype of the gradient reduction (default fp32).
         offload, offload_dir: must be None (offload comes with a later issue).
-        bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket.
+        bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
+            (stages 1-2; stage 3 reduces one unit at a time).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank).
@@ -107,6 +112,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ops_backend: None (``ZKERNELS_BACKEND`` as set at construction, else the best backend
             per op) or ``"reference"``, ``"triton"``, ``"cpp"``: the fused ops' backend, chosen
             once here (see [Note: ops chosen once] in ``zkernels/ops/opset.py``).
+        units: stage 3: None (one unit per transformer block: the children of a ModuleList /
+            Sequential of one repeated class; the rest is the root unit) or a list of module
+            classes and/or submodules; see [Note: stage-3 units] in ``unit_plan.py``.
+        reshard_after_forward: stage 3: free each unit after its forward and gather it again
+            for backward (True: 3Ψ per step) or keep it from forward to backward (False: 2Ψ,
+            every unit gathered at the end of forward); see [Note: stage-3 gather schedule].
+        check_paths: stage 3: before each all-gather, check that every rank gathers the same
+            unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
 
     Attributes:
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
@@ -115,6 +128,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard_update: the update strategy (:class:`~zkernels.zero.update.DeviceUpdate`); its
             ``states`` are the per-unit :class:`~zkernels.zero.shard_state.ShardState`.
         reducer: the gradient strategy.
+        schedule: stage 3's :class:`~zkernels.zero.stage3.GatherSchedule` (None below).
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -126,7 +140,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, timeout=None,
-                 nonfinite: str = "skip") -> None:
+                 nonfinite: str = "skip", units=None,
+                 reshard_after_forward: bool = True, check_paths: bool = True) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
         # the update strategy (update.py) when its kind is flipped to implemented.
         if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
@@ -141,6 +156,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
                              f"stage={stage!r}")
         self.stage = None if auto else resolve_stage(stage)
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got "
+                            f"{type(reshard_after_forward).__name__}")
+        if self.stage in (1, 2) and (units is not None or not reshard_after_forward):
+            raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
+                             f"stages that shard parameters), got stage={self.stage}")
         _check_hparams("", lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
@@ -169,7 +190,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
-                num_param_groups=len(groups))
+                num_param_groups=len(groups), model=model)
         self.policy = STAGES[self.stage]
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
@@ -183,14 +204,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         names = param_names(model)
         self.shard_update = DeviceUpdate(self.ops)
         self.units = []
-        for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
-            unit, initial_master = build_replicated_unit(
-                i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype, self.ops)
-            self.shard_update.init_state(unit, initial_master)
-            self.units.append(unit)
-            del initial_master  # the full fp32 copy goes before the next unit is built
+        self.schedule: Optional[GatherSchedule] = None
+        if self.policy.shards_params:
+            # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
+            self.units, gather_units = build_units(
+                model, units, group_of, names, n, self.comm.rank, align,
+                self.precision.param_dtype, self.ops, self.shard_update)
+        else:
+            for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
+                unit, initial_master = build_replicated_unit(
+                    i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype,
+                    self.ops)
+                self.shard_update.init_state(unit, initial_master)
+                self.units.append(unit)
+                del initial_master  # the full fp32 copy goes before the next unit is built
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
                                          self.ops)
+        if self.policy.shards_params:
+            # After the reducer: its gradient hooks (pack, reduce) run before the schedule's
+            # (count, free), see [Note: stage-3 gather schedule].
+            self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward,
+                                           check_paths=check_paths)
+        self._model = model
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -200,6 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._num_steps = 0
         self._overflow_skips = 0
         self._scaled_backward = False
+        self._gather_stats = None
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_constructing", False):
@@ -260,6 +296,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._scaled_backward = False
         self._num_steps += 1
         self.meter.close_step()
+        self._gather_stats = self.schedule.close_step() if self.schedule is not None else None
         return loss
 
     def _update(self, shards, grad_scale) -> None:
@@ -270,6 +307,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
             handles.append(u.gather.publish(self.comm))
         for h in handles:
             h.wait()
+
+    @contextlib.contextmanager
+    def gathered(self, module: Optional[nn.Module] = None) -> Iterator[None]:
+        """Full parameters inside the block, for evaluation, generation or export: at stage 3
+        every unit holding a parameter of ``module`` (default: the whole model) is gathered on
+        entry and freed on exit (forwards inside gather nothing again); at stages 1-2 the
+        parameters are always full and this does nothing. Collective at stage 3: every rank
+        enters it. Writes to the gathered parameters are not kept (the shards are the state).
+
+        Raises:
+            ValueError: ``module`` is not part of the model.
+        """
+        if module is not None and not any(m is module for m in self._model.modules()):
+            raise ValueError(f"gathered(module=...): the {type(module).__name__} given is not "
+                             f"a submodule of the optimizer's model")
+        if self.schedule is None:
+            yield
+            return
+        ids = None if module is None else {id(p) for p in module.parameters()}
+        units = [u for u in self.schedule.units
+                 if u.flats and (ids is None or u.param_ids & ids)]
+        with self.schedule.gathered(units):
+            yield
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
@@ -297,12 +357,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
         held = self.shard_update.held()
         mem = memory_bytes({
-            "params": self._model_params,
+            "params": [t for u in self.units for t in u.gather.held()] + self._model_params,
             "grads": grads,
             "master": held["master"],
             "optimizer_states": held["optimizer_states"],
             "buffers": self.reducer.held_buffers(),
         })
-        return {"step": self._num_steps, "overflow_skips": self._overflow_skips,
-                "loss_scale": self.scaler.scale if self.scaler is not None else None,
-                "comm_bytes": self.meter.last_step(), "memory_bytes": mem}
+        out = {"step": self._num_steps, "overflow_skips": self._overflow_skips,
+               "loss_scale": self.scaler.scale if self.scaler is not None else None,
+               "comm_bytes": self.meter.last_step(), "memory_bytes": mem}
+        if self.schedule is not None:
+            last = self._gather_stats or {"all_gathers": 0, "peak_gathered_bytes": 0}
+            out["gather"] = {**last, "gathered_bytes": self.schedule.live_bytes(),
+                             "limit_bytes": self.schedule.limit_bytes,
+                             "units": [u.name for u in self.schedule.units if u.flats],
+                             "reshard_after_forward": self.schedule.reshard_after_forward}
+        return out

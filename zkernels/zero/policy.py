@@ -111,7 +111,7 @@ STAGES: Dict[int, StagePolicy] = {
     2: StagePolicy(2, shards_optimizer=True, shards_grads=True, shards_params=False,
                    transient="none", implemented=True),
     3: StagePolicy(3, shards_optimizer=True, shards_grads=True, shards_params=True,
-                   transient="gathered_units", implemented=False),
+                   transient="gathered_units", implemented=True),
 }
 
 OFFLOADS: Dict[Optional[str], OffloadPolicy] = {

@@ -122,9 +122,17 @@ class ShardedParams:
     """Stage 3's policy: only the compute shard is persistent; the full buffer exists between
     :meth:`ensure_gathered` and :meth:`free`.
 
-    The parameters stay views of one full tensor whose *storage* is released on ``free`` and
-    re-allocated on ``ensure_gathered`` (as FSDP1 does), so their shapes never change and a
-    use while freed fails loudly (the storage is empty) instead of reading stale values.
+    While gathered the parameters are views of one full tensor whose *storage* is released on
+    ``free`` and re-allocated on ``ensure_gathered`` (as FSDP1 does), so views that autograd
+    saved in forward are valid again once the unit is gathered for backward.
+
+    [Note: freed parameters are empty]
+    While freed, each parameter's ``.data`` is an empty (0-element) tensor of the compute dtype:
+    reading a view of a storage resized to 0 bytes dereferences a null pointer (a segfault, not
+    an error), whereas an empty parameter makes any use fail with a shape error, and
+    ``p.numel() == 0`` says it is sharded (FSDP1's flat parameters look the same outside their
+    unit). Autograd saves a leaf parameter by reference, so it sees the views again in
+    backward; ``.data`` assignment keeps the parameter's version counter.
 
     Args:
         params: the unit's parameters, in layout order; they become views of the full buffer.
@@ -141,10 +149,10 @@ class ShardedParams:
         self._full = torch.empty(layout.padded_numel, dtype=compute_shard.dtype,
                                  device=compute_shard.device)
         self._nbytes = self._full.untyped_storage().nbytes()
-        views = [self._full[o:o + p.numel()].view(p.shape)
-                 for p, o in zip(params, layout.offsets)]
-        for p, v in zip(params, views):
-            p.data = v
+        self._params = list(params)
+        self._views = [self._full[o:o + p.numel()].view(p.shape)
+                       for p, o in zip(params, layout.offsets)]
+        self._empty = torch.empty(0, dtype=compute_shard.dtype, device=compute_shard.device)
         self._pending: Optional[_Gathering] = None
         self._gathered = True  # storage allocated (values valid once any gather finished)
         self.free()
@@ -166,6 +174,8 @@ class ShardedParams:
         if self._gathered:
             return _Done()
         self._full.untyped_storage().resize_(self._nbytes)
+        for p, v in zip(self._params, self._views):
+            p.data = v
         self._gathered = True
         self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard))
         return self._pending
@@ -174,6 +184,8 @@ class ShardedParams:
         """Release the full buffer's storage (waits for a gather in flight first)."""
         if self._pending is not None:
             self._pending.wait()
+        for p in self._params:
+            p.data = self._empty
         self._full.untyped_storage().resize_(0)
         self._gathered = False
 
@@ -280,4 +292,32 @@ def build_replicated_unit(index: int, group_index: int, params: Sequence[torch.T
     unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
                          compute_dtype, ReplicatedParams(compute, slice(lo, hi)))
+    return unit, initial
+
+
+def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
+                       names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
+                       rank: int, compute_dtype: torch.dtype,
+                       ops: OpSet) -> Tuple[FlatParamUnit, torch.Tensor]:
+    """Stage 3: keep only this rank's shard of ``params`` (compute dtype) and make them views
+    of a full buffer that exists only while gathered (:class:`ShardedParams`, built freed).
+
+    Returns:
+        ``(unit, initial_master)`` as :func:`build_replicated_unit`: this rank's fp32 shard of
+        the original values (in pure fp32 the unit's compute shard itself). The full fp32 copy
+        made here is released before the function returns.
+    """
+    device = params[0].device
+    lo, hi = layout.shard_range(rank)
+    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        ops.flatten([p.detach().contiguous() for p in params], out=fp32,
+                    offsets=layout.offsets)
+    initial = fp32[lo:hi].clone()
+    del fp32
+    compute = initial if compute_dtype == torch.float32 else ops.cast(initial, compute_dtype)
+    gather = ShardedParams(params, layout, compute)
+    unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
+                         tuple(names[id(p)][1] for p in params), list(params), layout, rank,
+                         compute_dtype, gather)
     return unit, initial

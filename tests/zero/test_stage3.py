@@ -1,0 +1,55 @@
+"""ZeroOptimizer stage 3 at world sizes 1 (no process group), 2 and 4 (gloo): one spawn per
+world size runs every check of ``_stage3_checks.CHECKS``, each reported as its own test; then
+bad input and a rank that takes another path."""
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests.zero._harness import run_checks
+from tests.zero._stage3_checks import CHECKS, battery, divergent_path
+
+WORLD_SIZES = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            if world_size == 1:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    per_rank = [run_checks(CHECKS, 0, 1)]
+                finally:
+                    torch.set_num_threads(threads)
+            else:
+                per_rank = run_ranks(battery, world_size, timeout=600.0, pg_timeout_s=60.0)
+            cache[world_size] = {name: next((r[name] for r in per_rank if r[name]), None)
+                                 for name in CHECKS}
+        return cache[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_check(results, world_size, check):
+    error = results(world_size)[check]
+    assert error is None, f"{check} failed at world size {world_size}:\n{error}"
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_divergent_path_fails_naming_the_unit(mode):
+    """Rank 1's forward skips a block (both ranks see that they disagree, and on which units)
+    or rank 1 stops (rank 0 fails within the process group's timeout, 10 s here): an error
+    naming the unit instead of a hang, a crash or wrong shards."""
+    errors = run_ranks(divergent_path, 2, mode, timeout=120.0, pg_timeout_s=10.0)
+    if mode == "skip":
+        for rank, err in enumerate(errors):
+            assert err is not None and "ranks disagree on the next unit" in err, (rank, err)
+            assert "'blocks.1'" in err and "'<root>'" in err, err
+    else:
+        assert errors[1] == "stopped"
+        assert errors[0] is not None and "waited to gather unit '<root>'" in errors[0], errors

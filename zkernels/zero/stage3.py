@@ -1,0 +1,382 @@
+"""Stage 3's parameter schedule: module hooks that gather each unit just in time (one
+all-gather per flat unit, the next one prefetched) and free it as soon as it is not needed.
+
+[Note: stage-3 gather schedule]
+Units come from ``unit_plan.py``; each is one or more FlatParamUnits (one per param group,
+usually one) whose gather policy is :class:`~zkernels.zero.units.ShardedParams`.
+
+- Forward: a unit's forward pre-hook gathers it (waiting for a prefetch in flight) and
+  prefetches the unit predicted to run next (the order of the previous forward, module order
+  before the first), if the gathered bytes stay under the bound: the root unit plus two of the
+  largest other unit (the one computing and the one prefetched). Its forward hook frees it
+  (``reshard_after_forward=True``: 3Ψ per step) or keeps it for backward (False: 2Ψ, every unit
+  stays gathered from its forward to its backward; those kept units are outside the bound).
+  Without autograd (``torch.no_grad()``, outputs that need no gradient) a unit is always freed
+  after its forward, and the root's forward hook frees whatever is still gathered (a prefetch
+  that did not run), so eval and generation loops hold nothing between calls.
+- Backward: the forward hook registers a multi-grad hook on the unit's outputs; it fires when
+  the first gradient reaches them, before the unit's backward, and gathers the unit (and
+  prefetches the unit predicted next in backward order: the previous backward's, or the
+  reversed forward order). The first one of a backward queues an end-of-backward callback on
+  the autograd engine. A post-accumulate-grad hook on every parameter (registered after the
+  gradient strategy's, which packs and reduce-scatters) counts the unit's gradients; when all
+  are in, no node of the graph needs the unit's parameters any more (a node that saved a
+  parameter computes that parameter's gradient), so the unit is freed. The end-of-backward
+  callback frees every unit still gathered (unused parameters, ``no_sync``).
+- Activation checkpointing re-runs forwards inside backward: while a backward runs, forward
+  hooks gather but never free and register nothing (reentrant checkpointing recomputes under
+  ``enable_grad`` and then runs a nested backward: the gradient count frees the unit).
+- ``gathered()`` pins units: hooks neither gather nor free a pinned unit again.
+
+Every rank must run the same units in the same order: gathers, prefetches and reduce-scatters
+are then issued in the same order everywhere (they depend only on the graph).
+
+[Note: divergent paths]
+A rank that takes another path (skips a block, stops generating earlier) would issue a
+different all-gather than its peers: gloo aborts the process on a size mismatch, NCCL hangs
+until its watchdog fires, and two units of one size silently exchange the wrong shards. So
+before each all-gather (``check_paths=True``, the default) the ranks all-reduce (max) the pair
+``(unit index, -unit index)``, 16 bytes: if the max and the min differ, every rank raises an
+error naming its unit and the range of units the others asked for; a rank that issues nothing
+leaves the others in that all-reduce, which raises within the process group's timeout (the
+error names the unit). The pair is counted in the meter (``all_reduce``: 16 B x 2(N-1)/N per
+gather) and costs one small round trip before each gather; on a GPU it also waits for the
+device (``.tolist()``), which is why it can be switched off once a model's paths are known
+to agree.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..comm.base import Comm, Handle
+from ..layout import FlatLayout
+from ..ops import OpSet
+from .unit_plan import ROOT_NAME, plan_units
+from .units import FlatParamUnit, build_sharded_unit
+
+
+class GatherUnit:
+    """One stage-3 unit: a module and its FlatParamUnits (one per param group)."""
+
+    def __init__(self, name: str, module: nn.Module, flats: Sequence[FlatParamUnit]) -> None:
+        self.name = name
+        self.module = module
+        self.flats = list(flats)
+        self.is_root = name == ROOT_NAME
+        self.nbytes = sum(f.layout.padded_numel * f.gather.compute_shard.element_size()
+                          for f in self.flats)
+        self.param_ids = {id(p) for f in self.flats for p in f.params}
+        self.pins = 0               # gathered() contexts holding it
+        self.active = 0             # forwards running (a module may call itself)
+        self.keep_for_backward = False
+        self.accumulated: set = set()
+
+    @property
+    def allocated(self) -> bool:
+        """Full buffers allocated (gathered, or a gather in flight)."""
+        return any(f.gather.full is not None for f in self.flats)
+
+
+class _Order:
+    """Predicts the next unit from the previous pass's sequence of units."""
+
+    def __init__(self, initial: List[GatherUnit]) -> None:
+        self.prev, self.now, self.ok = list(initial), [], True
+
+    def begin(self, predicted: Optional[List[GatherUnit]] = None) -> None:
+        if predicted is not None:
+            self.prev = predicted
+        self.now, self.ok = [], True
+
+    def observe(self, u: GatherUnit) -> Optional[GatherUnit]:
+        k = len(self.now)
+        self.now.append(u)
+        if self.ok and k < len(self.prev) and self.prev[k] is u:
+            return self.prev[k + 1] if k + 1 < len(self.prev) else None
+        self.ok = False  # the path changed: no prediction for the rest of this pass
+        return None
+
+    def end(self) -> None:
+        if self.now:
+            self.prev = self.now
+        self.now = []
+
+
+def _grad_tensors(out) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _grad_tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _grad_tensors(o)]
+    return []
+
+
+class GatherSchedule:
+    """The hooks of [Note: stage-3 gather schedule] on one model.
+
+    Args:
+        units: the GatherUnits in module order, the root last.
+        comm: the collectives (metered).
+        reshard_after_forward: free a unit after its forward (True) or keep it for backward.
+        check_paths: check before each all-gather that every rank gathers the same unit
+            (see [Note: divergent paths]).
+        limit_bytes: bound on gathered bytes a prefetch may bring the total to (default: the
+            root plus twice the largest other unit).
+    """
+
+    def __init__(self, units: Sequence[GatherUnit], comm: Comm, reshard_after_forward: bool,
+                 limit_bytes: Optional[int] = None, check_paths: bool = True) -> None:
+        self.units = list(units)
+        self.check_paths = bool(check_paths) and comm.world_size > 1
+        self._index = {id(u): i for i, u in enumerate(self.units)}
+        self.root = self.units[-1]
+        self.comm = comm
+        self.reshard_after_forward = bool(reshard_after_forward)
+        others = [u.nbytes for u in self.units[:-1]]
+        self.limit_bytes = int(limit_bytes if limit_bytes is not None
+                               else self.root.nbytes + 2 * max(others, default=0))
+        self._fwd = _Order(self.units)  # module order until a forward is seen
+        self._bwd = _Order([])
+        self._in_backward = False
+        self.gathers = 0
+        self.peak_bytes = 0
+        this = weakref.ref(self)
+
+        def pre(u):
+            return lambda m, args: this() and this()._pre_forward(u)
+
+        def post(u):
+            return lambda m, args, out: this() and this()._post_forward(u, out)
+
+        def on_grad(u):
+            return lambda p: this() and this()._on_grad(u, p)
+
+        def state_dict_check(module, prefix, keep_vars):
+            if this() is not None:
+                this()._check_state_dict()
+
+        handles = [self.root.module.register_state_dict_pre_hook(state_dict_check)]
+        for u in self.units:
+            handles.append(u.module.register_forward_pre_hook(pre(u)))
+            handles.append(u.module.register_forward_hook(post(u), always_call=True))
+            for f in u.flats:
+                handles.extend(p.register_post_accumulate_grad_hook(on_grad(u))
+                               for p in f.params)
+        weakref.finalize(self, _remove_all, handles)
+
+    # -- gathering --------------------------------------------------------------------------
+
+    def live_bytes(self, transient_only: bool = False) -> int:
+        return sum(u.nbytes for u in self.units
+                   if u.allocated and not (transient_only and u.keep_for_backward))
+
+    def _check_same_unit(self, u: GatherUnit) -> None:
+        i = self._index[id(u)]
+        pair = torch.tensor([i, -i], dtype=torch.int64, device=u.flats[0].device)
+        try:
+            self.comm.all_reduce(pair, op="max").wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
+            raise RuntimeError(
+                f"stage 3: rank {self.comm.rank} waited to gather unit {u.name!r} and its peers "
+                f"did not join ({exc}). Every rank must run the same units in the same order: "
+                f"a rank whose forward or backward takes another path leaves the others "
+                f"waiting") from exc
+        hi, lo = pair.tolist()
+        lo = -lo
+        if hi != lo:
+            raise RuntimeError(
+                f"stage 3: ranks disagree on the next unit to gather: rank {self.comm.rank} "
+                f"gathers {u.name!r}, the ranks' units range from {self.units[lo].name!r} to "
+                f"{self.units[hi].name!r} (in module order). Every rank must run the same "
+                f"units in the same order (a forward that skips or repeats a block on some "
+                f"ranks, or generation that stops at different lengths, diverges); gather the "
+                f"model once with opt.gathered() around such loops")
+
+    def _start(self, u: GatherUnit) -> List[Handle]:
+        handles = []
+        fresh = any(f.gather.full is None for f in u.flats)
+        if fresh and self.check_paths:
+            self._check_same_unit(u)
+        for f in u.flats:
+            if f.gather.full is None:
+                self.gathers += 1
+            handles.append(f.gather.ensure_gathered(self.comm))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        return handles
+
+    def _wait(self, u: GatherUnit, handles: List[Handle]) -> None:
+        try:
+            for h in handles:
+                h.wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
+            raise RuntimeError(
+                f"stage 3: the all-gather of unit {u.name!r} failed ({exc}). Every rank must run "
+                f"the same units in the same order: a rank whose forward or backward takes "
+                f"another path (skips or repeats a unit, stops early) leaves the others "
+                f"waiting") from exc
+
+    def gather(self, u: GatherUnit) -> None:
+        self._wait(u, self._start(u))
+
+    def _prefetch(self, u: Optional[GatherUnit]) -> None:
+        if u is None or u.allocated or not u.flats:
+            return
+        if self.live_bytes(transient_only=True) + u.nbytes <= self.limit_bytes:
+            self._start(u)
+
+    def free(self, u: GatherUnit) -> None:
+        if u.pins == 0:
+            for f in u.flats:
+                f.gather.free()
+        u.keep_for_backward = False
+
+    def free_all(self) -> None:
+        for u in self.units:
+            if u.allocated and u.active == 0:
+                self.free(u)
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _pre_forward(self, u: GatherUnit) -> None:
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            # A backward that raised never ran its end-of-backward callback: close it now.
+            self._end_backward()
+        if self._in_backward:  # a recompute (activation checkpointing): gather, never free
+            self.gather(u)
+            u.active += 1
+            return
+        if u.is_root and u.active == 0:
+            self._fwd.begin()
+        nxt = self._fwd.observe(u)
+        self.gather(u)
+        u.active += 1
+        self._prefetch(nxt)
+
+    def _post_forward(self, u: GatherUnit, out) -> None:
+        u.active -= 1
+        if self._in_backward:
+            return
+        tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
+        if tensors:
+            this = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda g: this() and this()._pre_backward(u), mode="any")
+            if not self.reshard_after_forward and u.flats:
+                u.keep_for_backward = True
+        if u.active == 0 and not u.keep_for_backward:
+            self.free(u)
+        if u.is_root and u.active == 0:
+            self._fwd.end()
+            for v in self.units:  # prefetched but not run: nothing stays gathered
+                if v.allocated and v.active == 0 and not v.keep_for_backward:
+                    self.free(v)
+
+    def _pre_backward(self, u: GatherUnit) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if not self._bwd.prev:
+                fwd = [v for v in self._fwd.prev if not v.is_root]
+                self._bwd.begin([self.root] + fwd[::-1])
+            else:
+                self._bwd.begin()
+        nxt = self._bwd.observe(u)
+        if u.flats and len(u.accumulated) < len(u.param_ids):
+            self.gather(u)
+        if nxt is not None and len(nxt.accumulated) < len(nxt.param_ids):
+            self._prefetch(nxt)
+
+    def _on_grad(self, u: GatherUnit, p: torch.Tensor) -> None:
+        u.accumulated.add(id(p))
+        if len(u.accumulated) == len(u.param_ids) and u.active == 0:
+            self.free(u)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self._bwd.end()
+        for u in self.units:
+            u.accumulated.clear()
+            u.keep_for_backward = False
+        self.free_all()
+
+    def _check_state_dict(self) -> None:
+        freed = [u.name for u in self.units if u.flats and not u.allocated]
+        if freed:
+            raise RuntimeError(
+                f"stage 3: model.state_dict() while the parameters are sharded (units "
+                f"{freed} are not gathered; their parameters are empty): call it inside "
+                f"`with opt.gathered():` on every rank (a collective), or save per shard with "
+                f"opt.state_dict()")
+
+    # -- public -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered(self, units: Sequence[GatherUnit]) -> Iterator[None]:
+        """Gather ``units`` for the block and free them after (unless still needed)."""
+        for u in units:
+            u.pins += 1
+        try:
+            pending = [(u, self._start(u)) for u in units]
+            for u, hs in pending:
+                self._wait(u, hs)
+            yield
+        finally:
+            for u in units:
+                u.pins -= 1
+                if u.pins == 0 and u.active == 0 and not u.keep_for_backward \
+                        and not self._in_backward:
+                    self.free(u)
+
+    def close_step(self) -> dict:
+        """This step's gather counters (then reset)."""
+        out = {"all_gathers": self.gathers, "peak_gathered_bytes": self.peak_bytes}
+        self.gathers = 0
+        self.peak_bytes = self.live_bytes()
+        return out
+
+
+def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size: int,
+                rank: int, align: int, compute_dtype: torch.dtype, ops: OpSet,
+                shard_update) -> tuple:
+    """Plan the units of ``model`` (``unit_plan.plan_units``) and build their flat sharded
+    buffers, one FlatParamUnit per (unit, param group), each state initialized at once (so only
+    one unit's full fp32 copy exists at a time).
+
+    Args:
+        group_of: ``id(param) -> param group index`` of every trainable parameter.
+        names: ``units.param_names(model)``.
+        shard_update: the update strategy (its ``init_state`` is called per flat unit).
+
+    Returns:
+        ``(flat_units, gather_units)``: flat units in launch order (backward order: the last
+        unit first, the root last: the gradient strategy launches reduce-scatters in it) and
+        the GatherUnits in module order, the root last.
+    """
+    specs = plan_units(model, units, [p for p in model.parameters() if id(p) in group_of])
+    flats_of = {}
+    flat_units: List[FlatParamUnit] = []
+    for spec in specs[:-1][::-1] + specs[-1:]:
+        mine = []
+        for gi in sorted({group_of[id(p)] for p in spec.params}):
+            ps = [p for p in spec.params if group_of[id(p)] == gi]
+            layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
+            unit, initial = build_sharded_unit(len(flat_units), gi, ps, names, layout, rank,
+                                               compute_dtype, ops)
+            shard_update.init_state(unit, initial)
+            del initial
+            flat_units.append(unit)
+            mine.append(unit)
+        flats_of[id(spec.module)] = mine
+    gather_units = [GatherUnit(s.name, s.module, flats_of[id(s.module)]) for s in specs]
+    return flat_units, gather_units
+
+
+def _remove_all(handles) -> None:
+    for h in handles:
+        h.remove()
