@@ -14,7 +14,7 @@
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR   (from anywhere; runs from the repository root)
 # Env:   GPU_CHECK_SIZES="67108864 268435456" to change the benchmark sizes.
-#        GPU_CHECK_STAGES="1 2" to change the trained stages.
+#        GPU_CHECK_STAGES="1 2 3" to change the trained stages.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -28,7 +28,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Compiled kernels, automatic backend choice: nothing forced from the caller's shell.
 unset TRITON_INTERPRET ZKERNELS_BACKEND
 SIZES=${GPU_CHECK_SIZES:-"67108864 268435456"}
-TRAIN_STAGES=${GPU_CHECK_STAGES:-"1 2"}  # stage 3 joins with one word here
+TRAIN_STAGES=${GPU_CHECK_STAGES:-"1 2 3"}
 TRAIN_BACKENDS="torch nccl"
 failed=()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = "1 2"  # add 3 when stage 3 lands
+STAGES = "1 2 3"
 TINY = ["--device", "cpu", "--steps", "3", "--n-layer", "1", "--n-embd", "32",
         "--block-size", "16", "--batch-size", "2", "--bucket-bytes", "16384"]
 

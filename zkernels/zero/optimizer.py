@@ -192,6 +192,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
                 num_param_groups=len(groups), model=model)
         self.policy = STAGES[self.stage]
+        if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
+            # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
+            # forward for its backward; freeing a unit after forward and gathering it again
+            # before backward swaps their storage (an in-place change autograd's version
+            # counter rejects). Keeping units gathered from forward to backward works.
+            raise ValueError("stage=3 with a torch.compile'd model needs "
+                             "reshard_after_forward=False (a compiled graph keeps the parameters "
+                             "it saved in forward for its backward, so a unit cannot be freed "
+                             "and regathered in between)")
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
         capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
@@ -373,3 +382,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "units": [u.name for u in self.schedule.units if u.flats],
                              "reshard_after_forward": self.schedule.reshard_after_forward}
         return out
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is the wrapper ``torch.compile`` returns for a module."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo compiles nothing
+        return False
+    return isinstance(model, OptimizedModule)

@@ -53,7 +53,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..comm.base import Comm, Handle
+from ..comm.base import CollectiveError, Comm, Handle
 from ..layout import FlatLayout
 from ..ops import OpSet
 from .unit_plan import ROOT_NAME, plan_units
@@ -182,11 +182,15 @@ class GatherSchedule:
         try:
             self.comm.all_reduce(pair, op="max").wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
-            raise RuntimeError(
+            # A CollectiveError stays one (its collective, bytes and unit tag kept).
+            error = CollectiveError if isinstance(exc, CollectiveError) else RuntimeError
+            extra = (dict(collective=exc.collective, nbytes=exc.nbytes, tag=exc.tag)
+                     if error is CollectiveError else {})
+            raise error(
                 f"stage 3: rank {self.comm.rank} waited to gather unit {u.name!r} and its peers "
                 f"did not join ({exc}). Every rank must run the same units in the same order: "
                 f"a rank whose forward or backward takes another path leaves the others "
-                f"waiting") from exc
+                f"waiting", **extra) from exc
         hi, lo = pair.tolist()
         lo = -lo
         if hi != lo:
@@ -206,7 +210,7 @@ class GatherSchedule:
         for f in u.flats:
             if f.gather.full is None:
                 self.gathers += 1
-            handles.append(f.gather.ensure_gathered(self.comm))
+            handles.append(f.gather.ensure_gathered(self.comm, tag=f"unit {u.name}"))
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return handles
 
@@ -215,11 +219,15 @@ class GatherSchedule:
             for h in handles:
                 h.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
-            raise RuntimeError(
+            # A CollectiveError stays one (its collective, bytes and unit tag kept).
+            error = CollectiveError if isinstance(exc, CollectiveError) else RuntimeError
+            extra = (dict(collective=exc.collective, nbytes=exc.nbytes, tag=exc.tag)
+                     if error is CollectiveError else {})
+            raise error(
                 f"stage 3: the all-gather of unit {u.name!r} failed ({exc}). Every rank must run "
                 f"the same units in the same order: a rank whose forward or backward takes "
                 f"another path (skips or repeats a unit, stops early) leaves the others "
-                f"waiting") from exc
+                f"waiting", **extra) from exc
 
     def gather(self, u: GatherUnit) -> None:
         self._wait(u, self._start(u))

@@ -61,9 +61,9 @@ class GatherPolicy(Protocol):
     @property
     def is_gathered(self) -> bool: ...
 
-    def ensure_gathered(self, comm: Comm) -> Handle:
+    def ensure_gathered(self, comm: Comm, tag: Optional[str] = None) -> Handle:
         """Start building ``full`` (if needed); after ``wait()`` the parameters are views of
-        it."""
+        it. ``tag`` names the unit in a collective's error."""
 
     def free(self) -> None:
         """Give back ``full`` (where the policy may: replicated units keep it)."""
@@ -91,7 +91,7 @@ class ReplicatedParams:
     def is_gathered(self) -> bool:
         return True
 
-    def ensure_gathered(self, comm: Comm) -> Handle:
+    def ensure_gathered(self, comm: Comm, tag: Optional[str] = None) -> Handle:
         return _Done()
 
     def free(self) -> None:
@@ -166,7 +166,7 @@ class ShardedParams:
         """The full buffer is allocated and no gather into it is in flight."""
         return self._gathered and self._pending is None
 
-    def ensure_gathered(self, comm: Comm) -> Handle:
+    def ensure_gathered(self, comm: Comm, tag: Optional[str] = None) -> Handle:
         """Allocate the full buffer and start the all-gather of every rank's shard into it
         (a gather already in flight or done is not repeated). Collective."""
         if self._pending is not None:
@@ -177,7 +177,8 @@ class ShardedParams:
         for p, v in zip(self._params, self._views):
             p.data = v
         self._gathered = True
-        self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard))
+        self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard,
+                                                         tag=tag))
         return self._pending
 
     def free(self) -> None:
