@@ -82,7 +82,9 @@ def batches():
 
 def snapshot(model, opt):
     """Parameters (as trained) and this rank's master shards, on the CPU."""
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    with opt.gathered():  # stage 3: the full parameters (a no-op at stages 1-2)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params,
             "masters": [st.master.detach().clone() for st in opt.shard_update.states]}
 
 
@@ -149,8 +151,8 @@ def resume_case(rank, ws, folder, *, stage, offload, dtype, offload_dir=None):
         if ref is not None:
             rloss, rparams = ref[STEPS_BEFORE + i]
             torch.testing.assert_close(losses[-1], rloss, **tol(torch.float32))
-            for n, p in model.named_parameters():
-                torch.testing.assert_close(p.detach(), rparams[n], **tol(torch.float32),
+            for n, p in snaps[-1].items():
+                torch.testing.assert_close(p, rparams[n], **tol(torch.float32),
                                            msg=lambda m, n=n: f"step {i}, {n}: {m}")
     return plain({"losses": losses, "params": snaps})
 

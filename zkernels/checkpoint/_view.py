@@ -26,6 +26,8 @@ parameters and buffers come from ``opt.module``'s ``state_dict()``.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -116,8 +118,10 @@ class OptimizerView:
         self._names: Dict[int, str] = {id(p): n for n, p in module.named_parameters()}
         unit_params: Dict[str, ParamInfo] = {}
         for u in opt.units:
-            for name, p in zip(u.names, u.params):
-                unit_params[name] = ParamInfo(name, tuple(p.shape), u.group_index)
+            # Stage 3's freed parameters are empty: their shapes come from the gather policy.
+            shapes = getattr(u.gather, "shapes", None) or [p.shape for p in u.params]
+            for name, shape in zip(u.names, shapes):
+                unit_params[name] = ParamInfo(name, tuple(shape), u.group_index)
         # Registration order, the order state_dict() and the consolidated export use.
         self.params: Dict[str, ParamInfo] = {n: unit_params[n] for n in
                                              dict(module.named_parameters()) if n in unit_params}
@@ -175,7 +179,12 @@ class OptimizerView:
     def model_entries(self) -> List[ModelEntry]:
         """Every key of ``module.state_dict()``, in order."""
         entries, first_key = [], {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
+        schedule = getattr(self.opt, "schedule", None)   # stage 3: parameters are sharded
+        keys_only = (schedule.sharded_state_dict_keys() if schedule is not None
+                     else contextlib.nullcontext())
+        with keys_only:   # the sharded parameters' values come from the shards, not from here
+            state = self.module.state_dict(keep_vars=True)
+        for key, t in state.items():
             if id(t) in self._names and self._names[id(t)] in self.params:
                 entries.append(ModelEntry(key, "param", of=self._names[id(t)]))
             elif id(t) in first_key:

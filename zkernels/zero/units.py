@@ -162,6 +162,11 @@ class ShardedParams:
         return self._full if self._gathered else None
 
     @property
+    def shapes(self) -> List[torch.Size]:
+        """The parameters' full shapes (``p.shape`` is empty while the unit is freed)."""
+        return [v.shape for v in self._views]
+
+    @property
     def is_gathered(self) -> bool:
         """The full buffer is allocated and no gather into it is in flight."""
         return self._gathered and self._pending is None
