@@ -128,9 +128,10 @@ def run_check(stage: int, backend: str, args, tokens, device: torch.device) -> d
             ropt.zero_grad()
             a, b = loss.item(), rloss.item()
             loss_dev = max(loss_dev, abs(a - b) / abs(b))
-        param_dev = max(((p.detach() - q.detach()).abs()
-                         / (PARAM_ATOL + PARAM_RTOL * q.detach().abs())).max().item()
-                        for p, q in zip(model.parameters(), ref.parameters()))
+        with opt.gathered():  # stage 3: the full parameters (a no-op at stages 1-2)
+            param_dev = max(((p.detach() - q.detach()).abs()
+                             / (PARAM_ATOL + PARAM_RTOL * q.detach().abs())).max().item()
+                            for p, q in zip(model.parameters(), ref.parameters()))
         ok = loss_dev <= LOSS_RTOL and param_dev <= 1.0
         row.update(ok=ok, final_loss=a, ref_final_loss=b, loss_max_rel_diff=loss_dev,
                    param_diff_over_tol=param_dev, engine=engine)

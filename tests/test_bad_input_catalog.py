@@ -159,10 +159,10 @@ CASES = [
     ("estimate_world_size_zero", lambda: zk.estimate_memory(1000, world_size=0, stage=1),
      ValueError, r"world_size must be an int >= 1, got 0"),
     ("estimate_stage_unknown", lambda: zk.estimate_memory(1000, world_size=2, stage=7),
-     ValueError, r"stage must be 0, 1, 2 or 3, got 7"),
+     ValueError, r"stage must be one of \(0, 1, 2, 3\), got 7"),
     # CLI: plan and demo (demo's checks run before any rank starts)
     ("plan_world_size_zero", plan("--params", "1e9", "--world-size", "0"), CliError,
-     r"--world-size must be >= 1, got 0"),
+     r"--world-size: must be >= 1, got 0"),
     ("plan_param_dtype_unknown", plan("--params", "1e9", "--world-size", "2",
                                       "--param-dtype", "int4"), CliError,
      r"--param-dtype must be .*got 'int4'"),
