@@ -183,15 +183,11 @@ class GatherSchedule:
         try:
             self.comm.all_reduce(pair, op="max").wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
-            # A CollectiveError stays one (its collective, bytes and unit tag kept).
-            error = CollectiveError if isinstance(exc, CollectiveError) else RuntimeError
-            extra = (dict(collective=exc.collective, nbytes=exc.nbytes, tag=exc.tag)
-                     if error is CollectiveError else {})
-            raise error(
+            raise _with_unit(exc,
                 f"stage 3: rank {self.comm.rank} waited to gather unit {u.name!r} and its peers "
                 f"did not join ({exc}). Every rank must run the same units in the same order: "
                 f"a rank whose forward or backward takes another path leaves the others "
-                f"waiting", **extra) from exc
+                f"waiting") from exc
         hi, lo = pair.tolist()
         lo = -lo
         if hi != lo:
@@ -220,15 +216,11 @@ class GatherSchedule:
             for h in handles:
                 h.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
-            # A CollectiveError stays one (its collective, bytes and unit tag kept).
-            error = CollectiveError if isinstance(exc, CollectiveError) else RuntimeError
-            extra = (dict(collective=exc.collective, nbytes=exc.nbytes, tag=exc.tag)
-                     if error is CollectiveError else {})
-            raise error(
+            raise _with_unit(exc,
                 f"stage 3: the all-gather of unit {u.name!r} failed ({exc}). Every rank must run "
                 f"the same units in the same order: a rank whose forward or backward takes "
                 f"another path (skips or repeats a unit, stops early) leaves the others "
-                f"waiting", **extra) from exc
+                f"waiting") from exc
 
     def gather(self, u: GatherUnit) -> None:
         self._wait(u, self._start(u))
@@ -402,3 +394,13 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
 def _remove_all(handles) -> None:
     for h in handles:
         h.remove()
+
+
+def _with_unit(exc: Exception, message: str) -> Exception:
+    """``message`` (which names the unit) as the error to raise from ``exc``: a
+    CollectiveError stays one, keeping its collective, bytes and tag; anything else becomes a
+    RuntimeError."""
+    if isinstance(exc, CollectiveError):
+        return CollectiveError(message, collective=exc.collective, nbytes=exc.nbytes,
+                               tag=exc.tag)
+    return RuntimeError(message)
