@@ -61,6 +61,16 @@ def settled_live_bytes(expected: int, tries: int = 20, pause_s: float = 0.05) ->
     return live
 
 
+def least_live_bytes(readings: int = 5, pause_s: float = 0.05) -> int:
+    """The least of a few :func:`live_storage_bytes` readings, ``pause_s`` apart: a baseline
+    free of the transient that :func:`settled_live_bytes` waits out (a transient only adds)."""
+    least = live_storage_bytes()
+    for _ in range(readings - 1):
+        time.sleep(pause_s)
+        least = min(least, live_storage_bytes())
+    return least
+
+
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                  "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
                  "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
@@ -110,7 +120,11 @@ def long_run(rank, ws, stage, steps=500, every=50):
         value = loss.item()
         del loss
         if step == 1 or (step + 1) % every == 0:
-            now = (live_storage_bytes(), count_hooks(model), proc.memory_info().rss)
+            # A reading can include a just-finished collective's tensors (a few bytes, see
+            # settled_live_bytes): the reference is the least of a few readings (such
+            # transients only add), later readings settle towards it.
+            live = least_live_bytes() if ref is None else settled_live_bytes(ref[0])
+            now = (live, count_hooks(model), proc.memory_info().rss)
             trace.append((step, *now))
             if ref is None:
                 ref = now
@@ -136,7 +150,7 @@ def build_and_drop(rank, ws, stage, times=50):
     leaves its model sharded when dropped (the parameters' full storages are freed), so
     such a model is not one to build a second optimizer over."""
     proc = psutil.Process()
-    baseline = live_storage_bytes()
+    baseline = least_live_bytes()
     rss = None
     for i in range(times):
         model = make_model()
