@@ -25,7 +25,9 @@ GradScale = Union[None, float, torch.Tensor]
 
 def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: float,
                             loss_scale: Optional[float],
-                            max_grad_norm: Optional[float], ops: OpSet) -> Tuple[GradScale, bool]:
+                            max_grad_norm: Optional[float], ops: OpSet,
+                            comm_device: Optional[torch.device] = None
+                            ) -> Tuple[GradScale, bool]:
     """What to divide the gradient shards by, and whether the step must be skipped.
 
     Args:
@@ -34,7 +36,9 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
         divisor: factor not yet divided out of ``shards`` (N or 1; see precision.py's Note).
         loss_scale: the current loss scale (fp16), or None.
         max_grad_norm: clip the global norm to this, or None.
-        ops: the optimizer's OpSet (``sum_squares``).
+        ops: an OpSet for the shards' device (``sum_squares``).
+        comm_device: where ``comm``'s buffers live, when not the shards' device (CPU offload
+            on a GPU: host shards, an NCCL all-reduce); the sum moves there and back.
 
     Returns:
         ``(grad_scale, skip)``: ``grad_scale`` is None (nothing to divide), a float, or a
@@ -46,7 +50,12 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
     if loss_scale is None and max_grad_norm is None:
         return (None if scale == 1.0 else scale), False
     sq = ops.sum_squares(shards).reshape(1)
-    comm.all_reduce(sq, op="sum").wait()
+    if comm_device is not None and sq.device != torch.device(comm_device):
+        on_comm = sq.to(comm_device)
+        comm.all_reduce(on_comm, op="sum").wait()
+        sq = on_comm.to(sq.device)
+    else:
+        comm.all_reduce(sq, op="sum").wait()
     if loss_scale is not None and not math.isfinite(float(sq.item())):
         return None, True
     if max_grad_norm is None:

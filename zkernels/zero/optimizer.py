@@ -26,11 +26,12 @@ from .buckets import align_numel, bucket_capacity, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
 from .params import resolve_param_groups
-from .policy import OFFLOADS, STAGES, implemented_stages
+from .policy import STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
-from .stats import memory_bytes
+from .stats import memory_by_location
 from .units import build_replicated_unit, param_names
-from .update import DeviceUpdate
+from .offload_config import OffloadConfig
+from .placement import check_offload_args, check_offload_stage, make_update_strategy
 
 
 def resolve_stage(stage) -> int:
@@ -76,7 +77,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         param_dtype: None (pure fp32) or torch.bfloat16 / torch.float16 for the compute copy;
             the fp32 master shard lives with the optimizer.
         reduce_dtype: dtype of the gradient reduction (default fp32).
-        offload, offload_dir: must be None (offload comes with a later issue).
+        offload: None (states on the device), "cpu" (fp32 master, moments and gradient shard
+            in host RAM, the step on the CPU: see ``host_update.py``) or "nvme" (moments and
+            master in files under ``offload_dir``, streamed through a fixed host budget: see
+            ``nvme_update.py``). Stages 2 and up (stage 1 raises ValueError).
+        offload_dir: with "nvme", an existing folder; the run's files go in a folder of
+            its own inside, removed by :meth:`close`.
+        offload_config: an :class:`~zkernels.zero.offload_config.OffloadConfig` (pinning,
+            sub-group size, the NVMe host budget, ...); default ``OffloadConfig()``.
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket.
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
@@ -95,8 +103,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.units.FlatParamUnit` list, in launch order.
-        shard_update: the update strategy (:class:`~zkernels.zero.update.DeviceUpdate`); its
-            ``states`` are the per-unit :class:`~zkernels.zero.shard_state.ShardState`.
+        shard_update: the update strategy (``DeviceUpdate``, ``HostUpdate`` or
+            ``NvmeUpdate``: see ``placement.py``); its ``states`` are the per-unit
+            :class:`~zkernels.zero.shard_state.ShardState`.
+        offload: the offload kind (None, "cpu", "nvme").
         reducer: the gradient strategy.
     """
 
@@ -108,16 +118,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
-                 ops_backend: Optional[str] = None) -> None:
-        # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
-        # the update strategy (update.py) when its kind is flipped to implemented.
-        if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
-                                        and OFFLOADS[offload].implemented):
-            raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
-                                      f"offload comes with a later issue): pass offload=None")
-        if offload_dir is not None:
-            raise NotImplementedError(f"offload_dir={offload_dir!r} is not supported yet "
-                                      f"(offload comes with a later issue): pass None")
+                 ops_backend: Optional[str] = None,
+                 offload_config: Optional[OffloadConfig] = None) -> None:
+        # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
+        # strategy of the kind asked for.
+        check_offload_args(offload, offload_dir, offload_config)
+        self.offload = offload
         auto = isinstance(stage, str) and stage == "auto"
         if memory_budget_bytes is not None and not auto:
             raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
@@ -149,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
                 num_param_groups=len(groups))
         self.policy = STAGES[self.stage]
+        check_offload_stage(offload, self.policy)
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
         capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
@@ -158,7 +165,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         ordered = [(group_of[id(p)], p) for p in model.parameters() if id(p) in group_of]
         names = param_names(model)
-        self.shard_update = DeviceUpdate(self.ops)
+        self.shard_update = make_update_strategy(
+            offload, ops=self.ops, device=device, ops_backend=ops_backend,
+            offload_dir=offload_dir, rank=self.comm.rank, offload_config=offload_config)
         self.units = []
         for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
             unit, initial_master = build_replicated_unit(
@@ -167,11 +176,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.units.append(unit)
             del initial_master  # the full fp32 copy goes before the next unit is built
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
-                                         self.ops)
+                                         self.ops, grad_sink=self.shard_update.grad_sink)
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._model_params = list(model.parameters())
+        self._device = device
         self._num_steps = 0
         self._overflow_skips = 0
         self._scaled_backward = False
@@ -219,7 +229,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards, divisor = self.reducer.finish()
         grad_scale, skip = grad_scale_and_overflow(
             shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
-            self.max_grad_norm, self.ops)
+            self.max_grad_norm, self.shard_update.grad_ops, comm_device=self._device)
         if skip:
             self._overflow_skips += 1
         else:
@@ -237,8 +247,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.shard_update.update(u, g, self.param_groups[u.group_index], grad_scale)
             # Gather this unit while the next one updates.
             handles.append(u.gather.publish(self.comm))
+        self.shard_update.finish_step()
         for h in handles:
             h.wait()
+
+    def close(self) -> None:
+        """Release what the update strategy holds outside the device: the copy thread or
+        stream, the NVMe files and their folder (idempotent; also runs when the optimizer is
+        garbage collected). The optimizer cannot step afterwards."""
+        self.shard_update.close()
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
@@ -255,7 +272,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
             None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
-            "total"}}``. Memory is measured from the storages held: params are the flat
+            "total"}, "memory_location_bytes": {"device", "host", "disk"}, "offload": None or
+            {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
+            "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
+            ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
+            ``memory_location_bytes`` splits the total by location: host RAM is what the
+            offload strategy allocated there, disk the measured sizes of its files. The offload
+            entry adds the last step's transfers: bytes each way, the offloaded update's
+            host time, and how much of the gradient copies was hidden behind backward.
+            Memory is measured from the storages held: params are the flat
             compute buffers (and any frozen parameters); grads the stage-1 flat gradient
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
             e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
@@ -264,14 +289,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             2Ψ + 14Ψ/N.
         """
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
-        held = self.shard_update.held()
-        mem = memory_bytes({
-            "params": self._model_params,
-            "grads": grads,
-            "master": held["master"],
-            "optimizer_states": held["optimizer_states"],
-            "buffers": self.reducer.held_buffers(),
-        })
+        upd = self.shard_update
+        held = upd.held()
+        device = {"params": self._model_params, "grads": grads, "master": held["master"],
+                  "optimizer_states": held["optimizer_states"],
+                  "buffers": self.reducer.held_buffers()}
+        mem, where = memory_by_location(device, upd.held_host(), upd.disk_bytes())
+        offload = None
+        if self.offload is not None:
+            offload = {"kind": self.offload, **where, **upd.last_step}
         return {"step": self._num_steps, "overflow_skips": self._overflow_skips,
                 "loss_scale": self.scaler.scale if self.scaler is not None else None,
-                "comm_bytes": self.meter.last_step(), "memory_bytes": mem}
+                "comm_bytes": self.meter.last_step(), "memory_bytes": mem,
+                "memory_location_bytes": where, "offload": offload}
