@@ -35,6 +35,9 @@ class OffloadConfig:
             ``os.pwritev`` with the GIL released).
         direct_io: None (O_DIRECT where the filesystem accepts it, else buffered I/O, with the
             reason logged once), True (O_DIRECT or an error), False (buffered).
+        resume_dir: an NVMe run folder kept by ``opt.close(keep_files=True)``: the new
+            optimizer checks and adopts its files (moments, master, step counts) instead of
+            starting from zero moments; its parameters are rebuilt from the kept master.
     """
 
     pin_memory: Optional[bool] = None
@@ -43,6 +46,7 @@ class OffloadConfig:
     nvme_master: bool = True
     io_threads: int = 4
     direct_io: Optional[bool] = None
+    resume_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("sub_group_numel", "nvme_buffer_bytes", "io_threads"):

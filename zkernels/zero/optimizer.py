@@ -167,7 +167,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         names = param_names(model)
         self.shard_update = make_update_strategy(
             offload, ops=self.ops, device=device, ops_backend=ops_backend,
-            offload_dir=offload_dir, rank=self.comm.rank, offload_config=offload_config)
+            offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
+            offload_config=offload_config)
         self.units = []
         for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
             unit, initial_master = build_replicated_unit(
@@ -251,11 +252,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for h in handles:
             h.wait()
 
-    def close(self) -> None:
+    def close(self, keep_files: bool = False):
         """Release what the update strategy holds outside the device: the copy thread or
         stream, the NVMe files and their folder (idempotent; also runs when the optimizer is
-        garbage collected). The optimizer cannot step afterwards."""
+        garbage collected). The optimizer cannot step afterwards.
+
+        Args:
+            keep_files: NVMe offload only: keep the run folder (with a manifest) for
+                ``OffloadConfig(resume_dir=...)``.
+
+        Returns:
+            the kept folder (NVMe with ``keep_files``), else None.
+        """
+        if keep_files:
+            if self.offload != "nvme":
+                raise ValueError("close(keep_files=True) applies only to offload='nvme'")
+            return self.shard_update.close(keep_files=True)
         self.shard_update.close()
+        return None
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state.py``)."""

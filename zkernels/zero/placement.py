@@ -35,6 +35,8 @@ def check_offload_args(offload, offload_dir, offload_config) -> None:
                         f"{type(offload_config).__name__}")
     if offload is None and offload_config is not None:
         raise ValueError("offload_config applies only with offload='cpu' or 'nvme'")
+    if offload == "cpu" and offload_config is not None and offload_config.resume_dir:
+        raise ValueError("OffloadConfig.resume_dir applies only to offload='nvme'")
     if offload != "nvme" and offload_dir is not None:
         raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
                          f"{offload!r}, offload_dir={offload_dir!r})")
@@ -70,7 +72,7 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
 
 def make_update_strategy(offload, *, ops: OpSet, device: torch.device,
                          ops_backend: Optional[str], offload_dir, rank: int,
-                         offload_config: Optional[OffloadConfig]):
+                         world_size: int, offload_config: Optional[OffloadConfig]):
     """The update strategy for ``offload`` (None: states on the device)."""
     if offload is None:
         from .update import DeviceUpdate
@@ -80,4 +82,5 @@ def make_update_strategy(offload, *, ops: OpSet, device: torch.device,
         from .host_update import HostUpdate
         return HostUpdate(host_ops_for(ops_backend), device, config)
     from .nvme_update import NvmeUpdate
-    return NvmeUpdate(host_ops_for(ops_backend), device, config, offload_dir, rank)
+    return NvmeUpdate(ops, host_ops_for(ops_backend), device, config, offload_dir, rank,
+                      world_size)

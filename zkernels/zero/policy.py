@@ -117,7 +117,7 @@ STAGES: Dict[int, StagePolicy] = {
 OFFLOADS: Dict[Optional[str], OffloadPolicy] = {
     None: OffloadPolicy(None, min_stage=0, implemented=True),
     "cpu": OffloadPolicy("cpu", min_stage=2, implemented=True),
-    "nvme": OffloadPolicy("nvme", min_stage=2, implemented=False),
+    "nvme": OffloadPolicy("nvme", min_stage=2, implemented=True),
 }
 
 # The ladder, lowest first: (stage, offload kind).
