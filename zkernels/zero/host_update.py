@@ -115,6 +115,7 @@ class HostUpdate:
     """
 
     placement = "cpu"
+    resumed = False
 
     def __init__(self, host_ops: OpSet, device: torch.device, config: OffloadConfig) -> None:
         self.host_ops = self.grad_ops = host_ops

@@ -108,6 +108,7 @@ class NvmeUpdate:
         self.folder = os.fspath(resume) if resume is not None else \
             make_run_folder(offload_dir, rank)
         self._manifest = self._read_manifest() if resume is not None else None
+        self.resumed = resume is not None
         ok, reason = probe_direct_io(self.folder)
         if config.direct_io and not ok:
             raise OffloadIOError(f"OffloadConfig.direct_io=True but {self.folder}: {reason}")

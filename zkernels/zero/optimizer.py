@@ -176,6 +176,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.shard_update.init_state(unit, initial_master)
             self.units.append(unit)
             del initial_master  # the full fp32 copy goes before the next unit is built
+        if self.shard_update.resumed:
+            # The strategy adopted a kept state and rewrote this rank's compute shards from
+            # its master: every rank's copy of the full parameters must follow. Collective.
+            with torch.no_grad():
+                for h in [u.gather.publish(self.comm) for u in self.units]:
+                    h.wait()
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
                                          self.ops, grad_sink=self.shard_update.grad_sink)
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())

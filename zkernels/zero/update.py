@@ -29,6 +29,7 @@ class UpdateStrategy(Protocol):
     grad_sink: Optional[object]  # stage 2's grad sink (grad_reducers.GradSink) or None
     grad_ops: OpSet             # ops for the gradient shards update() receives
     last_step: Dict[str, float]  # transfer figures of the last step (offload), for stats()
+    resumed: bool               # init_state adopted a kept state (the optimizer re-gathers)
 
     def init_state(self, unit: FlatParamUnit, initial_master: torch.Tensor) -> ShardState:
         """Allocate ``unit``'s state (where this strategy keeps states)."""
@@ -79,6 +80,7 @@ class DeviceUpdate:
 
     placement = "device"
     grad_sink = None
+    resumed = False
 
     def __init__(self, ops: OpSet) -> None:
         self.ops = self.grad_ops = ops
