@@ -253,3 +253,6 @@ class HostUpdate:
     def close(self) -> None:
         """Finish copies and stop the copy thread (idempotent)."""
         self._finalizer()
+
+    def adopt(self, num_units: int) -> None:
+        raise RuntimeError(f"{type(self).__name__} does not resume kept state")

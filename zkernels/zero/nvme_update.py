@@ -111,6 +111,8 @@ class NvmeUpdate:
         self.resumed = resume is not None
         ok, reason = probe_direct_io(self.folder)
         if config.direct_io and not ok:
+            if resume is None:
+                remove_run_folder(self.folder)
             raise OffloadIOError(f"OffloadConfig.direct_io=True but {self.folder}: {reason}")
         self.direct_io = ok and config.direct_io is not False
         self.direct_io_reason = "disabled by OffloadConfig.direct_io=False" \
@@ -131,10 +133,25 @@ class NvmeUpdate:
         self._keep = False
         self._timers = {"update_s": 0.0, "io_exposed_s": 0.0}
         self.last_step: Dict[str, float] = {}
+        # A kept folder being resumed is the new run's only once every file checked out
+        # (adopt): until then a failure leaves it as it was.
+        self._keep_flag = [self.resumed]
         self._finalizer = weakref.finalize(self, _release, self.io, self.copier, self.files,
-                                           self.folder, [False])
+                                           self.folder, self._keep_flag)
 
     # -- construction -------------------------------------------------------------------
+
+    def adopt(self, num_units: int) -> None:
+        """Resuming: every unit's files checked out; the folder now belongs to this run.
+
+        Raises:
+            OffloadIOError: the kept run had another number of units.
+        """
+        kept = len(self._manifest["steps"])
+        if kept != num_units:
+            raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} holds {kept} "
+                                 f"units, this optimizer has {num_units}: another layout")
+        self._keep_flag[0] = False
 
     def _read_manifest(self) -> dict:
         path = os.path.join(self.folder, MANIFEST)
@@ -436,7 +453,8 @@ class NvmeUpdate:
             os.replace(tmp, os.path.join(self.folder, MANIFEST))  # atomic
             self._keep = True
         self._finalizer.detach()
-        _release(self.io, self.copier, self.files, self.folder, [keep_files])
+        _release(self.io, self.copier, self.files, self.folder,
+                 [keep_files or self._keep_flag[0]])
         return self.folder if keep_files else None
 
 

@@ -170,12 +170,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
             offload_config=offload_config)
         self.units = []
-        for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
-            unit, initial_master = build_replicated_unit(
-                i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype, self.ops)
-            self.shard_update.init_state(unit, initial_master)
-            self.units.append(unit)
-            del initial_master  # the full fp32 copy goes before the next unit is built
+        try:
+            for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
+                unit, initial_master = build_replicated_unit(
+                    i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype,
+                    self.ops)
+                self.shard_update.init_state(unit, initial_master)
+                self.units.append(unit)
+                del initial_master  # the full fp32 copy goes before the next unit is built
+            if self.shard_update.resumed:
+                self.shard_update.adopt(len(self.units))
+        except BaseException:
+            # Threads, open files and (unless it was a kept one) the run folder go now, not
+            # whenever the half-built optimizer is collected.
+            self.shard_update.close()
+            raise
         if self.shard_update.resumed:
             # The strategy adopted a kept state and rewrote this rank's compute shards from
             # its master: every rank's copy of the full parameters must follow. Collective.

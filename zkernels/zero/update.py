@@ -158,3 +158,6 @@ class DeviceUpdate:
 
     def close(self) -> None:
         return None
+
+    def adopt(self, num_units: int) -> None:
+        raise RuntimeError(f"{type(self).__name__} does not resume kept state")
