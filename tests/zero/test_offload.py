@@ -273,10 +273,37 @@ def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
     assert where["disk"] >= 10 * budget
 
 
-def test_auto_and_plan_offer_offload_rungs():
+def test_auto_and_plan_offer_offload_rungs(folder, capsys, caplog):
+    from zkernels.__main__ import main as zk_main
+    from zkernels.zero.auto import auto_rungs
     from zkernels.zero.policy import RUNGS, rung_implemented
-    offload_rungs = [r for r in RUNGS if r[1] is not None]
-    assert offload_rungs and all(rung_implemented(*r) == (r[0] != 3 or
-                                                          zk.zero.STAGES[3].implemented)
-                                 for r in offload_rungs)
     assert (2, "cpu") in RUNGS and (2, "nvme") in RUNGS
+    assert rung_implemented(2, "cpu") and rung_implemented(2, "nvme")
+    # Which rungs auto offers: on a GPU cpu offload, nvme with a folder; on the host none
+    # unless asked for.
+    gpu, host = torch.device("cuda"), torch.device("cpu")
+    assert {o for _, o in auto_rungs(gpu, None, None)} == {None, "cpu"}
+    assert {o for _, o in auto_rungs(gpu, None, folder)} == {None, "cpu", "nvme"}
+    assert {o for _, o in auto_rungs(host, None, folder)} == {None}
+    assert auto_rungs(host, "nvme", folder) == ((2, "nvme"), (3, "nvme"))
+    # stage="auto" with offload="cpu": a budget below stage 2's device bytes but above
+    # stage 2 + cpu offload's takes (2, "cpu") and builds it.
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    need = zk.estimate_memory(model, 1, 2, offload="cpu", bucket_bytes=3000).device_bytes
+    assert need < zk.estimate_memory(model, 1, 2, bucket_bytes=3000).device_bytes
+    with caplog.at_level(logging.INFO, logger="zkernels.zero"):
+        opt = ZeroOptimizer(model, stage="auto", offload="cpu", memory_budget_bytes=need,
+                            bucket_bytes=3000)
+    assert (opt.stage, opt.offload) == (2, "cpu") and "stage 2 + cpu offload" in caplog.text
+    assert type(opt.shard_update).__name__ == "HostUpdate"
+    opt = ZeroOptimizer(make_model(), stage="auto", offload="nvme", offload_dir=folder,
+                        memory_budget_bytes=need + 4 * psi, bucket_bytes=3000,
+                        offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET))
+    assert (opt.stage, opt.offload) == (2, "nvme")
+    opt.close()
+    # plan prints every rung, offload rungs included.
+    assert zk_main(["plan", "--params", "1e9", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    for name in ("stage 2 + cpu offload", "stage 2 + nvme offload", "stage 3 + cpu offload"):
+        assert name in out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,11 +87,29 @@ def _min_over_ranks(value: int, group, device: torch.device) -> int:
     return int(t.item())
 
 
-def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
-                       param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
-                       memory_budget_bytes: Optional[int] = None, group=None,
-                       num_param_groups: int = 1) -> int:
-    """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
+def resolve_auto_stage(params: Iterable[torch.Tensor], **kwargs) -> int:
+    """The stage of :func:`resolve_auto_rung` (the rung's offload kind dropped; same
+    arguments)."""
+    return resolve_auto_rung(params, **kwargs)[0]
+
+
+def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
+    """The rungs ``stage="auto"`` may take: an explicit ``offload`` kind limits it to that
+    kind's rungs; otherwise the rungs without offload, plus CPU offload where the device is
+    not the host itself and NVMe offload where an ``offload_dir`` was given."""
+    if offload is not None:
+        return tuple(r for r in RUNGS if r[1] == offload)
+    usable = {None} | ({"cpu"} if device.type != "cpu" else set()) | \
+        ({"nvme"} if offload_dir is not None and device.type != "cpu" else set())
+    return tuple(r for r in RUNGS if r[1] in usable)
+
+
+def resolve_auto_rung(params: Iterable[torch.Tensor], *, world_size: int,
+                      param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                      memory_budget_bytes: Optional[int] = None, group=None,
+                      num_param_groups: int = 1, offload=None,
+                      offload_dir=None) -> Tuple[int, Optional[str]]:
+    """The rung ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
 
     Args:
         params: the parameters the optimizer will shard (their device is the training device).
@@ -101,10 +119,12 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
             device (see [Note: auto budget]).
         group: the process group (None: the world).
         num_param_groups: the optimizer's param groups (they size the reduce buffers).
+        offload, offload_dir: the optimizer's; they decide which offload rungs are offered
+            (see :func:`auto_rungs`).
 
     Returns:
-        The stage (implemented: see ``policy.rung_implemented``). Logs at INFO which rung and
-        why.
+        ``(stage, offload)`` (implemented: see ``policy.rung_implemented``). Logs at INFO
+        which rung and why.
 
     Raises:
         NoRungFitsError: not even the last rung fits.
@@ -125,8 +145,8 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
                              f"{memory_budget_bytes!r}")
         budget, headroom, source = memory_budget_bytes, 0.0, "memory_budget_bytes"
     budget = _min_over_ranks(budget, group, device)
-    # Offload to host RAM means nothing when the device is the host.
-    rungs = tuple(r for r in RUNGS if device.type != "cpu" or r[1] is None)
+    # Offload to host RAM means nothing when the device is the host (unless asked for).
+    rungs = auto_rungs(device, offload, offload_dir)
     distinct = {id(p): p for p in params}.values()     # tied weights count once
     (stage, offload), est, reason = choose_rung(
         count_params(sum(p.numel() for p in distinct)), world_size, budget,
@@ -139,5 +159,6 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
             f"not available in this version of zkernels (implemented stages: "
             f"{', '.join(map(str, implemented_stages()))}). Use more ranks, a narrower "
             f"param_dtype, or a larger memory budget")
-    log.info("stage='auto' chose stage %d (budget from %s): %s", stage, source, reason)
-    return stage
+    log.info("stage='auto' chose %s (budget from %s): %s",
+             f"stage {stage}" if offload is None else rung_name(stage, offload), source, reason)
+    return stage, offload

@@ -21,7 +21,7 @@ import torch.nn as nn
 from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
-from .auto import resolve_auto_stage
+from .auto import resolve_auto_rung
 from .buckets import align_numel, bucket_capacity, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
@@ -69,8 +69,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
             (and, with ``param_dtype``, change dtype). Stage 2 installs gradient hooks on them.
-        stage: 1, 2 or "auto" (the lowest stage whose estimate fits the device, see
-            ``zkernels/zero/auto.py``; logs its choice at INFO).
+        stage: 1, 2 or "auto" (the lowest rung whose estimate fits the device, see
+            ``zkernels/zero/auto.py``; logs its choice at INFO). With "auto", ``offload``
+            limits the rungs to that kind; left None, CPU offload is offered on a GPU, and
+            NVMe offload too when ``offload_dir`` is given.
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
             "weight_decay": 0.0}, ...]``; every trainable parameter must be in one.
@@ -122,9 +124,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_config: Optional[OffloadConfig] = None) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
         # strategy of the kind asked for.
-        check_offload_args(offload, offload_dir, offload_config)
-        self.offload = offload
         auto = isinstance(stage, str) and stage == "auto"
+        check_offload_args(offload, offload_dir, offload_config, auto=auto)
         if memory_budget_bytes is not None and not auto:
             raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
                              f"stage={stage!r}")
@@ -149,11 +150,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm = MeteredComm(make_comm(process_group, device, comm_backend), self.meter)
         n = self.comm.world_size
         if auto:
-            self.stage = resolve_auto_stage(
+            self.stage, offload = resolve_auto_rung(
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
-                num_param_groups=len(groups))
+                num_param_groups=len(groups), offload=offload, offload_dir=offload_dir)
+            if offload != "nvme":
+                offload_dir = None   # it only offered the NVMe rungs
+            if offload is None:
+                offload_config = None
+        self.offload = offload
         self.policy = STAGES[self.stage]
         check_offload_stage(offload, self.policy)
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,

@@ -18,8 +18,12 @@ from .offload_config import OffloadConfig
 from .policy import OFFLOADS, STAGES, StagePolicy
 
 
-def check_offload_args(offload, offload_dir, offload_config) -> None:
+def check_offload_args(offload, offload_dir, offload_config, auto: bool = False) -> None:
     """Validate ``offload``, ``offload_dir`` and ``offload_config`` (before any work).
+
+    Args:
+        auto: ``stage="auto"``, where ``offload_dir`` alone offers the NVMe rungs and
+            ``offload_config`` applies to whichever offload rung is taken.
 
     Raises:
         ValueError / NotImplementedError / TypeError: naming the argument and what was
@@ -33,22 +37,23 @@ def check_offload_args(offload, offload_dir, offload_config) -> None:
     if offload_config is not None and not isinstance(offload_config, OffloadConfig):
         raise TypeError(f"offload_config must be a zkernels.zero.OffloadConfig or None, got "
                         f"{type(offload_config).__name__}")
-    if offload is None and offload_config is not None:
+    if offload is None and offload_config is not None and not auto:
         raise ValueError("offload_config applies only with offload='cpu' or 'nvme'")
     if offload == "cpu" and offload_config is not None and offload_config.resume_dir:
         raise ValueError("OffloadConfig.resume_dir applies only to offload='nvme'")
-    if offload != "nvme" and offload_dir is not None:
+    if offload != "nvme" and offload_dir is not None and not (auto and offload is None):
         raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
                          f"{offload!r}, offload_dir={offload_dir!r})")
-    if offload == "nvme":
-        if offload_dir is None:
-            raise ValueError("offload='nvme' needs offload_dir= (an existing folder on the "
-                             "disk to hold the optimizer state)")
+    if offload_dir is not None:
         if not isinstance(offload_dir, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path, got {type(offload_dir).__name__}")
         if not os.path.isdir(offload_dir):
             raise ValueError(f"offload_dir={os.fspath(offload_dir)!r} is not an existing "
                              f"folder")
+    if offload == "nvme":
+        if offload_dir is None:
+            raise ValueError("offload='nvme' needs offload_dir= (an existing folder on the "
+                             "disk to hold the optimizer state)")
 
 
 def check_offload_stage(offload, policy: StagePolicy) -> None:
