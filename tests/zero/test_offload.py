@@ -142,7 +142,7 @@ def test_short_read_is_an_error(folder, one_thread):
     opt = _nvme(model, folder)
     f = opt.shard_update.files[0]["exp_avg"]
     os.truncate(f.path, swap.HEADER_BYTES + 100)
-    buf = swap.aligned_empty(f.data_bytes, pin_memory=False)
+    buf = swap.aligned_empty(f.data_bytes)
     with pytest.raises(OffloadIOError, match="truncated"):
         opt.shard_update.io.read(f, buf, 0, f.data_bytes).result()
     opt.close()

@@ -178,7 +178,8 @@ class NvmeUpdate:
         sub = sub_group_numel_for(self.config.nvme_buffer_bytes, kinds_in_slot, cb)
         self.sub_group_numel = sub
         per_slot = sub * (4 * kinds_in_slot + 4 + cb)
-        self._arena = aligned_empty(NUM_NVME_BUFFERS * per_slot, self.copier.pinned)
+        self._arena = aligned_empty(NUM_NVME_BUFFERS * per_slot,
+                                    self.copier.pin if self.copier.pinned else None)
         for s in range(NUM_NVME_BUFFERS):
             base = s * per_slot
             views = {}
@@ -372,7 +373,7 @@ class NvmeUpdate:
         if kind == "master" and self._host_master[unit_index] is not None:
             return self._host_master[unit_index].clone()
         f = self.files[unit_index][kind]
-        buf = aligned_empty(f.data_bytes, pin_memory=False)
+        buf = aligned_empty(f.data_bytes)
         self.io.read(f, buf, 0, f.data_bytes).result()
         self.io.bytes_read -= f.data_bytes  # not a step's traffic
         return buf.view(torch.float32)[:f.numel]

@@ -54,10 +54,17 @@ def round_up(n: int, align: int = IO_ALIGN) -> int:
     return -(-n // align) * align
 
 
-def aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
+def aligned_empty(nbytes: int, pin=None) -> torch.Tensor:
     """[nbytes] uint8 host buffer whose address is ``IO_ALIGN``-aligned (O_DIRECT's rule);
-    the allocation is ``IO_ALIGN`` bytes larger, the view starts at the first aligned byte."""
-    base = torch.empty(nbytes + IO_ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    the allocation is ``IO_ALIGN`` bytes larger, the view starts at the first aligned byte.
+
+    Args:
+        pin: None, False (pageable) or a callable that page-locks a tensor in place (the
+            copier's ``pin``: exact sizes, see [Note: exact pinned sizes] in transfer.py).
+    """
+    base = torch.empty(nbytes + IO_ALIGN, dtype=torch.uint8)
+    if callable(pin):
+        pin(base)
     off = (-base.data_ptr()) % IO_ALIGN
     return base[off:off + nbytes]
 
@@ -92,7 +99,7 @@ def probe_direct_io(folder: str) -> Tuple[bool, str]:
     if flag is None:
         return False, "this OS has no O_DIRECT"
     path = os.path.join(folder, ".direct-io-probe")
-    buf = aligned_empty(IO_ALIGN, pin_memory=False).zero_()
+    buf = aligned_empty(IO_ALIGN).zero_()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | flag, 0o600)
     except OSError as exc:

@@ -100,12 +100,37 @@ class Copier:
         self._pool = None if self._cuda else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zk-offload-copy")
         self._issued: List[Tuple[str, Fence]] = []
+        self._registered: List[torch.Tensor] = []
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """[numel] host buffer (pinned when :attr:`pinned`)."""
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pinned)
+        """[numel] host buffer (pinned when :attr:`pinned`: see [Note: exact pinned sizes])."""
+        t = torch.empty(numel, dtype=dtype, device="cpu")
+        if self.pinned:
+            self.pin(t)
+        return t
+
+    def pin(self, t: torch.Tensor) -> None:
+        """Page-lock ``t``'s memory in place (unlocked at :meth:`close`).
+
+        [Note: exact pinned sizes]
+        ``torch.empty(..., pin_memory=True)`` goes through the CUDA caching host allocator,
+        which rounds every request up to a power of two: a 12 GiB state would lock up to
+        16 GiB, and the NVMe budget would not be a budget. So offload allocates ordinary host
+        memory and registers exactly its bytes with ``cudaHostRegister`` (what DeepSpeed's
+        pinned swap buffers amount to); a host that refuses (a capped ``ulimit -l``) gets an
+        error saying to pass ``pin_memory=False``, not a silent fall back to pageable copies.
+        """
+        if not self.pinned or t.numel() == 0:
+            return
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes "
+                               f"failed (error {int(err)}): pass OffloadConfig("
+                               f"pin_memory=False) on hosts that cap page-locked memory")
+        self._registered.append(t)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         """Copy device ``src`` into host ``dst`` (dtype cast allowed) off the compute stream."""
@@ -155,6 +180,11 @@ class Copier:
                 pass
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._registered:
+            rt = torch.cuda.cudart()
+            for t in self._registered:
+                rt.cudaHostUnregister(t.data_ptr())
+            self._registered = []
 
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
