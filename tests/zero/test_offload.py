@@ -77,6 +77,8 @@ def test_files_go_on_close_and_on_garbage_collection(folder, one_thread):
     opt.close()
     opt.close()  # idempotent
     assert not os.path.exists(run) and os.listdir(folder) == []
+    with pytest.raises(RuntimeError, match="was closed"):
+        _train(model, opt)
     opt2 = _nvme(make_model(), folder)
     run2 = opt2.shard_update.folder
     del opt2

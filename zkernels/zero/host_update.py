@@ -22,6 +22,13 @@ Host memory per rank: master 4Ψ/N + moments 8Ψ/N + gradient shard 4Ψ/N + two 
 sub-groups; on the device only the compute parameters and the reduce buffers remain.
 Stage 1 is refused (its full gradients live on the device until ``step()``: nothing to stream
 during backward, and the registry's ``min_stage`` is 2).
+
+Stage 3 plugs in unchanged: its units get their states from the same ``init_state`` (the
+optimizer passes its update strategy to the unit builder), its gradient strategy is stage 2's
+reducer over units (so it takes the same ``grad_sink``), and ``update`` writes the persistent
+compute shard of a sharded unit exactly as it writes a replicated unit's slice. Keeping the
+*parameter* shards on the host between uses (``offload_params``) is a gather policy's job
+(bring the shard in ahead of the all-gather), not this strategy's.
 """
 from __future__ import annotations
 

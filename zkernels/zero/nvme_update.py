@@ -298,6 +298,9 @@ class NvmeUpdate:
             grad: [shard_numel] fp32 gradient shard on the device.
         """
         t0 = time.perf_counter()
+        if not self._finalizer.alive:
+            raise RuntimeError("this ZeroOptimizer was closed (close()): its offloaded state "
+                               "is gone, build a new optimizer to train on")
         if not self._in_step:
             self._begin_step()
         st = self.states[unit.index]

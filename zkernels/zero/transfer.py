@@ -101,6 +101,7 @@ class Copier:
             max_workers=1, thread_name_prefix="zk-offload-copy")
         self._issued: List[Tuple[str, Fence]] = []
         self._registered: List[torch.Tensor] = []
+        self._closed = False
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
@@ -143,6 +144,9 @@ class Copier:
         return self._copy(dst, src, "to_device")
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Fence:
+        if self._closed:
+            raise RuntimeError("this ZeroOptimizer was closed (close()): its offloaded state "
+                               "is gone, build a new optimizer to train on")
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
@@ -173,6 +177,7 @@ class Copier:
 
     def close(self) -> None:
         """Finish every copy and stop the copy thread."""
+        self._closed = True
         for _, f in self._issued:
             try:
                 f.synchronize()
