@@ -20,5 +20,10 @@ def test_bench_writes_a_row_per_op(tmp_path, monkeypatch, capsys):
     assert ops == set(kernels.OPS)
     for r in rows[1:]:
         assert r["median_ms"] > 0 and r["gbps"] > 0 and r["numel"] == 5000
+    # exactly one row per op is the implementation zkernels.ops picks by itself
+    kernel_rows = [r for r in rows[1:] if r.get("section") == "kernels" and r["op"] != "copy_"]
+    assert sorted(r["op"] for r in kernel_rows if r["default"] == "yes") == sorted(kernels.OPS)
+    assert all(r["bound"] in ("memory", "overhead") and r["peer_bytes"] >= r["num_bytes"]
+               for r in kernel_rows)
     out = capsys.readouterr().out
     assert "== kernels" in out and "speedup" in out
