@@ -309,3 +309,24 @@ def test_auto_and_plan_offer_offload_rungs(folder, capsys, caplog):
     out = capsys.readouterr().out
     for name in ("stage 2 + cpu offload", "stage 2 + nvme offload", "stage 3 + cpu offload"):
         assert name in out
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_two_backwards_without_zero_grad_add_like_the_device(kind, folder, one_thread):
+    """Reduced shards of two synced backwards add up (host-side add for cpu offload) exactly
+    as stage 2 adds them on the device."""
+    models, opts = [], []
+    for kw in ({}, {"offload": kind, **({"offload_dir": folder} if kind == "nvme" else {})}):
+        m = make_model()
+        models.append(m)
+        cfg = OffloadConfig(nvme_buffer_bytes=BUDGET) if kw else None
+        opts.append(ZeroOptimizer(m, stage=2, lr=1e-3, bucket_bytes=3000,
+                                  offload_config=cfg, **kw))
+    b1, b2 = make_batches(2, MICRO_BATCH)
+    for m, o in zip(models, opts):
+        o.backward(m(*chunk(b1, 0)))
+        o.backward(m(*chunk(b2, 0)))
+        o.step()
+        o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    opts[1].close()
