@@ -4,11 +4,12 @@ What it shows: ``ZeroOptimizer`` (stage 1, 2 or "auto"), a warmup + cosine learn
 schedule (``LambdaLR``), gradient accumulation (``opt.no_sync()`` on all but the last
 micro-step), clipping by the global norm (``max_grad_norm``), and checkpoint save / resume.
 
-Checkpoints in this release are per rank: every rank writes its own ``opt.state_dict()`` (its
-shard of the optimizer states) and the model, atomically (a temp file, then ``os.replace``), into
-``--ckpt-dir`` (default ``runs/train_gpt/``, which the repository's .gitignore ignores), and
-``--resume`` must run with the same world size. The sharded checkpoint that loads at any world
-size (``zkernels.checkpoint.save/load``) comes with a later release.
+Checkpoints are ``zkernels.checkpoint``: every rank writes only its own shards (per
+parameter, so any world size and stage can load them) into the folder ``--ckpt-dir`` (default
+``runs/train_gpt/``, which the repository's .gitignore ignores), published atomically once all
+ranks are done; ``--resume`` loads it, at this world size or another. Keep the global batch
+(ranks x ``--batch-size``) when you change the world size, and the run continues on the same
+trajectory (to round-off).
 
 Launch (torchrun is PyTorch's own launcher; gloo on CPU, NCCL on GPU), with zkernels installed
 (or ``PYTHONPATH`` pointing at a checkout):
@@ -20,10 +21,15 @@ Launch (torchrun is PyTorch's own launcher; gloo on CPU, NCCL on GPU), with zker
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint $MASTER:29500 --rdzv-id gpt1 examples/train_gpt.py --stage auto
 
-    # in time slices: stop after step 100, then resume from the last checkpoint (same world
-    # size, same --steps so that the schedule is the same)
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --stop-at 100
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --resume
+    # in time slices: stop after step 100, then resume from the checkpoint, here on one
+    # process with twice the per-rank batch (same --steps, so the schedule is the same)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --batch-size 4 \\
+        --stop-at 100
+    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --steps 200 --batch-size 8 \\
+        --resume
+
+    # full weights for model.load_state_dict (or Hugging Face tools), streamed
+    python -m zkernels.checkpoint consolidate runs/train_gpt gpt.safetensors --dtype bf16
 """
 from __future__ import annotations
 
@@ -49,15 +55,6 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
         t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return f
-
-
-def save_checkpoint(path: str, model, opt, sched, step: int) -> None:
-    """This rank's model, optimizer shard and schedule, written atomically: a crash mid-write
-    leaves the previous checkpoint intact."""
-    tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "sched": sched.state_dict(), "step": step}, tmp)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -110,18 +107,19 @@ def train(args, device) -> None:
         param_dtype=torch.bfloat16 if args.bf16 else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup_steps, args.steps))
 
-    os.makedirs(args.ckpt_dir, exist_ok=True)
-    ckpt = os.path.join(args.ckpt_dir, f"rank{rank}-of-{world_size}.pt")
+    global_batch = world_size * args.batch_size * args.accum_steps   # sequences per step
     start = 0
     if args.resume:
-        if not os.path.exists(ckpt):
-            raise FileNotFoundError(f"--resume: no checkpoint {ckpt} for this rank and world "
-                                    f"size {world_size}")
-        state = torch.load(ckpt, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        start = state["step"]
+        # Any world size and stage: each rank reads the parts of the saved shards it owns now.
+        extra = zk.checkpoint.load(opt, args.ckpt_dir)
+        sched.load_state_dict(extra["sched"])
+        start = extra["step"]
+        if rank == 0:
+            print(f"resumed {args.ckpt_dir} at step {start} (saved on {extra['world_size']} ranks, "
+                  f"now {world_size})", flush=True)
+            if extra["global_batch"] != global_batch:
+                print(f"note: the global batch was {extra['global_batch']} sequences, now "
+                      f"{global_batch}: the run continues on another trajectory", flush=True)
 
     tokens = load_corpus()
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
@@ -142,7 +140,9 @@ def train(args, device) -> None:
             print(f"step {step:5d}  loss {loss.item() * args.accum_steps:.4f}  "
                   f"lr {sched.get_last_lr()[0]:.2e}", flush=True)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == stop:
-            save_checkpoint(ckpt, model, opt, sched, step + 1)
+            zk.checkpoint.save(opt, args.ckpt_dir, model_extra={
+                "sched": sched.state_dict(), "step": step + 1, "world_size": world_size,
+                "global_batch": global_batch})
     if rank == 0:
         print(f"done: {stop} of {args.steps} steps; stats of the last step: {opt.stats()}")
 

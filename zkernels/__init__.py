@@ -3,11 +3,11 @@
 Importing this package has no side effects: no backend is probed, no extension is loaded and
 no environment variable is read until an op runs.
 """
-from . import ops
+from . import checkpoint, ops
 from .layout import FlatLayout
 from .zero import ZeroOptimizer
 from .zero.estimate import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
-__all__ = ["ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate", "estimate_memory",
-           "__version__"]
+__all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate",
+           "estimate_memory", "__version__"]

@@ -330,3 +330,37 @@ def test_two_backwards_without_zero_grad_add_like_the_device(kind, folder, one_t
         o.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     opts[1].close()
+
+
+@pytest.mark.parametrize("src", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize("dst", ["device", "cpu", "nvme"])
+def test_checkpoint_across_placements(src, dst, folder, one_thread):
+    """zkernels.checkpoint saves an offloaded state (NVMe: read from its files) and loads it
+    into any placement; training continues bit-identically to the uninterrupted run."""
+    import zkernels.checkpoint as ck
+    kinds = {"device": {}, "cpu": {"offload": "cpu"},
+             "nvme": {"offload": "nvme", "offload_dir": folder,
+                      "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
+
+    def build(kw, seed):
+        m = make_model(seed)
+        return m, ZeroOptimizer(m, stage=2, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
+                                bucket_bytes=3000, **kw)
+    batches = make_batches(5, MICRO_BATCH)
+    m1, o1 = build(kinds[src], 0)
+    for b in batches[:3]:
+        o1.backward(m1(*chunk(b, 0)))
+        o1.step()
+        o1.zero_grad()
+    path = os.path.join(folder, "ckpt")
+    ck.save(o1, path)
+    m2, o2 = build(kinds[dst], 7)
+    ck.load(o2, path)
+    for b in batches[3:]:
+        for m, o in ((m1, o1), (m2, o2)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    o1.close()
+    o2.close()

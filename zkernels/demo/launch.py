@@ -28,6 +28,8 @@ def parse_args(argv):
     ap.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     for flag, typ, default, doc in WORKER_OPTS:
         ap.add_argument(flag, type=typ, default=default, help=f"{doc} ({default})")
+    ap.add_argument("--resume", action="store_true", help="each ZeRO rung continues from its "
+                    "checkpoint in --ckpt-dir (saved by an earlier demo, at any --nproc)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: cuda when there is a GPU per rank, else cpu")
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
@@ -64,6 +66,8 @@ def run_workers(args, out_dir: str) -> dict:
            "--timeout-s", str(min(args.timeout_s, 300.0))]
     for flag, _typ, _default, _doc in WORKER_OPTS:
         cmd += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    if args.resume:
+        cmd.append("--resume")
     env = dict(os.environ)
     # The ranks must import this same zkernels, installed or not.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,6 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not rungs or any(r not in ("ddp", "1", "2") for r in rungs):
         print(f"zkernels demo: error: --rungs must list ddp, 1 or 2 (stage 3 and offload come "
               f"with later releases), got {args.rungs!r}", file=sys.stderr)
+        return 2
+    if args.resume and (not args.ckpt_dir or "ddp" in rungs):
+        print("zkernels demo: error: --resume continues the ZeRO rungs from their checkpoints: "
+              "give --ckpt-dir and --rungs without ddp (e.g. --rungs 1,2)", file=sys.stderr)
         return 2
     if args.plot:   # fail before training, not after
         try:

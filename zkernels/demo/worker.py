@@ -43,7 +43,9 @@ WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"
                # two reduce buffers stay well under the gradients it no longer holds, while
                # stage 1 (whose reduce-scatters wait for step()) pays few collective latencies.
                ("--bucket-bytes", int, 2**18, "gradient bucket size (DDP and ZeRO)"),
-               ("--seed", int, 0, "seed of the init and of the batches")]
+               ("--seed", int, 0, "seed of the init and of the batches"),
+               ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
+                                       "zkernels.checkpoint per rung (stage1, stage2, ...)")]
 
 
 def _tensor_bytes(tensors) -> int:
@@ -126,18 +128,28 @@ class _ZeroRung:
         return loss, stats
 
 
+def checkpoint_path(args, rung: str) -> str:
+    return os.path.join(args.ckpt_dir, f"stage{rung}")
+
+
 def run_rung(rung: str, args, tokens, device, rank: int, world_size: int):
-    """Train ``args.steps`` steps on one rung; returns this rank's measurements."""
+    """Train ``args.steps`` steps on one rung; returns this rank's measurements. With
+    ``--resume``, a ZeRO rung first loads its checkpoint from ``--ckpt-dir`` (saved at any
+    world size) and continues from its step; with ``--ckpt-dir``, it saves there at the end."""
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(device)
     trainer = _DDPRung(model, args, device) if rung == "ddp" else \
         _ZeroRung(model, args, int(rung))
+    start = 0
+    if args.resume and rung != "ddp":
+        from .. import checkpoint
+        start = checkpoint.load(trainer.opt, checkpoint_path(args, rung))["step"]
     losses, times, stats = [], [], None
     bar = progress(args.steps, f"{'data parallel' if rung == 'ddp' else 'stage ' + rung}",
                    enabled=rank == 0)
-    for step in range(args.steps):
+    for step in range(start, start + args.steps):
         x, y = (t.to(device) for t in get_batch(
             tokens, seed=args.seed, step=step, rank=rank, world_size=world_size,
             batch_size=args.batch_size, block_size=args.block_size))
@@ -153,12 +165,16 @@ def run_rung(rung: str, args, tokens, device, rank: int, world_size: int):
         losses.append(mean_loss.item() / world_size)
         bar.update(1, loss=losses[-1])
     bar.close()
+    if args.ckpt_dir and rung != "ddp":
+        from .. import checkpoint
+        checkpoint.save(trainer.opt, checkpoint_path(args, rung),
+                        model_extra={"step": start + args.steps})
     params = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
     est = estimate_memory(model, world_size, 0 if rung == "ddp" else int(rung),
                           bucket_bytes=args.bucket_bytes)
     return dict(
         rung=rung, name="data parallel" if rung == "ddp" else f"stage {rung}",
-        losses=losses, final_loss=losses[-1],
+        first_step=start, losses=losses, final_loss=losses[-1],
         step_time_s=statistics.median(times[1:] if len(times) > 1 else times),
         step_times_s=times[1:] if len(times) > 1 else times,
         comm_bytes=int(stats["comm_bytes"]["total"]), memory_bytes=stats["memory_bytes"],
@@ -174,6 +190,7 @@ def parse_args(argv=None):
     for flag, typ, default, doc in WORKER_OPTS:
         ap.add_argument(flag, type=typ, default=default, help=doc)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--resume", action="store_true", help="ZeRO rungs start from --ckpt-dir")
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--out", required=True, help="folder for rank 0's results.json")
     return ap.parse_args(argv)

@@ -204,6 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._model_params = list(model.parameters())
         self._device = device
+        self.module = model  # zkernels.checkpoint names parameters and buffers through it
         self._num_steps = 0
         self._overflow_skips = 0
         self._scaled_backward = False

@@ -1,0 +1,22 @@
+"""Sharded checkpoints of a ``ZeroOptimizer``: atomic, safe to load, any world size and stage.
+
+    zk.checkpoint.save(opt, "ckpt/step1000", model_extra={"sched": sched.state_dict()})
+    extra = zk.checkpoint.load(opt, "ckpt/step1000")   # any world size, stage, dtype
+    weights = zk.checkpoint.consolidate("ckpt/step1000")  # {state_dict key: fp32 tensor}
+
+    python -m zkernels.checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
+
+A checkpoint is a folder: one file per saving rank holding its pieces of every parameter
+(element ranges, fp32 master and AdamW moments), one for frozen parameters and buffers, and a
+JSON manifest with sizes and per-block CRC-32s (see ``manifest.py`` and [Note: checkpoint
+file format] in ``_tensorfile.py``). Nothing is ever unpickled.
+"""
+from .consolidate import consolidate, consolidate_to_file, verify
+from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
+                     NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
+from .load import load
+from .save import save
+
+__all__ = ["save", "load", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
+           "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
+           "SaveAbortedError", "UnsupportedVersionError"]

@@ -1,0 +1,224 @@
+"""The one place that knows how a ``ZeroOptimizer`` keeps its state: the checkpoint's view.
+
+[Note: the checkpoint adapter]
+Everything else in ``zkernels.checkpoint`` (file format, manifest, atomic publish, resharded
+reads, consolidation) speaks only in terms of this module's objects: named parameters with
+their full shape, and *pieces*: a contiguous element range ``[start, end)`` of one flattened
+parameter held by this rank, with 1-D fp32 tensors for its master values and both AdamW
+moments. Any way of sharding (flat units with their shard states today, stage 3's
+sharded parameters, state offloaded to host RAM or NVMe later) is a new body for
+:meth:`OptimizerView.pieces` and :meth:`OptimizerView.finish_load`, nothing more.
+
+Contract of :meth:`pieces`: a piece's tensors are valid until the generator advances (an
+offloaded state may stage them in and write them back between pieces); the saver only reads
+them, the loader only writes them. Pieces of one rank never overlap, and over all ranks the
+pieces of a parameter tile ``[0, numel)`` exactly (the saver checks it).
+
+This body: the optimizer's flat parameter units (``opt.units``, ``zkernels/zero/units.py``) and
+the update strategy's shard states (``opt.shard_update.states``, ``shard_state.py``). A state
+knows its unit's parameter names and layout, and ``ShardState.param_slices()`` maps every
+element of its shard to ``(name, start in the parameter)``; its master and moments are
+[shard_numel] fp32. Loading writes into those tensors, then hands each state back to the
+update strategy (``load_state``: it rewrites the unit's compute shard from the master, in the
+compute dtype) and lets the unit's gather policy ``publish`` it (stages 1-2: all-gather the
+full buffer; stage 3: drop a stale gathered copy, the next gather reads the new shards). Frozen
+parameters and buffers come from ``opt.module``'s ``state_dict()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .errors import IncompatibleCheckpointError
+
+FIELDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A trainable parameter as the checkpoint names it.
+
+    Attributes:
+        name: its first name in ``module.named_parameters()`` (tied aliases map to it).
+        shape: its full shape.
+        group: index of its param group.
+    """
+
+    name: str
+    shape: Tuple[int, ...]
+    group: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class ShardPiece:
+    """Elements ``[start, end)`` of the flattened parameter ``name`` held by this rank.
+
+    Attributes:
+        tensors: ``{field: [end - start] fp32 tensor}`` for each of ``FIELDS``; writable views
+            of the optimizer's own storage (valid until the next piece is requested).
+        step: AdamW steps applied to these elements.
+    """
+
+    name: str
+    start: int
+    end: int
+    step: int
+    tensors: Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One key of ``module.state_dict()``.
+
+    Attributes:
+        key: the state_dict key.
+        kind: ``"param"`` (a trainable parameter: its value is the master), ``"frozen"``
+            (a parameter with requires_grad=False), ``"buffer"`` or ``"alias"`` (the same
+            tensor as an earlier key, e.g. tied weights).
+        of: for ``"param"``, the trainable parameter's name; for ``"alias"``, the earlier key.
+        tensor: the tensor itself (for ``"frozen"`` and ``"buffer"``).
+    """
+
+    key: str
+    kind: str
+    of: Optional[str] = None
+    tensor: Optional[torch.Tensor] = None
+
+
+class OptimizerView:
+    """What ``save``/``load`` read from and write into a ``ZeroOptimizer`` (see
+    [Note: the checkpoint adapter]).
+
+    Args:
+        opt: a ``zkernels.ZeroOptimizer``.
+    """
+
+    def __init__(self, opt) -> None:
+        if not all(hasattr(opt, a) for a in ("units", "shard_update", "comm")):
+            raise TypeError(f"opt must be a zkernels.ZeroOptimizer, got {type(opt).__name__}")
+        module = getattr(opt, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError("opt has no module: zkernels.checkpoint needs the ZeroOptimizer "
+                            "the model was built with (opt.module)")
+        self.opt = opt
+        self.module = module
+        self._states = {st.unit_index: st for st in opt.shard_update.states}
+        # (master, exp_avg, exp_avg_sq) per unit, through the update strategy: the live
+        # tensors on the device or in host RAM; for NVMe offload, copies read from its files
+        # (held here until finish_load writes them back, so an NVMe save or load holds the
+        # rank's state in host RAM for its duration).
+        self._staged: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # id(param) -> canonical name (its first name in named_parameters(), as units.py).
+        self._names: Dict[int, str] = {id(p): n for n, p in module.named_parameters()}
+        unit_params: Dict[str, ParamInfo] = {}
+        for u in opt.units:
+            for name, p in zip(u.names, u.params):
+                unit_params[name] = ParamInfo(name, tuple(p.shape), u.group_index)
+        # Registration order, the order state_dict() and the consolidated export use.
+        self.params: Dict[str, ParamInfo] = {n: unit_params[n] for n in
+                                             dict(module.named_parameters()) if n in unit_params}
+        self.group_names: List[List[str]] = [[self._names[id(p)] for p in g["params"]]
+                                             for g in opt.param_groups]
+        # Unmetered: checkpoint traffic is not a training step's.
+        self.comm = getattr(opt.comm, "inner", opt.comm)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.device = opt.units[0].device
+
+    def describe(self) -> Dict[str, object]:
+        """How this optimizer runs (recorded in the manifest, for people)."""
+        placement = getattr(self.opt.shard_update, "placement", "device")
+        return {"world_size": self.world_size, "stage": self.opt.stage,
+                "param_dtype": str(self.opt.precision.param_dtype).replace("torch.", ""),
+                "offload": None if placement == "device" else placement}
+
+    def _unit_states(self):
+        for u in self.opt.units:
+            yield u, self._states[u.index]
+
+    def piece_ranges(self) -> List[Tuple[str, int, int, int]]:
+        """``(name, start, end, step)`` of every piece :meth:`pieces` yields, in that order,
+        without touching the tensors (the saver lays out its file from this first)."""
+        return [(name, a, a + n, st.step) for _, st in self._unit_states()
+                for name, a, _, n in st.param_slices()]
+
+    def pieces(self) -> Iterator[ShardPiece]:
+        for _, st in self._unit_states():
+            tensors = dict(zip(FIELDS, self._tensors(st)))
+            for name, a, s, n in st.param_slices():
+                yield ShardPiece(name, a, a + n, st.step,
+                                 {f: t[s:s + n] for f, t in tensors.items()})
+
+    def _tensors(self, st):
+        if st.unit_index not in self._staged:
+            self._staged[st.unit_index] = tuple(
+                self.opt.shard_update.state_tensors(st.unit_index))
+        return self._staged[st.unit_index]
+
+    def set_steps(self, steps: Dict[str, int]) -> None:
+        """Give every parameter its saved AdamW step count. A unit's state (one AdamW call)
+        has one count, so its parameters must agree."""
+        for _, st in self._unit_states():
+            counts = {steps[n] for n in st.names}
+            if len(counts) > 1:
+                raise IncompatibleCheckpointError(
+                    f"parameters {list(st.names)} share one optimizer unit here but were saved "
+                    f"with different step counts {sorted(counts)}: load into an optimizer "
+                    f"whose units do not mix them (param_groups or bucket_bytes)")
+            st.step = counts.pop()
+
+    def hparams(self) -> List[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+
+    def set_hparams(self, groups: List[dict]) -> None:
+        for g, saved in zip(self.opt.param_groups, groups):
+            for k, v in saved.items():
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+
+    def model_entries(self) -> List[ModelEntry]:
+        """Every key of ``module.state_dict()``, in order."""
+        entries, first_key = [], {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in self._names and self._names[id(t)] in self.params:
+                entries.append(ModelEntry(key, "param", of=self._names[id(t)]))
+            elif id(t) in first_key:
+                entries.append(ModelEntry(key, "alias", of=first_key[id(t)]))
+            else:
+                first_key[id(t)] = key
+                kind = "frozen" if isinstance(t, torch.nn.Parameter) else "buffer"
+                entries.append(ModelEntry(key, kind, tensor=t.detach()))
+        return entries
+
+    def scalars(self) -> Dict[str, object]:
+        opt = self.opt
+        return {"num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,
+                "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+
+    def set_scalars(self, saved: Dict[str, object]) -> None:
+        """Restore the counters; the loss scale only where both sides scale (fp16)."""
+        opt = self.opt
+        opt._num_steps = int(saved["num_steps"])
+        opt._overflow_skips = int(saved["overflow_skips"])
+        if opt.scaler is not None and saved.get("loss_scaler") is not None:
+            opt.scaler.load_state_dict(saved["loss_scaler"])
+
+    @torch.no_grad()
+    def finish_load(self) -> None:
+        """The states hold the checkpoint's values: let the update strategy rebuild each
+        unit's compute shard from its master (rounded to param_dtype; its own tensors are
+        passed, so nothing is copied twice), then the gather policy publish it (collective)."""
+        handles = []
+        for u, st in self._unit_states():
+            self.opt.shard_update.load_state(u, st.step, *self._tensors(st))
+            handles.append(u.gather.publish(self.comm))
+        self._staged.clear()
+        for h in handles:
+            h.wait()

@@ -1,0 +1,167 @@
+"""``load(opt, path)``: restore a checkpoint into an optimizer of any world size and stage.
+
+Each rank asks its optimizer which pieces it holds now (element ranges of named parameters,
+:meth:`~._view.OptimizerView.pieces`) and reads, for each, the overlapping parts of the saved
+pieces: only those byte ranges (and the checksum blocks around them), from whichever ranks'
+files hold them. The saved world size, stage, bucket size and dtypes do not matter; the
+parameter names and shapes and the param-group membership do.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _codec, manifest
+from ._collective import agree
+from ._read import CheckpointFiles
+from ._view import FIELDS, OptimizerView
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .save import OLD_SUFFIX
+
+_SHOW = 5  # differences listed per kind
+
+
+def open_folder(path: str) -> str:
+    """The folder to read for checkpoint ``path``: ``path`` itself, or the previous checkpoint
+    a save moved aside and was interrupted before replacing (see [Note: atomic checkpoint
+    publish])."""
+    path = os.path.abspath(os.fspath(path))
+    old = path + OLD_SUFFIX
+    if not os.path.lexists(path) and os.path.isfile(os.path.join(old, manifest.MANIFEST)):
+        return old
+    return path
+
+
+def load(opt, path: str) -> Any:
+    """Restore the checkpoint at ``path`` into ``opt`` and its model. Collective.
+
+    Restores, for every trainable parameter, the fp32 master values and both AdamW moments
+    of the elements this rank holds now (whatever world size, stage and layout the checkpoint
+    was saved with), the step counts, the hyper-parameters of every param group, the step
+    counters and the loss scaler (fp16 to fp16), the frozen parameters and buffers; then
+    rebuilds the compute parameters (master rounded to ``param_dtype``, all-gathered), so the
+    next step is the one the saved run would have taken. Nothing is unpickled.
+
+    Returns:
+        the ``model_extra`` given to :func:`~zkernels.checkpoint.save`.
+
+    Raises:
+        NotACheckpointError, UnsupportedVersionError, CorruptCheckpointError: see their
+            docstrings; raised on every rank (a rank that finds a bad file tells the others).
+        IncompatibleCheckpointError: parameter names or shapes, state_dict keys or param
+            groups differ from the model's (the first differences are listed), before
+            anything is changed.
+    """
+    view = OptimizerView(opt)
+    folder = open_folder(path)
+    m = manifest.read(folder)
+    steps = check_compatible(view, m, folder)
+    view.set_steps(steps)
+    error: Optional[BaseException] = None
+    extra = groups = None
+    try:
+        with CheckpointFiles(folder, m) as files, torch.no_grad():
+            for piece in view.pieces():
+                for f in FIELDS:
+                    files.read_param(piece.name, f, piece.start, piece.end, piece.tensors[f])
+            _load_model_tensors(view, m, files)
+            def tensor(key):
+                return files.tensor(m["extra_tensors"][key], f"extra_tensors[{key!r}]")
+            extra = _codec.decode(m.get("extra"), tensor, "extra")
+            groups = [_codec.decode(g["hparams"], tensor, f"param_groups[{i}]")
+                      for i, g in enumerate(m["param_groups"])]
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    agree(view, error, f"loading {folder}",
+          "the optimizer is partly overwritten: rebuild it before training or retrying")
+    view.set_hparams(groups)
+    view.set_scalars(m["optimizer"])
+    view.finish_load()
+    return extra
+
+
+def _load_model_tensors(view: OptimizerView, m: Dict[str, Any], files: CheckpointFiles) -> None:
+    saved = {e["key"]: e for e in m["model"]}
+    for e in view.model_entries():
+        if e.tensor is None:
+            continue  # trainable (its pieces) or an alias (the same tensor)
+        s = saved[e.key]
+        if s["kind"] == "param":   # trainable when saved, frozen now: rebuild it in full
+            numel = e.tensor.numel()
+            flat = torch.empty(numel, dtype=torch.float32)
+            files.read_param(s["of"], "master", 0, numel, flat)
+            e.tensor.copy_(flat.view(e.tensor.shape))
+        else:
+            files.tensor(s, f"model[{e.key!r}]", out=e.tensor)
+
+
+def _listing(kind: str, items: List[str]) -> str:
+    more = f" and {len(items) - _SHOW} more" if len(items) > _SHOW else ""
+    return f"{kind}: {', '.join(items[:_SHOW])}{more}"
+
+
+def check_compatible(view: OptimizerView, m: Dict[str, Any], folder: str) -> Dict[str, int]:
+    """Check that the checkpoint fits ``view``'s model and groups; return each trainable
+    parameter's saved step count.
+
+    Raises:
+        IncompatibleCheckpointError: listing the first differences of each kind.
+    """
+    saved_params = m["params"]
+    saved_model = {e["key"]: e for e in m["model"]}
+    problems = []
+    missing = [n for n in view.params if n not in saved_params]
+    frozen_then = [n for n in missing if saved_model.get(n, {}).get("kind") in ("frozen",)]
+    missing = [n for n in missing if n not in frozen_then]
+    if missing:
+        problems.append(_listing("trainable here, missing from the checkpoint", missing))
+    if frozen_then:
+        problems.append(_listing("trainable here but frozen when saved (no optimizer state)",
+                                 frozen_then))
+    shapes = [f"{n} (checkpoint {tuple(saved_params[n]['shape'])}, model {view.params[n].shape})"
+              for n in view.params if n in saved_params
+              and tuple(saved_params[n]["shape"]) != view.params[n].shape]
+    if shapes:
+        problems.append(_listing("shapes differ", shapes))
+    entries = view.model_entries()
+    keys = {e.key for e in entries}
+    unexpected = [k for k in saved_model if k not in keys]
+    if unexpected:
+        problems.append(_listing("in the checkpoint, not in the model", unexpected))
+    absent = [e.key for e in entries if e.key not in saved_model and e.key not in missing]
+    if absent:
+        problems.append(_listing("in the model's state_dict, not in the checkpoint", absent))
+    for e in entries:
+        s = saved_model.get(e.key)
+        if s is None or e.tensor is None or s["kind"] == "alias":
+            continue
+        shape = tuple(saved_params[s["of"]]["shape"]) if s["kind"] == "param" \
+            else tuple(s["shape"])
+        if shape != tuple(e.tensor.shape):
+            problems.append(f"{e.key}: checkpoint shape {shape}, model {tuple(e.tensor.shape)}")
+    if not problems:
+        # Parameters frozen since the save belong to no group now.
+        saved_groups = [set(g["params"]) & set(view.params) for g in m["param_groups"]]
+        here = [set(g) for g in view.group_names]
+        if len(saved_groups) != len(here):
+            problems.append(f"the checkpoint has {len(saved_groups)} param groups, the "
+                            f"optimizer {len(here)}")
+        else:
+            for i, (a, b) in enumerate(zip(saved_groups, here)):
+                if a != b:
+                    problems.append(f"param_groups[{i}] differs: "
+                                    f"{_listing('only in the checkpoint', sorted(a - b))}; "
+                                    f"{_listing('only here', sorted(b - a))}")
+    if problems:
+        raise IncompatibleCheckpointError(f"checkpoint {folder} does not fit this model: "
+                                          + "; ".join(problems))
+    steps = {}
+    for name in view.params:
+        counts = {p["step"] for p in saved_params[name]["pieces"]}
+        if len(counts) != 1 or not all(isinstance(c, int) and c >= 0 for c in counts):
+            raise CorruptCheckpointError(f"{folder}: the pieces of {name!r} record step counts "
+                                  f"{sorted(counts)}; expected one count")
+        steps[name] = counts.pop()
+    return steps
