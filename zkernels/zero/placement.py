@@ -47,9 +47,13 @@ def check_offload_args(offload, offload_dir, offload_config, auto: bool = False)
     if offload_dir is not None:
         if not isinstance(offload_dir, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path, got {type(offload_dir).__name__}")
-        if not os.path.isdir(offload_dir):
-            raise ValueError(f"offload_dir={os.fspath(offload_dir)!r} is not an existing "
-                             f"folder")
+        path = os.fspath(offload_dir)
+        parent = os.path.dirname(os.path.abspath(path))
+        # A missing folder is created (as DeepSpeed's nvme_path is) when its parent exists.
+        if os.path.exists(path) and not os.path.isdir(path) or \
+                not os.path.exists(path) and not os.path.isdir(parent):
+            raise ValueError(f"offload_dir={path!r} is not an existing folder (nor one whose "
+                             f"parent exists)")
     if offload == "nvme":
         if offload_dir is None:
             raise ValueError("offload='nvme' needs offload_dir= (an existing folder on the "

@@ -83,6 +83,7 @@ def make_run_folder(offload_dir, rank: int) -> str:
         OffloadIOError: ``offload_dir`` is not writable (the OS error included).
     """
     try:
+        os.makedirs(offload_dir, exist_ok=True)
         return tempfile.mkdtemp(prefix=f"zkernels-offload-rank{rank}-", dir=offload_dir)
     except OSError as exc:
         raise OffloadIOError(f"offload_dir={os.fspath(offload_dir)!r} is not writable: cannot "
