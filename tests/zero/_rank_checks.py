@@ -35,7 +35,7 @@ FAULTS = ("wrong_mean", "skip_micro", "one_element")
 
 
 def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, frozen=False,
-                sched=False, fault=None):
+                sched=False, fault=None, offload_kw=None):
     """ZeRO on N ranks with micro-batch b (x micro) == torch.optim.AdamW on one process with
     the whole batch, loss and every parameter each step, to fp32 round-off (tol(float32):
     rtol 1e-5, atol 1e-6), the reference's gradient computed micro-batch by micro-batch as the
@@ -52,7 +52,8 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
     frozen_before = model.wpe.weight.detach().clone()
     opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                            param_groups=split_groups(model, WD) if groups else None,
-                           max_grad_norm=clip, bucket_bytes=SMALL_BUCKET)
+                           max_grad_norm=clip, bucket_bytes=SMALL_BUCKET,
+                           **(offload_kw or {}))
     ropt = torch.optim.AdamW(split_groups(ref, WD) if groups else _trainable(ref), lr=LR,
                              betas=BETAS, eps=EPS, weight_decay=WD)
     assert model.head.weight is model.wte.weight, "tied weights must stay one parameter"
