@@ -63,16 +63,16 @@ def _compare(model, ref, step, exact, dtype):
 
 
 def against_device(rank, ws, *, kind, param_dtype=None, steps=10, micro=1, clip=None,
-                   nvme_master=True):
-    """Stage 2 with offload == stage 2 on the device, loss and every parameter each step,
-    and the optimizer state (master, moments) at the end."""
+                   nvme_master=True, stage=2):
+    """Stage 2 (or 3) with offload == the same stage on the device, loss and every parameter
+    each step, and the optimizer state (master, moments) at the end."""
     with _folder() as folder:
         extra = {} if kind == "cpu" else {"nvme_master": nvme_master}
         models, opts = [], []
         for kw in ({}, _offload_kw(kind, folder, **extra)):
             m = make_model()
             models.append(m)
-            opts.append(zk.ZeroOptimizer(m, stage=2, lr=LR, betas=BETAS, eps=EPS,
+            opts.append(zk.ZeroOptimizer(m, stage=stage, lr=LR, betas=BETAS, eps=EPS,
                                          weight_decay=WD, param_dtype=param_dtype,
                                          max_grad_norm=clip, bucket_bytes=SMALL_BUCKET, **kw))
         exact = _same_backend(*opts)
@@ -90,7 +90,8 @@ def against_device(rank, ws, *, kind, param_dtype=None, steps=10, micro=1, clip=
                 o.zero_grad()
                 losses.append(total)
             assert losses[0] == losses[1] if exact else abs(losses[0] - losses[1]) < 1e-4
-            _compare(models[1], models[0], step, exact, param_dtype or torch.float32)
+            with opts[0].gathered(), opts[1].gathered():  # stage 3: full parameters
+                _compare(models[1], models[0], step, exact, param_dtype or torch.float32)
         sd_dev, sd_off = opts[0].state_dict(), opts[1].state_dict()
         for i, s in sd_dev["state"].items():
             for k in ("master", "exp_avg", "exp_avg_sq"):
@@ -263,6 +264,10 @@ CHECKS = {
     "accumulate_clip_nvme": partial(against_device, kind="nvme", steps=6, micro=2, clip=0.05),
     "bf16_cpu": partial(against_device, kind="cpu", param_dtype=torch.bfloat16),
     "bf16_nvme": partial(against_device, kind="nvme", param_dtype=torch.bfloat16),
+    "stage3_fp32_cpu": partial(against_device, kind="cpu", stage=3, steps=6),
+    "stage3_bf16_nvme_clip": partial(against_device, kind="nvme", stage=3, steps=6,
+                                     param_dtype=torch.bfloat16, clip=0.05),
+    "stage3_accumulate_cpu": partial(against_device, kind="cpu", stage=3, steps=4, micro=2),
     "nvme_budget_disk_master": partial(nvme_budget_and_disk, nvme_master=True),
     "nvme_budget_disk_moments": partial(nvme_budget_and_disk, nvme_master=False),
     "cpu_memory_by_location": cpu_memory_by_location,
