@@ -252,10 +252,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # whenever the half-built optimizer is collected.
             self.shard_update.close()
             raise
-        if self.shard_update.resumed and not self.policy.shards_params:
+        if self.shard_update.resumed:
             # The strategy adopted a kept state and rewrote this rank's compute shards from
-            # its master: every rank's copy of the full parameters must follow. Collective.
-            # (Stage 3 holds only shards between uses: its next gather reads the new ones.)
+            # its master: every rank's copy of the full parameters must follow. Collective at
+            # stages 1-2; at stage 3 publish only drops a stale gathered copy.
             with torch.no_grad():
                 for h in [u.gather.publish(self.comm) for u in self.units]:
                     h.wait()
