@@ -259,7 +259,7 @@ def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
             if step in (1, 2) and rank == ws - 1:
                 loss = loss + model.ln_f.bias[0] * float("inf" if step == 1 else "nan")
             before = [p.detach().clone() for p in model.parameters()]
-            states = [t.clone() for b in opt.buckets for t in (b.master, b.exp_avg,
+            states = [t.clone() for b in opt.shard_update.states for t in (b.master, b.exp_avg,
                                                                 b.exp_avg_sq)]
             loss.backward()
             error = None
@@ -270,7 +270,7 @@ def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
             opt.zero_grad()
             same = (all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
                     and all(torch.equal(a, t) for a, t in zip(
-                        states, [t for b in opt.buckets for t in (b.master, b.exp_avg,
+                        states, [t for b in opt.shard_update.states for t in (b.master, b.exp_avg,
                                                                   b.exp_avg_sq)])))
             bad = step in (1, 2)
             if not bad:
@@ -291,7 +291,7 @@ def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
                 warned
         else:
             assert warned == [], warned
-        assert all(b.step == 3 for b in opt.buckets)
+        assert all(b.step == 3 for b in opt.shard_update.states)
     finally:
         logging.getLogger("zkernels.zero").removeHandler(records)
 
