@@ -96,13 +96,17 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
                     (loss * grad_factor).backward()
             local += loss.item()
             if not last:
-                assert opt.meter.current_step()["total"] == 0, "no_sync must not communicate"
+                # Stage 3 gathers its units in forward and backward even inside no_sync; no
+                # stage reduces gradients there.
+                sent = opt.meter.current_step()
+                assert (sent["reduce_scatter"] if stage == 3 else sent["total"]) == 0, \
+                    "no_sync must not communicate (stage 3: must not reduce)"
         if fault == "skip_micro":
             pass  # the last rank ran no synced backward: nothing overlapped on it
-        elif stage == 2:
-            assert all(p.grad is None for p in model.parameters()), "stage 2 frees full grads"
+        elif stage >= 2:
+            assert all(p.grad is None for p in model.parameters()), "stages 2-3 free full grads"
             sent = opt.meter.current_step()["reduce_scatter"]
-            assert ws == 1 or 0 < mid_backward[-1] < sent, "stage 2 reduces during backward"
+            assert ws == 1 or 0 < mid_backward[-1] < sent, "stages 2-3 reduce during backward"
         else:
             assert mid_backward[-1] == 0, "stage 1 communicates only in step()"
         opt.step()
@@ -119,12 +123,15 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
             assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"] != LR or step == 0
         torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
                                    **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
-        assert_params_close(model, ref, step, **tol(torch.float32))
+        with opt.gathered():  # stage 3: full parameters only inside
+            assert_params_close(model, ref, step, **tol(torch.float32))
     assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
     if clip is not None:
         assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
     if frozen:
-        assert torch.equal(model.wpe.weight, frozen_before) and model.wpe.weight.grad is None
+        with opt.gathered():
+            assert torch.equal(model.wpe.weight, frozen_before)
+        assert model.wpe.weight.grad is None
     assert opt.stats()["step"] == steps
 
 
@@ -255,27 +262,38 @@ def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
     logging.getLogger("zkernels.zero").addHandler(records)
     try:
         for step, batch in enumerate(make_batches(5, ws * MICRO_BATCH)):
+            with opt.gathered():  # stage 3: parameters have storage only inside
+                before = [p.detach().clone() for p in model.parameters()]
+            states = [t.clone() for b in opt.shard_update.states
+                      for t in (b.master, b.exp_avg, b.exp_avg_sq)]
             loss = model(*chunk(batch, rank))
+            hook = None
             if step in (1, 2) and rank == ws - 1:
-                loss = loss + model.ln_f.bias[0] * float("inf" if step == 1 else "nan")
-            before = [p.detach().clone() for p in model.parameters()]
-            states = [t.clone() for b in opt.shard_update.states for t in (b.master, b.exp_avg,
-                                                                b.exp_avg_sq)]
+                # ln_f.bias[0]'s gradient becomes inf (step 2) or NaN (step 3). A gradient
+                # hook, not a loss term: at stage 3 the root unit (ln_f) is freed after forward.
+                bad_value = float("inf" if step == 1 else "nan")
+                hook = model.ln_f.bias.register_hook(
+                    lambda g: g + torch.zeros_like(g).index_fill_(
+                        0, torch.tensor([0], device=g.device), bad_value))
             loss.backward()
+            if hook is not None:
+                hook.remove()
             error = None
             try:
                 opt.step()
             except NonFiniteGradientError as exc:
                 error = str(exc)
             opt.zero_grad()
-            same = (all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-                    and all(torch.equal(a, t) for a, t in zip(
-                        states, [t for b in opt.shard_update.states for t in (b.master, b.exp_avg,
-                                                                  b.exp_avg_sq)])))
+            with opt.gathered():
+                same = (all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                        and all(torch.equal(a, t) for a, t in zip(
+                            states, [t for b in opt.shard_update.states
+                                     for t in (b.master, b.exp_avg, b.exp_avg_sq)])))
+                finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             bad = step in (1, 2)
             if not bad:
                 assert error is None and not same, f"step {step + 1} must update"
-                assert all(torch.isfinite(p).all() for p in model.parameters())
+                assert finite
                 continue
             assert same, f"step {step + 1} (non-finite) changed something"
             if policy == "raise":
