@@ -21,6 +21,10 @@ from zkernels.demo.model import GPT, GPTConfig
 MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "buffers")
 METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed", "zk_stage3",
            "deepspeed_stage3")
+# Offload rows (issue 9): zkernels stage 2 with offload="cpu" / "nvme" beside DeepSpeed's
+# stage 2 offload_optimizer (cpu / nvme) and FSDP2's CPUOffloadPolicy.
+OFFLOAD_METHODS = ("zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2_cpu", "ds_stage2_nvme",
+                   "fsdp2_cpu_offload")
 
 
 class MethodUnavailable(RuntimeError):
@@ -187,8 +191,134 @@ class ZkMethod:
         return mem
 
 
+def _location_bytes(device_tensors: Iterable[torch.Tensor], host_tensors: Iterable[torch.Tensor],
+                    disk_bytes: int = 0) -> Dict[str, int]:
+    """Distinct storages by location (a storage counted once, device first)."""
+    seen: set = set()
+    return {"device": _storage_bytes(device_tensors, seen),
+            "host": _storage_bytes(host_tensors, seen), "disk": int(disk_bytes)}
+
+
+def nvme_budget_bytes() -> int:
+    """Host RAM of the NVMe rows (zero_step.py --nvme-budget, passed to the ranks)."""
+    import os
+    return int(os.environ.get("ZK_BENCH_NVME_BUDGET", 256 * 1024))
+
+
+class ZkOffloadMethod(ZkMethod):
+    """``ZeroOptimizer(model, stage=2, offload="cpu" | "nvme")``; memory by kind and by
+    location (device / host RAM / disk) from its own ``stats()``."""
+
+    def __init__(self, model: nn.Module, lr: float, offload: str, offload_dir: Optional[str]):
+        import zkernels
+        from zkernels.zero import OffloadConfig
+
+        self.model = model
+        kw = {"offload_dir": offload_dir} if offload == "nvme" else {}
+        self.opt = zkernels.ZeroOptimizer(
+            model, stage=2, lr=lr, offload=offload, offload_config=OffloadConfig(
+                pin_memory=None, nvme_buffer_bytes=nvme_budget_bytes()), **kw)
+
+    def memory(self) -> Dict[str, int]:
+        st = self.zk_stats()
+        mem = dict(st["memory_bytes"])
+        mem.update(st["memory_location_bytes"])
+        return mem
+
+
+
+
+class DeepSpeedOffloadMethod:
+    """DeepSpeed ZeRO stage 2 with ``offload_optimizer`` to cpu (DeepSpeedCPUAdam) or nvme
+    (its async I/O op, which needs libaio), fp32, on the existing gloo process group."""
+
+    def __init__(self, model: nn.Module, lr: float, device: str, offload_dir: Optional[str],
+                 batch_size: int):
+        import os
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise MethodUnavailable("deepspeed is not importable here (not installed)")
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        if device == "nvme":
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+            if not AsyncIOBuilder().is_compatible(verbose=False):
+                raise MethodUnavailable("DeepSpeed's async_io op does not build here (libaio "
+                                        "headers and .so not installed): no DeepSpeed NVMe row")
+        import deepspeed
+
+        off = {"device": device, "pin_memory": torch.cuda.is_available()}
+        if device == "nvme":
+            off.update(nvme_path=offload_dir, buffer_count=4,
+                       buffer_size=nvme_budget_bytes() // 4)
+        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": 2, "offload_optimizer": off},
+               "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+        self.model, self.opt, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg,
+            dist_init_required=False)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x, y)
+        self.model.backward(loss)
+        return loss.detach()
+
+    def update(self) -> None:
+        self.model.step()
+
+    def zero_grad(self) -> None:
+        return None  # the engine's step() clears gradients
+
+    def zk_stats(self) -> Optional[dict]:
+        return None
+
+    def memory(self) -> Dict[str, int]:
+        zo = self.opt
+        seen: set = set()
+        params = list(self.model.module.parameters())
+        fp32 = list(getattr(zo, "single_partition_of_fp32_groups", []))
+        states = [v for st in zo.optimizer.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor)]
+        grads = [t.grad for t in fp32 if t.grad is not None]
+        bufs = [b for b in getattr(zo, "ipg_buffer", None) or [] if isinstance(b, torch.Tensor)]
+        out = {"params": _storage_bytes(params, seen), "grads": _storage_bytes(grads, seen),
+               "master": _storage_bytes(fp32, seen),
+               "optimizer_states": _storage_bytes(states, seen),
+               "buffers": _storage_bytes(bufs, seen)}
+        out["total"] = sum(out[k] for k in MEMORY_KINDS)
+        out.update(_location_bytes(params + bufs, fp32 + grads + states))
+        return out
+
+
+class FSDP2CPUOffloadMethod(FSDP2Method):
+    """FSDP2 with ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state in
+    host RAM, the optimizer step on the CPU (torch's AdamW), all-or-nothing by design."""
+
+    def __init__(self, model: GPT, lr: float, world_size: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        self.model = fully_shard(model, mesh=mesh, offload_policy=policy)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def memory(self) -> Dict[str, int]:
+        out = count_memory(self.model, self.opt)
+        params = list(self.model.parameters())
+        host = params + [p.grad for p in params if p.grad is not None] + \
+            list(_state_tensors(self.opt))
+        out.update(_location_bytes(list(self.model.buffers()), host))
+        return out
+
+
 def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
-          on_bucket: Callable[[int], None], batch_size: int = 8):
+          on_bucket: Callable[[int], None], offload_dir: Optional[str] = None,
+          batch_size: int = 8):
     """A fresh model (identical on every rank) wrapped by method ``name``.
 
     Raises MethodUnavailable when the method cannot run here."""
@@ -210,7 +340,14 @@ def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
         return ZkMethod(model, lr, stage=int(name[-1]))
     if name in STAGE3_METHODS:
         return build_stage3(name, model, lr, batch_size)
-    raise ValueError(f"method must be one of {METHODS}, got {name!r}")
+    if name in ("zk_stage2_cpu", "zk_stage2_nvme"):
+        return ZkOffloadMethod(model, lr, name.rsplit("_", 1)[1], offload_dir)
+    if name in ("ds_stage2_cpu", "ds_stage2_nvme"):
+        return DeepSpeedOffloadMethod(model, lr, name.rsplit("_", 1)[1], offload_dir,
+                                      batch_size)
+    if name == "fsdp2_cpu_offload":
+        return FSDP2CPUOffloadMethod(model, lr, world_size)
+    raise ValueError(f"method must be one of {METHODS + OFFLOAD_METHODS}, got {name!r}")
 
 
 def all_ranks_ok(ok: bool) -> bool:

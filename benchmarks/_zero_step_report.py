@@ -58,6 +58,9 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
     mems = [r["memory"] for r in per_rank]
     row["memory_bytes_by_rank"] = mems
     row["memory_bytes_per_rank"] = {k: max(m.get(k, 0) for m in mems) for k in MEMORY_KINDS}
+    if all("device" in m for m in mems):  # offload rows: where the bytes are
+        row["memory_location_bytes_per_rank"] = {
+            k: max(m[k] for m in mems) for k in ("device", "host", "disk")}
     hook = [statistics.median(r["hook_bucket_bytes"]) for r in per_rank]
     if any(hook):
         # DDP's buckets as its comm hook saw them, in the meter's convention: a cross-check
@@ -112,7 +115,7 @@ def _yn(flag) -> str:
 
 def format_table(rows: List[dict]) -> str:
     """Fixed-width table: times in ms, bytes in MiB per rank per step, memory in MiB."""
-    head = (f"{'method':<11} {'step ms':>8} {'[min-max]':>15} {'xDDP':>6} {'<=1.10':>6} "
+    head = (f"{'method':<17} {'step ms':>8} {'[min-max]':>15} {'xDDP':>6} {'<=1.10':>6} "
             f"{'sent MiB':>8} {'AR':>6} {'RS':>6} {'AG':>6} {'BC':>6} {'xDDP':>7} {'=DDP':>5} "
             f"{'mem MiB':>7} {'param':>6} {'grad':>6} {'mast':>6} {'optim':>6} {'buf':>6} "
             f"{'loss':>7}")
@@ -120,7 +123,7 @@ def format_table(rows: List[dict]) -> str:
     notes = []
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['method']:<11} FAILED: {r['error'].splitlines()[0]}")
+            lines.append(f"{r['method']:<17} FAILED: {r['error'].splitlines()[0]}")
             continue
         t, c, m = r["step_time_s"], r["comm_bytes_per_rank"], r["memory_bytes_per_rank"]
         tr = r.get("traffic_ratio_to_ddp")
@@ -128,7 +131,7 @@ def format_table(rows: List[dict]) -> str:
         spread = f"[{t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f}]"
         traffic = "-" if tr is None else f"{tr:.4f}"
         lines.append(
-            f"{r['method']:<11} {t['median'] * 1e3:8.1f} "
+            f"{r['method']:<17} {t['median'] * 1e3:8.1f} "
             f"{spread:>15} "
             f"{r.get('step_time_ratio_to_ddp', float('nan')):6.3f} "
             f"{_yn(r.get('within_10pct_of_ddp')):>6} {sent:>8} "
@@ -148,5 +151,21 @@ def format_table(rows: List[dict]) -> str:
             notes.append(f"{r['method']}: DDP comm hook buckets -> all-reduce MiB/rank/step "
                          f"{_mb(r['ddp_hook_all_reduce_bytes_per_rank'])}; meter: "
                          f"{_mb(c['all_reduce'])}")
+        if "memory_location_bytes_per_rank" in r:
+            w = r["memory_location_bytes_per_rank"]
+            notes.append(f"{r['method']}: memory per rank: device {_mb(w['device'])}, host "
+                         f"{_mb(w['host'])}, disk {_mb(w['disk'])} MiB")
+        off = (r.get("zk_stats_last") or {}).get("offload")
+        if off:
+            notes.append(
+                f"{r['method']}: offloaded update {off['update_s'] * 1e3:.1f} ms; host<->device "
+                f"{_mb(off['device_to_host_bytes'])} down / {_mb(off['host_to_device_bytes'])} "
+                f"up MiB; disk read/write {_mb(off['disk_read_bytes'])}/"
+                f"{_mb(off['disk_write_bytes'])} MiB"
+                + (f"; grad copies {off['device_to_host_s'] * 1e3:.2f} ms, "
+                   f"{off['device_to_host_hidden_s'] * 1e3:.2f} ms hidden behind backward"
+                   if "device_to_host_hidden_s" in off else "")
+                + (f"; I/O wait {off['io_exposed_s'] * 1e3:.1f} ms" if "io_exposed_s" in off
+                   else ""))
         notes.extend(f"{r['method']}: {n}" for n in r["notes"])
     return "\n".join(lines + [""] + notes)

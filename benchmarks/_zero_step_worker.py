@@ -42,7 +42,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
         error = None
         try:
             methods[name] = build(name, cfg, opts["seed"], opts["lr"], world_size,
-                                  bucket_log.append, batch_size=opts["batch_size"])
+                                  bucket_log.append, offload_dir=opts.get("offload_dir"),
+                                  batch_size=opts["batch_size"])
         except MethodUnavailable as exc:
             error = str(exc)
         except Exception:  # noqa: BLE001 - reported in the table, the run goes on

@@ -40,6 +40,10 @@ CONFIGS = {
 }
 ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed", "zk_stage3",
                "deepspeed_stage3")
+# --offload: the offload comparison (issue 9), each beside its non-offloaded stage.
+OFFLOAD_SET = ("ddp", "zk_stage2", "zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2_cpu",
+               "ds_stage2_nvme", "fsdp2", "fsdp2_cpu_offload")
+KNOWN_METHODS = ALL_METHODS + tuple(m for m in OFFLOAD_SET if m not in ALL_METHODS)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -50,7 +54,14 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--config", choices=sorted(CONFIGS), default="small")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
-                   help=f"comma-separated subset of {','.join(ALL_METHODS)}")
+                   help=f"comma-separated subset of {','.join(KNOWN_METHODS)}")
+    p.add_argument("--offload", action="store_true", help="run the offload comparison: "
+                   + ",".join(OFFLOAD_SET) + " (overrides --methods)")
+    p.add_argument("--offload-dir", default=None, help="folder for the NVMe rows (default: a "
+                   "new temporary folder under /tmp, removed afterwards)")
+    p.add_argument("--nvme-budget", type=int, default=256 * 1024, help="host RAM bytes of "
+                   "zkernels' NVMe slots (default 256 KiB: the small GPT's moments per rank "
+                   "are >10x that)")
     p.add_argument("--json", default="bench_results/zero_step.json", help="output path")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -59,9 +70,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="kill every rank after this long instead of hanging")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ALL_METHODS]
+    if args.offload:
+        methods = list(OFFLOAD_SET)
+    bad = [m for m in methods if m not in KNOWN_METHODS]
     if bad or not methods:
-        p.error(f"--methods: expected a comma-separated subset of {ALL_METHODS}, got {bad}")
+        p.error(f"--methods: expected a comma-separated subset of {KNOWN_METHODS}, got {bad}")
     if "ddp" not in methods:
         methods.insert(0, "ddp")  # every ratio is to DDP measured in the same run
     args.methods = methods
@@ -189,6 +202,13 @@ def main(argv=None) -> int:
             "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
             "pg_timeout_s": min(120.0, args.timeout_s)}
+    cleanup = None
+    if any(m.endswith("_nvme") for m in args.methods):
+        import tempfile
+        if args.offload_dir is None:
+            args.offload_dir = cleanup = tempfile.mkdtemp(prefix="zk-bench-nvme-")
+        opts["offload_dir"] = args.offload_dir
+        os.environ["ZK_BENCH_NVME_BUDGET"] = str(args.nvme_budget)
     n = args.world_size
     meta = {
         "benchmark": "zero_step",
@@ -216,7 +236,13 @@ def main(argv=None) -> int:
           f"{config['model']['block_size']} per rank, {args.warmup} warm-up + {args.steps} "
           f"timed steps, methods {','.join(args.methods)}", flush=True)
     meta["load_average_before"] = os.getloadavg()
-    per_rank = _launch(opts, n, args.timeout_s)
+    try:
+        per_rank = _launch(opts, n, args.timeout_s)
+    finally:
+        if cleanup is not None:
+            import shutil
+            shutil.rmtree(cleanup, ignore_errors=True)
+    meta["nvme_budget_bytes"] = args.nvme_budget if opts.get("offload_dir") else None
     meta["load_average_after"] = os.getloadavg()
     rows = [summarize(m, [r[m] for r in per_rank], n) for m in args.methods]
     add_ratios(rows)
@@ -236,11 +262,37 @@ def main(argv=None) -> int:
                 f" (x{r['traffic_ratio_to_ddp'] or float('nan'):.4f})")
             print(f"{r['method']}: {verdict}")
     _stage3_verdict(rows, num_params, n)
+    _offload_verdicts(rows, meta)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _offload_verdicts(rows, meta) -> None:
+    """The offload issue's bars: zk stage 2 cpu offload faster than DeepSpeed's in the same
+    run; NVMe host RAM within its budget while the moments are >= 10x the budget."""
+    by = {r["method"]: r for r in rows if "error" not in r}
+    zk, ds = by.get("zk_stage2_cpu"), by.get("ds_stage2_cpu")
+    if zk and ds:
+        ratio = zk["step_time_s"]["median"] / ds["step_time_s"]["median"]
+        paired = sorted(a / b for a, b in zip(zk["step_times_s"], ds["step_times_s"]))
+        paired = paired[len(paired) // 2]
+        zk["step_time_ratio_to_ds_stage2_cpu"] = ratio
+        print(f"zk_stage2_cpu vs ds_stage2_cpu: x{ratio:.3f} (paired per-step x{paired:.3f}): "
+              f"{'faster' if ratio < 1 else 'NOT faster'}")
+    nv = by.get("zk_stage2_nvme")
+    if nv and meta.get("nvme_budget_bytes"):
+        st = nv["zk_stats_last"]
+        host = nv["memory_location_bytes_per_rank"]["host"]
+        moments = max(m["optimizer_states"] for m in nv["memory_bytes_by_rank"])
+        budget = meta["nvme_budget_bytes"]
+        nv["nvme_host_within_budget"] = host <= budget
+        nv["nvme_state_to_budget_ratio"] = moments / budget
+        print(f"zk_stage2_nvme: host RAM {host} B <= budget {budget} B: "
+              f"{'yes' if host <= budget else 'NO'}; moments on disk {moments} B = "
+              f"{moments / budget:.1f}x the budget; O_DIRECT: {st['offload'].get('direct_io')}")
 
 
 if __name__ == "__main__":

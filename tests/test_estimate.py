@@ -5,6 +5,7 @@ import torch
 
 from zkernels.zero.estimate import estimate_memory, largest_unit_numel
 from zkernels.zero.ladder import RUNGS, NoRungFitsError, choose_rung
+from zkernels.zero.offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
 
 PSI, N = 7_500_000_000, 64
 
@@ -64,13 +65,23 @@ def test_offload_moves_states_off_the_device():
     kw = dict(param_dtype="bf16", reduce_dtype="bf16", bucket_bytes=0)
     e3 = estimate_memory(PSI, N, 3, **kw)
     cpu = estimate_memory(PSI, N, 3, offload="cpu", **kw)
-    nvme = estimate_memory(PSI, N, 3, offload="nvme", **kw)
-    assert cpu.device_bytes == 0 and cpu.host_bytes == e3.model_states_bytes
+    nvme = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26, **kw)
+    staging = 2 * 2 * min(DEFAULT_SUB_GROUP_NUMEL, -(-PSI // N))   # two bf16 sub-groups
+    assert cpu.device_bytes == 0 and cpu.host_bytes == e3.model_states_bytes + staging
+    # NVMe: master, states and the stage-3 parameter shard on disk, the gradient shard stays
+    # on the device, host RAM is the slot budget.
     assert nvme.disk_bytes == e3.params_bytes + e3.master_bytes + e3.optimizer_states_bytes
-    assert nvme.host_bytes == e3.grads_bytes and nvme.disk_io_bytes > 0
+    assert nvme.device_bytes == e3.grads_bytes and nvme.host_bytes == 2**26
+    assert nvme.disk_io_bytes == 2 * nvme.disk_bytes
+    off = estimate_memory(PSI, N, 3, offload="nvme", nvme_master=False, **kw)
+    assert off.disk_bytes == nvme.disk_bytes - e3.master_bytes
+    assert off.host_bytes == DEFAULT_NVME_BUFFER_BYTES + e3.master_bytes
     assert cpu.host_device_bytes == 6 * (PSI // N)     # fp32 grad shard down, bf16 params up
     e2cpu = estimate_memory(PSI, N, 2, offload="cpu", **kw)
-    assert e2cpu.device_bytes == 2 * PSI and e2cpu.host_bytes == 16 * (PSI // N)
+    assert e2cpu.device_bytes == 2 * PSI and e2cpu.host_bytes == 16 * (PSI // N) + staging
+    # Pure fp32: the device parameter is no longer the master, so offload keeps one.
+    fp32 = estimate_memory(PSI, N, 2, offload="cpu", bucket_bytes=0)
+    assert fp32.master_bytes == 4 * (PSI // N) and fp32.host_bytes == 16 * (PSI // N)
 
 
 def test_model_input_counts_tied_weights_once_and_units():
@@ -133,7 +144,9 @@ def test_choose_rung_headroom_and_host_budget():
     # cpu offload fits the device but not the host: nvme is next.
     host = estimate_memory(PSI, N, 3, param_dtype="bf16", reduce_dtype="bf16",
                            offload="cpu").host_bytes
-    got, _, reason = choose_rung(PSI, N, _need(3, "cpu"), headroom=0.0, param_dtype="bf16",
+    # (NVMe keeps the gradient shard on the device, so it needs a little more device memory
+    # than cpu offload.)
+    got, _, reason = choose_rung(PSI, N, _need(3, "nvme"), headroom=0.0, param_dtype="bf16",
                                  reduce_dtype="bf16", host_budget_bytes=host - 1)
     assert got == (3, "nvme"), reason
 

@@ -225,8 +225,10 @@ def traffic_and_memory(rank, ws, *, reshard, param_dtype=None):
     gathers = 2 if reshard else 1
     assert comm["reduce_scatter"] == padded * rel * (ws - 1) // ws, comm
     assert comm["all_gather"] == gathers * padded * pel * (ws - 1) // ws, comm
-    checks = (gathers * len(opt.units)) if ws > 1 else 0  # [Note: divergent paths]
-    # + the 4-byte sum of squares every step reduces ([Note: non-finite gradients outside fp16])
+    # [Note: divergent paths]: one check per gather, and one as step() begins
+    checks = (gathers * len(opt.units) + 1) if ws > 1 else 0
+    # The path checks (16 bytes each) plus the 4-byte gradient-norm all-reduce every step
+    # (clip.py's Note: it carries the non-finite flag), ring-metered as 2(N-1)/N.
     assert comm["all_reduce"] == (checks * 16 + 4) * 2 * (ws - 1) // ws, comm
     ideal = psi * (rel + gathers * pel) * (ws - 1) / ws
     assert ws == 1 and comm["total"] == 0 or abs(comm["total"] - ideal) <= 0.01 * ideal, \

@@ -5,6 +5,7 @@ import torch.nn as nn
 
 import zkernels as zk
 from zkernels.zero import ZeroOptimizer, resolve_stage
+from zkernels.zero.offload_config import OffloadConfig
 from tests.zero._harness import CFG, make_model
 
 
@@ -56,12 +57,31 @@ def test_bucket_too_small_for_one_element_per_rank():
     ZeroOptimizer(nn.Linear(3, 2), bucket_bytes=16)  # the minimum works: one param a bucket
 
 
-@pytest.mark.parametrize("kwargs, name", [({"offload": "cpu"}, "offload"),
-                                          ({"offload": "nvme", "offload_dir": "/tmp"}, "offload"),
-                                          ({"offload_dir": "/tmp"}, "offload_dir")])
-def test_offload_not_supported_yet(kwargs, name):
-    with pytest.raises(NotImplementedError, match=f"{name}="):
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"offload": "cpu"}, ValueError, "offload='cpu' needs stage 2"),   # the default stage 1
+    ({"offload": "nvme", "offload_dir": "/tmp"}, ValueError, "offload='nvme' needs stage 2"),
+    ({"offload": "disk", "stage": 2}, ValueError, "offload must be None, 'cpu' or 'nvme'"),
+    ({"offload_dir": "/tmp"}, ValueError, "offload_dir applies only to offload='nvme'"),
+    ({"offload": "cpu", "stage": 2, "offload_dir": "/tmp"}, ValueError, "offload_dir applies"),
+    ({"offload": "nvme", "stage": 2}, ValueError, "needs offload_dir="),
+    ({"offload": "nvme", "stage": 2, "offload_dir": "/no/such/dir"}, ValueError,
+     "offload_dir='/no/such/dir' is not an existing folder"),
+    ({"offload_config": OffloadConfig()}, ValueError, "offload_config applies only"),
+    ({"offload": "cpu", "stage": 2, "offload_config": {"pin_memory": False}}, TypeError,
+     "offload_config must be"),
+    ({"offload": "cpu", "stage": 2, "offload_config": OffloadConfig(resume_dir="/tmp")},
+     ValueError, "resume_dir applies only to offload='nvme'")])
+def test_bad_offload_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
         ZeroOptimizer(nn.Linear(3, 2), **kwargs)
+
+
+@pytest.mark.parametrize("field, value", [("sub_group_numel", 0), ("nvme_buffer_bytes", -1),
+                                          ("io_threads", 1.5), ("pin_memory", "yes"),
+                                          ("nvme_master", None), ("direct_io", 1)])
+def test_bad_offload_config(field, value):
+    with pytest.raises(ValueError, match=f"OffloadConfig.{field}"):
+        OffloadConfig(**{field: value})
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -48,7 +48,7 @@ def test_divergent_path_fails_naming_the_unit(mode):
     errors = run_ranks(divergent_path, 2, mode, timeout=120.0, pg_timeout_s=10.0)
     if mode == "skip":
         for rank, err in enumerate(errors):
-            assert err is not None and "ranks disagree on the next unit" in err, (rank, err)
+            assert err is not None and "ranks disagree on what comes next" in err, (rank, err)
             assert "'blocks.1'" in err and "'<root>'" in err, err
     else:
         assert errors[1] == "stopped"

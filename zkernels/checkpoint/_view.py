@@ -114,6 +114,11 @@ class OptimizerView:
         self.opt = opt
         self.module = module
         self._states = {st.unit_index: st for st in opt.shard_update.states}
+        # (master, exp_avg, exp_avg_sq) per unit, through the update strategy: the live
+        # tensors on the device or in host RAM; for NVMe offload, copies read from its files
+        # (held here until finish_load writes them back, so an NVMe save or load holds the
+        # rank's state in host RAM for its duration).
+        self._staged: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # id(param) -> canonical name (its first name in named_parameters(), as units.py).
         self._names: Dict[int, str] = {id(p): n for n, p in module.named_parameters()}
         unit_params: Dict[str, ParamInfo] = {}
@@ -151,10 +156,16 @@ class OptimizerView:
 
     def pieces(self) -> Iterator[ShardPiece]:
         for _, st in self._unit_states():
-            tensors = dict(zip(FIELDS, st.tensors()))
+            tensors = dict(zip(FIELDS, self._tensors(st)))
             for name, a, s, n in st.param_slices():
                 yield ShardPiece(name, a, a + n, st.step,
                                  {f: t[s:s + n] for f, t in tensors.items()})
+
+    def _tensors(self, st):
+        if st.unit_index not in self._staged:
+            self._staged[st.unit_index] = tuple(
+                self.opt.shard_update.state_tensors(st.unit_index))
+        return self._staged[st.unit_index]
 
     def set_steps(self, steps: Dict[str, int]) -> None:
         """Give every parameter its saved AdamW step count. A unit's state (one AdamW call)
@@ -215,7 +226,8 @@ class OptimizerView:
         passed, so nothing is copied twice), then the gather policy publish it (collective)."""
         handles = []
         for u, st in self._unit_states():
-            self.opt.shard_update.load_state(u, st.step, st.master, st.exp_avg, st.exp_avg_sq)
+            self.opt.shard_update.load_state(u, st.step, *self._tensors(st))
             handles.append(u.gather.publish(self.comm))
+        self._staged.clear()
         for h in handles:
             h.wait()

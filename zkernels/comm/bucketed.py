@@ -33,7 +33,8 @@ class BucketedReduceScatter:
         dtype, device: of the reduce buffers.
         num_buffers: buffers in the pool (see ``zkernels.zero.policy.num_reduce_buffers``).
         on_reduced: ``on_reduced(bucket_index, shard)`` receives each bucket's reduced shard
-            (a view into the buffer, valid only during the call).
+            (a view into the buffer, valid only during the call); it may return a fence that
+            must be waited before the buffer is reused (see ``ReducePool``).
     """
 
     def __init__(self, comm: Comm, numels: Sequence[int], shards: Sequence[slice],
@@ -101,6 +102,7 @@ class BucketedReduceScatter:
 
     def _launch(self, bi: int) -> None:
         buf = self.buffer(bi)  # no member at all on this rank: reduce zeros
+        # on_reduced's fence (if any) passes through to the pool.
         self._pool.launch(buf, self._shards[bi], lambda s: self._on_reduced(bi, s))
         self._bufs[bi] = None
         self._next = bi + 1

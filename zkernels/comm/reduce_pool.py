@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, List, Tuple
+from typing import Callable, Deque, Dict, List, Tuple
 
 import torch
 
@@ -18,6 +18,11 @@ class ReducePool:
     buffers are busy, ``acquire`` first retires the oldest reduction (waits, hands the reduced
     shard to its ``on_done``, frees the buffer). So at most ``num_buffers`` reductions are in
     flight and memory stays at ``num_buffers`` buckets whatever the model size.
+
+    ``on_done`` may return a fence (an object with ``wait()``, e.g. an offload copy still
+    reading the shard out of the buffer): the buffer is handed out again only after that
+    fence's ``wait()``, which orders the new user (the caller's stream, or the caller on CPU)
+    after the reader (see [Note: offload copies] in ``zkernels/zero/transfer.py``).
 
     Args:
         comm: the collectives.
@@ -35,6 +40,7 @@ class ReducePool:
         self.buffers: List[torch.Tensor] = [torch.zeros(numel, dtype=dtype, device=device)
                                             for _ in range(num_buffers)]
         self._free: List[torch.Tensor] = list(self.buffers)
+        self._fences: Dict[int, object] = {}  # data_ptr of a free buffer -> its reader's fence
         self._in_flight: Deque[Tuple[torch.Tensor, torch.Tensor, Handle,
                                      Callable[[torch.Tensor], None]]] = deque()
 
@@ -49,6 +55,9 @@ class ReducePool:
                 self.buffers.append(torch.zeros_like(self.buffers[0]))
                 self._free.append(self.buffers[-1])
         base = self._free.pop()
+        fence = self._fences.pop(base.data_ptr(), None)
+        if fence is not None:
+            fence.wait()
         view = base[:numel]
         view.zero_()
         return view
@@ -60,7 +69,8 @@ class ReducePool:
     def launch(self, view: torch.Tensor, shard: slice,
                on_done: Callable[[torch.Tensor], None]) -> None:
         """Start the reduce-scatter of ``view`` (an acquired buffer); ``on_done`` receives this
-        rank's reduced shard (a view into the buffer, valid only during the call)."""
+        rank's reduced shard (a view into the buffer, valid only during the call, or until
+        the fence ``on_done`` returns is waited)."""
         out = view[shard]
         handle = self._comm.reduce_scatter(out, view)
         self._in_flight.append((self._base(view), out, handle, on_done))
@@ -73,7 +83,9 @@ class ReducePool:
     def _retire_oldest(self) -> None:
         base, out, handle, on_done = self._in_flight.popleft()
         handle.wait()
-        on_done(out)
+        fence = on_done(out)
+        if fence is not None:
+            self._fences[base.data_ptr()] = fence
         self._free.append(base)
 
     def _base(self, view: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -122,11 +122,29 @@ def announce(message: str, group=None) -> None:
         print(f"zkernels: {message}", file=sys.stderr, flush=True)
 
 
-def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
-                       param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
-                       memory_budget_bytes: Optional[int] = None, group=None,
-                       num_param_groups: int = 1, model=None) -> int:
-    """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
+def resolve_auto_stage(params: Iterable[torch.Tensor], **kwargs) -> int:
+    """The stage of :func:`resolve_auto_rung` (the rung's offload kind dropped; same
+    arguments)."""
+    return resolve_auto_rung(params, **kwargs)[0]
+
+
+def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
+    """The rungs ``stage="auto"`` may take: an explicit ``offload`` kind limits it to that
+    kind's rungs; otherwise the rungs without offload, plus CPU offload where the device is
+    not the host itself and NVMe offload where an ``offload_dir`` was given."""
+    if offload is not None:
+        return tuple(r for r in RUNGS if r[1] == offload)
+    usable = {None} | ({"cpu"} if device.type != "cpu" else set()) | \
+        ({"nvme"} if offload_dir is not None and device.type != "cpu" else set())
+    return tuple(r for r in RUNGS if r[1] in usable)
+
+
+def resolve_auto_rung(params: Iterable[torch.Tensor], *, world_size: int,
+                      param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                      memory_budget_bytes: Optional[int] = None, group=None,
+                      num_param_groups: int = 1, model=None, offload=None,
+                      offload_dir=None) -> Tuple[int, Optional[str]]:
+    """The rung ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
 
     Args:
         params: the parameters the optimizer will shard (their device is the training device).
@@ -139,10 +157,12 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
         model: the module, when known: stage 3's estimate then counts its units (the gathered
             root and blocks, one reduce buffer per unit); without it, gathered units are not
             counted.
+        offload, offload_dir: the optimizer's; they decide which offload rungs are offered
+            (see :func:`auto_rungs`).
 
     Returns:
-        The stage (implemented: see ``policy.rung_implemented``). Rank 0 says which rung
-        and why, in one line (see [Note: auto announcement]).
+        ``(stage, offload)`` (implemented: see ``policy.rung_implemented``). Rank 0 says
+        which rung and why, in one line (see [Note: auto announcement]).
 
     Raises:
         NoRungFitsError: not even the last rung fits.
@@ -163,8 +183,8 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
                              f"{memory_budget_bytes!r}")
         budget, headroom, source = memory_budget_bytes, 0.0, "memory_budget_bytes"
     budget = _min_over_ranks(budget, group, device)
-    # Offload to host RAM means nothing when the device is the host.
-    rungs = tuple(r for r in RUNGS if device.type != "cpu" or r[1] is None)
+    # Offload to host RAM means nothing when the device is the host (unless asked for).
+    rungs = auto_rungs(device, offload, offload_dir)
     distinct = {id(p): p for p in params}.values()     # tied weights count once
     (stage, offload), est, reason = choose_rung(
         model if model is not None else count_params(sum(p.numel() for p in distinct)),
@@ -178,5 +198,6 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
             f"not available in this version of zkernels (implemented stages: "
             f"{', '.join(map(str, implemented_stages()))}). Use more ranks, a narrower "
             f"param_dtype, or a larger memory budget")
-    announce(f"stage='auto' chose stage {stage} (budget from {source}): {reason}", group)
-    return stage
+    chosen = f"stage {stage}" if offload is None else rung_name(stage, offload)
+    announce(f"stage='auto' chose {chosen} (budget from {source}): {reason}", group)
+    return stage, offload

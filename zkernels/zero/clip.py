@@ -34,7 +34,9 @@ GradScale = Union[None, float, torch.Tensor]
 def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: float,
                             loss_scale: Optional[float], max_grad_norm: Optional[float], ops: OpSet,
                             nonfinite: str = "skip", step: int = 0,
-                            where: Callable[[], str] = lambda: "") -> Tuple[GradScale, bool]:
+                            where: Callable[[], str] = lambda: "",
+                            comm_device: Optional[torch.device] = None
+                            ) -> Tuple[GradScale, bool]:
     """What to divide the gradient shards by, and whether the step must be skipped.
 
     Args:
@@ -43,11 +45,13 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
         divisor: factor not yet divided out of ``shards`` (N or 1; see precision.py's Note).
         loss_scale: the current loss scale (fp16), or None.
         max_grad_norm: clip the global norm to this, or None.
-        ops: the optimizer's OpSet (``sum_squares``).
+        ops: an OpSet for the shards' device (``sum_squares``).
         nonfinite: without a loss scale, what an inf/NaN gradient does: ``"skip"`` the step
             (logged) or ``"raise"`` (see nonfinite.py's Note).
         step: the 1-based ``step()`` call, for the warning or error.
         where: says where the non-finite element is (called only to raise).
+        comm_device: where ``comm``'s buffers live, when not the shards' device (CPU offload
+            on a GPU: host shards, an NCCL all-reduce); the sum moves there and back.
 
     Returns:
         ``(grad_scale, skip)``: ``grad_scale`` is None (nothing to divide), a float, or a
@@ -59,7 +63,12 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
     """
     scale = divisor * (loss_scale if loss_scale is not None else 1.0)
     sq = ops.sum_squares(shards).reshape(1)
-    comm.all_reduce(sq, op="sum").wait()
+    if comm_device is not None and sq.device != torch.device(comm_device):
+        on_comm = sq.to(comm_device)
+        comm.all_reduce(on_comm, op="sum").wait()
+        sq = on_comm.to(sq.device)
+    else:
+        comm.all_reduce(sq, op="sum").wait()
     if not math.isfinite(float(sq.item())):
         if loss_scale is None:  # fp16's overflows are the loss scaler's business
             on_nonfinite(nonfinite, step, comm.rank, where)

@@ -38,10 +38,14 @@ between steps (what ``ZeroOptimizer.stats()`` measures). Data parallel means DDP
 an explicit ``reduce_dtype`` differs from the gradients' (a comm hook casting each bucket: two
 bucket buffers, as at stage 1).
 
-Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity): with ``"cpu"`` the
-master, optimizer states and the gradient shard live in host RAM (and at stage 3 the parameter
-shard too); with ``"nvme"`` master, states (and at stage 3 the parameter shard) live on disk,
-the gradient shard and one staging bucket in host RAM.
+Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
+``ZeroOptimizer``'s strategies place it (``host_update.py``, ``nvme_update.py``): with ``"cpu"``
+the master, optimizer states and the gradient shard live in host RAM (and at stage 3 the
+parameter shard too), plus two compute-dtype staging sub-groups in mixed precision; with
+``"nvme"`` the states and, by default, the master live on disk (each swap file adds one
+4096-byte header and pads to 4096 bytes, ignored here), the gradient shard stays on the
+device, and host RAM holds exactly the configured slot budget (``nvme_buffer_bytes``), plus
+the master when ``nvme_master=False``.
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
@@ -60,6 +64,7 @@ from typing import Optional, Union
 
 import torch
 
+from .offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
 from .policy import NUM_REDUCE_BUFFERS, STAGES, offload_policy, stage_policy
 from .unit_plan import gathered_peak_numel, plan_units
 
@@ -185,7 +190,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
                     max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
                     max_tensor_numel: Optional[int] = None,
-                    num_param_groups: int = 1) -> MemoryEstimate:
+                    num_param_groups: int = 1,
+                    nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES,
+                    nvme_master: bool = True,
+                    sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -208,6 +216,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             gets a bucket of its own); default: from the model when a module is given, else 0.
         num_param_groups: optimizer param groups; from stage 2 on, each group beyond the first
             may keep one partly filled bucket waiting, so it adds one reduce buffer.
+        nvme_buffer_bytes, nvme_master, sub_group_numel: as in
+            :class:`~zkernels.zero.offload_config.OffloadConfig` (the NVMe host budget, master
+            on disk, the CPU offload sub-group).
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -270,17 +281,25 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                      optimizer_states=ADAM_STATE_BYTES * shard,
                      buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
                      transient=transient)
+    if offload is not None and not mixed:
+        # Pure fp32 offload: the device parameter can no longer be the master (the update
+        # runs elsewhere), so the host or disk holds an fp32 master shard of its own.
+        kinds["master"] = MASTER_BYTES * shard
     device = dict(kinds)
     host, disk = {}, {}
     sharded_params = ("params",) if policy.shards_params else ()
     if offload == "cpu":
         for k in ("master", "optimizer_states", "grads") + sharded_params:
             host[k] = device.pop(k)
+        # Two staging sub-groups of compute-dtype results on their way to the device.
+        host["staging"] = 2 * p * min(sub_group_numel, shard) if mixed else 0
     elif offload == "nvme":
-        for k in ("master", "optimizer_states") + sharded_params:
+        on_disk = ("master",) if nvme_master else ()
+        for k in on_disk + ("optimizer_states",) + sharded_params:
             disk[k] = device.pop(k)
-        host["grads"] = device.pop("grads")
-        host["staging"] = r * bucket_numel      # one bucket between disk and the update
+        if not nvme_master:
+            host["master"] = device.pop("master")
+        host["staging"] = nvme_buffer_bytes   # the fixed slot arena
 
     frac = (big_n - 1) / big_n
     if stage == 0:      # DDP all-reduces in reduce_dtype if given, else in the grads' dtype
@@ -288,7 +307,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     else:               # one reduce-scatter, one or two all-gathers
         comm = (r + policy.gathers_per_step * p) * n_psi * frac
     h2d = 0 if offload is None else g * shard + p * shard
-    disk_io = 0 if offload != "nvme" else 2 * (kinds["master"] + kinds["optimizer_states"])
+    disk_io = 0 if offload != "nvme" else 2 * sum(disk.values())
     return MemoryEstimate(
         stage=stage, offload=offload, num_params=n_psi, world_size=big_n,
         params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],

@@ -24,7 +24,7 @@ stay sharded, like FSDP2's ``set_requires_gradient_sync(False)``.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,51 @@ class GradReducer(Protocol):
 
     def held_buffers(self) -> List[torch.Tensor]:
         """Reduce/comm scratch buffers held (for ``stats()``)."""
+
+
+class GradSink(Protocol):
+    """Where stage 2's reduced gradient shards go as each bucket's reduce-scatter finishes."""
+
+    shards: List[torch.Tensor]  # [shard_numel] fp32 per bucket
+    on_device: bool              # the shards live on the compute device (for ``stats()``)
+
+    def accumulate(self, bucket: int, reduced: torch.Tensor):
+        """Take bucket ``bucket``'s reduced shard (a view into a reduce buffer). May return a
+        fence that the reduce pool waits before reusing the buffer."""
+
+    def collect(self) -> List[torch.Tensor]:
+        """After every reduction finished: the shards, ready for the update (buckets without
+        a gradient since ``reset`` hold zeros)."""
+
+    def reset(self) -> None:
+        """Forget accumulated shards (``zero_grad``)."""
+
+
+class DeviceGradShards:
+    """The default sink: one fp32 shard per bucket on the device, added into in place."""
+
+    on_device = True
+
+    def __init__(self, buckets: Sequence[FlatParamUnit]) -> None:
+        self.shards = [torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.device)
+                       for b in buckets]
+        self._filled = [False] * len(self.shards)  # holds a reduced gradient since reset
+
+    def accumulate(self, bucket: int, reduced: torch.Tensor) -> None:
+        if self._filled[bucket]:
+            self.shards[bucket].add_(reduced)
+        else:
+            self.shards[bucket].copy_(reduced)
+            self._filled[bucket] = True
+
+    def collect(self) -> List[torch.Tensor]:
+        for bi, filled in enumerate(self._filled):
+            if not filled:  # no backward since zero_grad on this (and every) rank
+                self.shards[bi].zero_()
+        return self.shards
+
+    def reset(self) -> None:
+        self._filled = [False] * len(self.shards)
 
 
 class FullGradReducer:
@@ -146,15 +191,14 @@ class ShardedGradReducer:
     """
 
     def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
-                 precision: MixedPrecision, ops: OpSet) -> None:
+                 precision: MixedPrecision, ops: OpSet,
+                 grad_sink: Optional["GradSink"] = None) -> None:
         self.sync = True
         self._buckets = list(buckets)
         self._comm = comm
         self._ops = ops
         dev = buckets[0].device
-        self.shards = [torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=dev)
-                       for b in buckets]
-        self._filled = [False] * len(buckets)  # shard holds a reduced gradient since zero_grad
+        self.sink = grad_sink if grad_sink is not None else DeviceGradShards(buckets)
         self._where: Dict[int, Tuple[int, int]] = {
             id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
         # One open (partly filled) bucket per group can wait for an earlier one: see
@@ -163,8 +207,8 @@ class ShardedGradReducer:
         # with it, so a dropped optimizer leaves no hooks (and no buffers) behind on the model.
         this = weakref.ref(self)
 
-        def on_reduced(bi: int, shard: torch.Tensor) -> None:
-            this()._accumulate(bi, shard)
+        def on_reduced(bi: int, shard: torch.Tensor):
+            return this().sink.accumulate(bi, shard)
 
         num_groups = len({b.group_index for b in buckets})
         self._rs = BucketedReduceScatter(
@@ -200,13 +244,6 @@ class ShardedGradReducer:
         p.grad = None
         self._rs.mark(bi, pi)
 
-    def _accumulate(self, bi: int, reduced: torch.Tensor) -> None:
-        if self._filled[bi]:
-            self.shards[bi].add_(reduced)
-        else:
-            self.shards[bi].copy_(reduced)
-            self._filled[bi] = True
-
     def _pack_held(self, bi: int) -> None:
         for pi, p in enumerate(self._buckets[bi].params):
             if p.grad is not None and not self._rs.is_done(bi, pi):
@@ -227,20 +264,23 @@ class ShardedGradReducer:
                                             for p in b.params):
             self._flush_round()
         self._rs.drain()
-        for bi, filled in enumerate(self._filled):
-            if not filled:  # no backward since zero_grad on this (and every) rank
-                self.shards[bi].zero_()
-        return self.shards, 1.0
+        return self.sink.collect(), 1.0
+
+    @property
+    def shards(self) -> List[torch.Tensor]:
+        """The gradient shards where the sink keeps them (device or host)."""
+        return self.sink.shards
 
     def zero_grad(self) -> None:
         self._rs.discard()
-        self._filled = [False] * len(self._buckets)
+        self.sink.reset()
         for b in self._buckets:
             for p in b.params:
                 p.grad = None
 
     def held_grads(self) -> List[torch.Tensor]:
-        return list(self.shards)
+        """Gradient storage on the device (a host sink reports its own, see ``update.py``)."""
+        return list(self.sink.shards) if self.sink.on_device else []
 
     def held_buffers(self) -> List[torch.Tensor]:
         return self._rs.buffers
@@ -257,10 +297,17 @@ GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer, 3: ShardedGradReduce
 
 
 def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm: Comm,
-                      precision: MixedPrecision, ops: OpSet) -> GradReducer:
+                      precision: MixedPrecision, ops: OpSet,
+                      grad_sink: Optional[GradSink] = None) -> GradReducer:
     """The gradient strategy of ``policy``'s stage (``GRAD_REDUCERS``; stage 3 registers its
-    own)."""
+    own). ``grad_sink``: where reduced shards go (the update strategy's, for offload); only
+    the stages that shard gradients take one."""
     if policy.stage not in GRAD_REDUCERS:
         raise ValueError(f"no gradient strategy for stage {policy.stage} (have "
                          f"{tuple(GRAD_REDUCERS)})")
-    return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops)
+    if grad_sink is None:
+        return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops)
+    if not policy.shards_grads:
+        raise ValueError(f"{policy.name} keeps full gradients until step(): it takes no "
+                         f"grad_sink (offload needs a stage that shards gradients)")
+    return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops, grad_sink=grad_sink)

@@ -21,18 +21,19 @@ import torch.nn as nn
 from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
-from .auto import resolve_auto_stage
+from .auto import resolve_auto_rung
 from .buckets import align_numel, bucket_capacity, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
 from .nonfinite import NonFiniteGradientError, check_policy, locate
 from .params import resolve_param_groups
-from .policy import OFFLOADS, STAGES, implemented_stages
+from .policy import STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
-from .stats import memory_bytes
+from .stats import memory_by_location
 from .stage3 import GatherSchedule, build_units
 from .units import build_replicated_unit, param_names
-from .update import DeviceUpdate
+from .offload_config import OffloadConfig
+from .placement import check_offload_args, check_offload_stage, make_update_strategy
 
 
 def resolve_stage(stage) -> int:
@@ -82,15 +83,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (and, with ``param_dtype``, change dtype). Stages 2-3 install gradient hooks on them;
             stage 3 also installs forward hooks on its units, and between uses a parameter has
             no storage (read it inside ``opt.gathered()``).
-        stage: 1, 2, 3 or "auto" (the lowest stage whose estimate fits the device, see
-            ``zkernels/zero/auto.py``; logs its choice at INFO).
+        stage: 1, 2, 3 or "auto" (the lowest rung whose estimate fits the device, see
+            ``zkernels/zero/auto.py``; logs its choice at INFO). With "auto", ``offload``
+            limits the rungs to that kind; left None, CPU offload is offered on a GPU, and
+            NVMe offload too when ``offload_dir`` is given.
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
             "weight_decay": 0.0}, ...]``; every trainable parameter must be in one.
         param_dtype: None (pure fp32) or torch.bfloat16 / torch.float16 for the compute copy;
             the fp32 master shard lives with the optimizer.
         reduce_dtype: dtype of the gradient reduction (default fp32).
-        offload, offload_dir: must be None (offload comes with a later issue).
+        offload: None (states on the device), "cpu" (fp32 master, moments and gradient shard
+            in host RAM, the step on the CPU: see ``host_update.py``) or "nvme" (moments and
+            master in files under ``offload_dir``, streamed through a fixed host budget: see
+            ``nvme_update.py``). Stages 2 and up (stage 1 raises ValueError).
+        offload_dir: with "nvme", an existing folder; the run's files go in a folder of
+            its own inside, removed by :meth:`close`.
+        offload_config: an :class:`~zkernels.zero.offload_config.OffloadConfig` (pinning,
+            sub-group size, the NVMe host budget, ...); default ``OffloadConfig()``.
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
             (stages 1-2; stage 3 reduces one unit at a time).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
@@ -125,8 +135,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.units.FlatParamUnit` list, in launch order.
-        shard_update: the update strategy (:class:`~zkernels.zero.update.DeviceUpdate`); its
-            ``states`` are the per-unit :class:`~zkernels.zero.shard_state.ShardState`.
+        shard_update: the update strategy (``DeviceUpdate``, ``HostUpdate`` or
+            ``NvmeUpdate``: see ``placement.py``); its ``states`` are the per-unit
+            :class:`~zkernels.zero.shard_state.ShardState`.
+        offload: the offload kind (None, "cpu", "nvme").
         reducer: the gradient strategy.
         schedule: stage 3's :class:`~zkernels.zero.stage3.GatherSchedule` (None below).
     """
@@ -141,17 +153,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, timeout=None,
                  nonfinite: str = "skip", units=None,
-                 reshard_after_forward: bool = True, check_paths: bool = True) -> None:
-        # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
-        # the update strategy (update.py) when its kind is flipped to implemented.
-        if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
-                                        and OFFLOADS[offload].implemented):
-            raise NotImplementedError(f"offload={offload!r} is not supported yet (CPU/NVMe "
-                                      f"offload comes with a later issue): pass offload=None")
-        if offload_dir is not None:
-            raise NotImplementedError(f"offload_dir={offload_dir!r} is not supported yet "
-                                      f"(offload comes with a later issue): pass None")
+                 reshard_after_forward: bool = True, check_paths: bool = True,
+                 offload_config: Optional[OffloadConfig] = None) -> None:
+        # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
+        # strategy of the kind asked for.
         auto = isinstance(stage, str) and stage == "auto"
+        check_offload_args(offload, offload_dir, offload_config, auto=auto)
         if memory_budget_bytes is not None and not auto:
             raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
                              f"stage={stage!r}")
@@ -186,12 +193,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                 self.meter)
         n = self.comm.world_size
         if auto:
-            self.stage = resolve_auto_stage(
+            self.stage, offload = resolve_auto_rung(
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
-                num_param_groups=len(groups), model=model)
+                num_param_groups=len(groups), model=model, offload=offload,
+                offload_dir=offload_dir)
+            if offload != "nvme":
+                offload_dir = None   # it only offered the NVMe rungs
+            if offload is None:
+                offload_config = None
+        self.offload = offload
         self.policy = STAGES[self.stage]
+        check_offload_stage(offload, self.policy)
         if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
             # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
             # forward for its backward; freeing a unit after forward and gathering it again
@@ -211,24 +225,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         ordered = [(group_of[id(p)], p) for p in model.parameters() if id(p) in group_of]
         names = param_names(model)
-        self.shard_update = DeviceUpdate(self.ops)
+        self.shard_update = make_update_strategy(
+            offload, ops=self.ops, device=device, ops_backend=ops_backend,
+            offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
+            offload_config=offload_config)
         self.units = []
         self.schedule: Optional[GatherSchedule] = None
-        if self.policy.shards_params:
-            # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
-            self.units, gather_units = build_units(
-                model, units, group_of, names, n, self.comm.rank, align,
-                self.precision.param_dtype, self.ops, self.shard_update)
-        else:
-            for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
-                unit, initial_master = build_replicated_unit(
-                    i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype,
-                    self.ops)
-                self.shard_update.init_state(unit, initial_master)
-                self.units.append(unit)
-                del initial_master  # the full fp32 copy goes before the next unit is built
+        try:
+            if self.policy.shards_params:
+                # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
+                self.units, gather_units = build_units(
+                    model, units, group_of, names, n, self.comm.rank, align,
+                    self.precision.param_dtype, self.ops, self.shard_update)
+            else:
+                for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
+                    unit, initial_master = build_replicated_unit(
+                        i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype,
+                        self.ops)
+                    self.shard_update.init_state(unit, initial_master)
+                    self.units.append(unit)
+                    del initial_master  # the full fp32 copy goes before the next unit is built
+            if self.shard_update.resumed:
+                self.shard_update.adopt(len(self.units))
+        except BaseException:
+            # Threads, open files and (unless it was a kept one) the run folder go now, not
+            # whenever the half-built optimizer is collected.
+            self.shard_update.close()
+            raise
+        if self.shard_update.resumed:
+            # The strategy adopted a kept state and rewrote this rank's compute shards from
+            # its master: every rank's copy of the full parameters must follow. Collective at
+            # stages 1-2; at stage 3 publish only drops a stale gathered copy.
+            with torch.no_grad():
+                for h in [u.gather.publish(self.comm) for u in self.units]:
+                    h.wait()
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
-                                         self.ops)
+                                         self.ops, grad_sink=self.shard_update.grad_sink)
         if self.policy.shards_params:
             # After the reducer: its gradient hooks (pack, reduce) run before the schedule's
             # (count, free), see [Note: stage-3 gather schedule].
@@ -239,6 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._model_params = list(model.parameters())
+        self._device = device
         self.module = model  # zkernels.checkpoint names parameters and buffers through it
         self._named = list(model.named_parameters())
         self._num_steps = 0
@@ -286,12 +319,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None and not self._scaled_backward:
             raise RuntimeError("param_dtype=torch.float16 uses dynamic loss scaling: call "
                                "opt.backward(loss) instead of loss.backward() before step()")
+        if self.schedule is not None:
+            self.schedule.check_step()
         shards, divisor = self.reducer.finish()
         try:
             grad_scale, skip = grad_scale_and_overflow(
                 shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
-                self.max_grad_norm, self.ops, self.nonfinite, self._num_steps + 1, lambda: locate(
-                    shards, self.units, {id(p): n for n, p in self._named}, self.comm.rank))
+                self.max_grad_norm, self.shard_update.grad_ops, self.nonfinite,
+                self._num_steps + 1, lambda: locate(
+                    shards, self.units, {id(p): n for n, p in self._named}, self.comm.rank),
+                comm_device=self._device)
         except NonFiniteGradientError:  # counted as a skipped step, then raised
             self._overflow_skips, self._num_steps = self._overflow_skips + 1, self._num_steps + 1
             self.meter.close_step()
@@ -314,6 +351,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.shard_update.update(u, g, self.param_groups[u.group_index], grad_scale)
             # Gather this unit while the next one updates.
             handles.append(u.gather.publish(self.comm))
+        self.shard_update.finish_step()
         for h in handles:
             h.wait()
 
@@ -340,6 +378,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with self.schedule.gathered(units):
             yield
 
+    def close(self, keep_files: bool = False):
+        """Release what the update strategy holds outside the device: the copy thread or
+        stream, the NVMe files and their folder (idempotent; also runs when the optimizer is
+        garbage collected). The optimizer cannot step afterwards.
+
+        Args:
+            keep_files: NVMe offload only: keep the run folder (with a manifest) for
+                ``OffloadConfig(resume_dir=...)``.
+
+        Returns:
+            the kept folder (NVMe with ``keep_files``), else None.
+        """
+        if keep_files:
+            if self.offload != "nvme":
+                raise ValueError("close(keep_files=True) applies only to offload='nvme'")
+            return self.shard_update.close(keep_files=True)
+        self.shard_update.close()
+        return None
+
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
         return _state.state_dict(self)
@@ -355,7 +412,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
             None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
-            "total"}}``. Memory is measured from the storages held: params are the flat
+            "total"}, "memory_location_bytes": {"device", "host", "disk"}, "offload": None or
+            {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
+            "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
+            ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
+            ``memory_location_bytes`` splits the total by location: host RAM is what the
+            offload strategy allocated there, disk the measured sizes of its files. The offload
+            entry adds the last step's transfers: bytes each way, the offloaded update's
+            host time, and how much of the gradient copies was hidden behind backward.
+            Memory is measured from the storages held: params are the flat
             compute buffers (and any frozen parameters); grads the stage-1 flat gradient
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
             e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
@@ -364,17 +429,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             2Ψ + 14Ψ/N.
         """
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
-        held = self.shard_update.held()
-        mem = memory_bytes({
-            "params": [t for u in self.units for t in u.gather.held()] + self._model_params,
-            "grads": grads,
-            "master": held["master"],
-            "optimizer_states": held["optimizer_states"],
-            "buffers": self.reducer.held_buffers(),
-        })
+        upd = self.shard_update
+        held = upd.held()
+        device = {"params": [t for u in self.units for t in u.gather.held()] + self._model_params,
+                  "grads": grads, "master": held["master"],
+                  "optimizer_states": held["optimizer_states"],
+                  "buffers": self.reducer.held_buffers()}
+        mem, where = memory_by_location(device, upd.held_host(), upd.disk_bytes())
+        offload = None
+        if self.offload is not None:
+            offload = {"kind": self.offload, **where, **upd.last_step}
         out = {"step": self._num_steps, "overflow_skips": self._overflow_skips,
                "loss_scale": self.scaler.scale if self.scaler is not None else None,
-               "comm_bytes": self.meter.last_step(), "memory_bytes": mem}
+               "comm_bytes": self.meter.last_step(), "memory_bytes": mem,
+               "memory_location_bytes": where, "offload": offload}
         if self.schedule is not None:
             last = self._gather_stats or {"all_gathers": 0, "peak_gathered_bytes": 0}
             out["gather"] = {**last, "gathered_bytes": self.schedule.live_bytes(),

@@ -116,13 +116,17 @@ STAGES: Dict[int, StagePolicy] = {
 
 OFFLOADS: Dict[Optional[str], OffloadPolicy] = {
     None: OffloadPolicy(None, min_stage=0, implemented=True),
-    "cpu": OffloadPolicy("cpu", min_stage=2, implemented=False),
-    "nvme": OffloadPolicy("nvme", min_stage=2, implemented=False),
+    "cpu": OffloadPolicy("cpu", min_stage=2, implemented=True),
+    "nvme": OffloadPolicy("nvme", min_stage=2, implemented=True),
 }
 
-# The ladder, lowest first: (stage, offload kind).
+# The ladder, lowest first: (stage, offload kind). Offload comes after stage 3 (host copies
+# and a CPU step cost more than stage 3's extra all-gather on a GPU), stage 2 + offload before
+# stage 3 + offload (ZeRO-Offload keeps full parameters on the device: no gathers), NVMe last
+# (disk bandwidth); stage="auto" and plan take the first that fits.
 RUNGS: Tuple[Tuple[int, Optional[str]], ...] = ((1, None), (2, None), (3, None),
-                                                (3, "cpu"), (3, "nvme"))
+                                                (2, "cpu"), (3, "cpu"),
+                                                (2, "nvme"), (3, "nvme"))
 
 
 def implemented_stages() -> Tuple[int, ...]:

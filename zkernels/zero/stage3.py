@@ -42,7 +42,8 @@ leaves the others in that all-reduce, which raises within the process group's ti
 error names the unit). The pair is counted in the meter (``all_reduce``: 16 B x 2(N-1)/N per
 gather) and costs one small round trip before each gather; on a GPU it also waits for the
 device (``.tolist()``), which is why it can be switched off once a model's paths are known
-to agree.
+to agree. ``step()`` runs the same check first, with the index ``len(units)``: a rank that
+skipped a backward meets its peers' backward gathers there, not with a reduce-scatter.
 """
 from __future__ import annotations
 
@@ -177,27 +178,45 @@ class GatherSchedule:
         return sum(u.nbytes for u in self.units
                    if u.allocated and not (transient_only and u.keep_for_backward))
 
-    def _check_same_unit(self, u: GatherUnit) -> None:
-        i = self._index[id(u)]
-        pair = torch.tensor([i, -i], dtype=torch.int64, device=u.flats[0].device)
+    def _name_at(self, index: int) -> str:
+        return "step()" if index == len(self.units) else repr(self.units[index].name)
+
+    def _check_same_point(self, index: int, device: torch.device) -> None:
+        """[Note: divergent paths]: every rank is about to gather unit ``index``, or (index ==
+        len(units)) to enter ``step()``."""
+        what = self._name_at(index)
+        doing = "enter step()" if index == len(self.units) else f"gather unit {what}"
+        pair = torch.tensor([index, -index], dtype=torch.int64, device=device)
         try:
             self.comm.all_reduce(pair, op="max").wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
             raise _with_unit(exc,
-                f"stage 3: rank {self.comm.rank} waited to gather unit {u.name!r} and its peers "
-                f"did not join ({exc}). Every rank must run the same units in the same order: "
-                f"a rank whose forward or backward takes another path leaves the others "
-                f"waiting") from exc
+                f"stage 3: rank {self.comm.rank} waited to {doing} and its peers did not join "
+                f"({exc}). Every rank must run the same units in the same order: a rank whose "
+                f"forward or backward takes another path leaves the others waiting") from exc
         hi, lo = pair.tolist()
         lo = -lo
         if hi != lo:
             raise RuntimeError(
-                f"stage 3: ranks disagree on the next unit to gather: rank {self.comm.rank} "
-                f"gathers {u.name!r}, the ranks' units range from {self.units[lo].name!r} to "
-                f"{self.units[hi].name!r} (in module order). Every rank must run the same "
-                f"units in the same order (a forward that skips or repeats a block on some "
-                f"ranks, or generation that stops at different lengths, diverges); gather the "
-                f"model once with opt.gathered() around such loops")
+                f"stage 3: ranks disagree on what comes next: rank {self.comm.rank} is about to "
+                f"{doing}, the ranks' next points range from {self._name_at(lo)} to "
+                f"{self._name_at(hi)} (units in module order, then step()). Every rank must run "
+                f"the same units in the same order (a forward that skips or repeats a block on "
+                f"some ranks, a backward that one rank skips, or generation that stops at "
+                f"different lengths, diverges); gather the model once with opt.gathered() "
+                f"around such loops")
+
+    def _check_same_unit(self, u: GatherUnit) -> None:
+        self._check_same_point(self._index[id(u)], u.flats[0].device)
+
+    def check_step(self) -> None:
+        """Before ``step()``'s collectives: a rank that skipped a backward (or a forward) would
+        otherwise meet its peers' backward gathers with its reduce-scatters ([Note: divergent
+        paths]); here both sides raise instead."""
+        if self.check_paths:
+            device = next((u.flats[0].device for u in self.units if u.flats), None)
+            if device is not None:
+                self._check_same_point(len(self.units), device)
 
     def _start(self, u: GatherUnit) -> List[Handle]:
         handles = []

@@ -31,10 +31,13 @@ def state_dict(opt) -> Dict[str, Any]:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": list(range(index, index + len(g["params"])))})
         index += len(g["params"])
-    state = {st.unit_index: {"step": st.step, "master": st.master.detach().clone(),
-                             "exp_avg": st.exp_avg.detach().clone(),
-                             "exp_avg_sq": st.exp_avg_sq.detach().clone()}
-             for st in opt.shard_update.states}
+    state = {}
+    for st in opt.shard_update.states:
+        # Through the strategy: NVMe offload reads its moments (and master) from disk.
+        master, exp_avg, exp_avg_sq = opt.shard_update.state_tensors(st.unit_index)
+        state[st.unit_index] = {"step": st.step, "master": master.detach().clone(),
+                                "exp_avg": exp_avg.detach().clone(),
+                                "exp_avg_sq": exp_avg_sq.detach().clone()}
     zero = {"world_size": opt.comm.world_size, "rank": opt.comm.rank, "stage": opt.stage,
             "param_dtype": str(opt.precision.param_dtype), "buckets": _fingerprint(opt),
             "num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,

@@ -35,3 +35,22 @@ def memory_bytes(groups: Dict[str, Iterable[torch.Tensor]]) -> Dict[str, int]:
         out[kind] = total
     out["total"] = sum(out[k] for k in KINDS)
     return out
+
+
+def memory_by_location(device: Dict[str, Iterable[torch.Tensor]],
+                       host: Dict[str, Iterable[torch.Tensor]],
+                       disk: Dict[str, int]) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Bytes by kind over device tensors, host tensors (offload) and file bytes (NVMe).
+
+    Returns:
+        ``(by_kind, by_location)``: ``{kind: bytes, "total"}`` summed over the three places,
+        and ``{"device", "host", "disk"}`` totals. A storage is counted once (under the first
+        place and kind that holds it).
+    """
+    on_device = memory_bytes(device)
+    on_host = memory_bytes(host)
+    by_kind = {k: on_device[k] + on_host[k] + int(disk.get(k, 0)) for k in KINDS}
+    by_kind["total"] = sum(by_kind[k] for k in KINDS)
+    where = {"device": on_device["total"], "host": on_host["total"],
+             "disk": sum(int(disk.get(k, 0)) for k in KINDS)}
+    return by_kind, where

@@ -1,13 +1,16 @@
 """Update strategies: own each unit's :class:`ShardState`, decide where it lives, and apply
 one fused AdamW per unit shard.
 
-See [Note: parameters and state] in ``units.py``. Placement is the strategy's: offload (a later
-issue) adds a host or NVMe strategy with the same members (``placement``, ``states``,
-``init_state``, ``update``, ``load_state``), and the optimizer's step does not change.
+See [Note: parameters and state] in ``units.py``. Placement is the strategy's: offload adds a
+host (``host_update.HostUpdate``) and an NVMe (``nvme_update.NvmeUpdate``) strategy with the
+same members, chosen once by ``placement.make_update_strategy``; the optimizer's step does not
+change. A strategy may hand the stage-2 reducer a ``grad_sink`` (where reduced gradient shards
+go during backward: host RAM for CPU offload) and names the OpSet of the gradient shards
+(``grad_ops``: clipping sums their squares where they live).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Protocol, Union
+from typing import Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -21,8 +24,12 @@ GradScale = Union[None, float, torch.Tensor]
 class UpdateStrategy(Protocol):
     """What the optimizer and ``state.py`` need from an update strategy."""
 
-    placement: str              # "device", later "cpu" / "nvme"
-    states: List[ShardState]    # by unit index
+    placement: str              # "device", "cpu" or "nvme"
+    states: List[ShardState]    # by unit index (NVMe: meta tensors, see state_tensors)
+    grad_sink: Optional[object]  # stage 2's grad sink (grad_reducers.GradSink) or None
+    grad_ops: OpSet             # ops for the gradient shards update() receives
+    last_step: Dict[str, float]  # transfer figures of the last step (offload), for stats()
+    resumed: bool               # init_state adopted a kept state (the optimizer re-gathers)
 
     def init_state(self, unit: FlatParamUnit, initial_master: torch.Tensor) -> ShardState:
         """Allocate ``unit``'s state (where this strategy keeps states)."""
@@ -36,8 +43,24 @@ class UpdateStrategy(Protocol):
                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Overwrite ``unit``'s state and its compute shard."""
 
+    def finish_step(self) -> None:
+        """After every unit's update of a step: transfers done, figures recorded."""
+
+    def state_tensors(self, unit_index: int) -> Tuple[torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+        """``(master, exp_avg, exp_avg_sq)`` of a unit as tensors (read from disk for NVMe)."""
+
     def held(self) -> Dict[str, List[torch.Tensor]]:
-        """Tensors held by kind ("master", "optimizer_states") for ``stats()``."""
+        """Device tensors held by kind ("master", "optimizer_states") for ``stats()``."""
+
+    def held_host(self) -> Dict[str, List[torch.Tensor]]:
+        """Host tensors held by kind (offload) for ``stats()``."""
+
+    def disk_bytes(self) -> Dict[str, int]:
+        """Bytes of files held by kind (NVMe offload), measured from the files."""
+
+    def close(self) -> None:
+        """Release threads and files (idempotent)."""
 
 
 class DeviceUpdate:
@@ -56,10 +79,13 @@ class DeviceUpdate:
     """
 
     placement = "device"
+    grad_sink = None
+    resumed = False
 
     def __init__(self, ops: OpSet) -> None:
-        self.ops = ops
+        self.ops = self.grad_ops = ops
         self.states: List[ShardState] = []
+        self.last_step: Dict[str, float] = {}
 
     def init_state(self, unit: FlatParamUnit, initial_master: torch.Tensor) -> ShardState:
         """Allocate ``unit``'s state from its fp32 shard values (``build_*_unit``'s second
@@ -113,7 +139,25 @@ class DeviceUpdate:
         if self._writes_compute(unit):
             self.ops.cast(st.master, out=unit.compute_shard)
 
+    def finish_step(self) -> None:
+        return None
+
+    def state_tensors(self, unit_index: int):
+        return self.states[unit_index].tensors()
+
     def held(self):
         """``{"master": [...], "optimizer_states": [...]}`` tensors held (for ``stats()``)."""
         return {"master": [s.master for s in self.states],
                 "optimizer_states": [t for s in self.states for t in (s.exp_avg, s.exp_avg_sq)]}
+
+    def held_host(self) -> Dict[str, List[torch.Tensor]]:
+        return {}
+
+    def disk_bytes(self) -> Dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+    def adopt(self, num_units: int) -> None:
+        raise RuntimeError(f"{type(self).__name__} does not resume kept state")

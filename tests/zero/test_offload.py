@@ -1,0 +1,366 @@
+"""Offload on one process: every error case gives a clear error (never a wrong step), files
+go with the optimizer, the I/O path choice is reported, and the NVMe host budget holds on a
+model whose moments are far larger than it."""
+import errno
+import gc
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zkernels as zk
+from zkernels.zero import OffloadConfig, ZeroOptimizer
+from zkernels.zero import swap
+from zkernels.zero.swap import OffloadIOError
+from tests.zero._harness import MICRO_BATCH, chunk, make_batches, make_model
+
+BUDGET = 3 * 1024 * 18 + 2 * 4096 + 1000
+
+
+@pytest.fixture
+def folder():
+    path = tempfile.mkdtemp(prefix="zk-offload-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _nvme(model, folder, **config):
+    return ZeroOptimizer(model, stage=2, lr=1e-3, bucket_bytes=3000, offload="nvme",
+                         offload_dir=folder,
+                         offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET, **config))
+
+
+def _train(model, opt, steps=1, seed=1):
+    for batch in make_batches(steps, MICRO_BATCH, seed=seed):
+        opt.backward(model(*chunk(batch, 0)))
+        opt.step()
+        opt.zero_grad()
+
+
+def _tmpfs(size: str, *options):
+    """A fresh tmpfs mount (root only), or None where mounting is not allowed."""
+    path = tempfile.mkdtemp(prefix="zk-tmpfs-")
+    opts = ",".join((f"size={size}",) + options)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        os.rmdir(path)
+        return None
+    return path
+
+
+def _umount(path):
+    gc.collect()  # a failed construction's traceback may still hold the files
+    subprocess.run(["umount", "-l", path], check=True)
+    os.rmdir(path)
+
+
+def test_files_go_on_close_and_on_garbage_collection(folder, one_thread):
+    model = make_model()
+    opt = _nvme(model, folder)
+    run = opt.shard_update.folder
+    assert os.path.dirname(run) == folder and os.listdir(run)
+    _train(model, opt)
+    opt.close()
+    opt.close()  # idempotent
+    assert not os.path.exists(run) and os.listdir(folder) == []
+    with pytest.raises(RuntimeError, match="was closed"):
+        _train(model, opt)
+    opt2 = _nvme(make_model(), folder)
+    run2 = opt2.shard_update.folder
+    del opt2
+    gc.collect()
+    assert not os.path.exists(run2), "weakref.finalize removes a dropped optimizer's files"
+
+
+def test_full_disk_real_tmpfs(one_thread):
+    """A 256 KiB tmpfs cannot hold this rank's 12 bytes per parameter: a clear error at
+    construction naming the folder, before any training."""
+    mnt = _tmpfs("256k")
+    if mnt is None:
+        pytest.skip("mount -t tmpfs needs root here; test_full_disk_simulated covers the path")
+    try:
+        with pytest.raises(OffloadIOError, match="no space left"):
+            _nvme(make_model(), mnt)
+    finally:
+        _umount(mnt)
+
+
+def test_full_disk_simulated(folder, monkeypatch, one_thread):
+    """ENOSPC from a write (statvfs said there was room, then another process took it)."""
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(swap.os, "pwritev", full)
+    with pytest.raises(OffloadIOError, match="no space left on the device holding"):
+        _nvme(make_model(), folder)
+
+
+def test_unwritable_folder(one_thread):
+    # Root ignores permission bits, so use folders no one may write: sysfs, and a read-only
+    # tmpfs where mounting is allowed.
+    with pytest.raises(OffloadIOError, match="offload_dir='/sys' is not writable"):
+        _nvme(make_model(), "/sys")
+    mnt = _tmpfs("1m", "ro")
+    if mnt is not None:
+        try:
+            with pytest.raises(OffloadIOError, match="is not writable"):
+                _nvme(make_model(), mnt)
+        finally:
+            _umount(mnt)
+
+
+def test_truncated_file_fails_the_step_before_any_change(folder, one_thread):
+    model = make_model()
+    opt = _nvme(model, folder)
+    _train(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = [s.step for s in opt.shard_update.states]
+    victim = opt.shard_update.files[-1]["exp_avg_sq"]
+    os.truncate(victim.path, victim.file_bytes - 4096)
+    opt.backward(model(*chunk(make_batches(1, MICRO_BATCH, seed=5)[0], 0)))
+    with pytest.raises(OffloadIOError, match="truncated or replaced"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert [s.step for s in opt.shard_update.states] == steps
+    opt.close()
+
+
+def test_short_read_is_an_error(folder, one_thread):
+    """A read that comes back short (the size check passed, then the file shrank) raises."""
+    model = make_model()
+    opt = _nvme(model, folder)
+    f = opt.shard_update.files[0]["exp_avg"]
+    os.truncate(f.path, swap.HEADER_BYTES + 100)
+    buf = swap.aligned_empty(f.data_bytes)
+    with pytest.raises(OffloadIOError, match="truncated"):
+        opt.shard_update.io.read(f, buf, 0, f.data_bytes).result()
+    opt.close()
+
+
+def _kept(folder, steps=2):
+    model = make_model()
+    opt = _nvme(model, folder)
+    _train(model, opt, steps)
+    return opt.close(keep_files=True)
+
+
+def test_resume_refuses_foreign_truncated_and_mismatched_files(folder, one_thread):
+    kept = _kept(folder)
+    files = sorted(f for f in os.listdir(kept) if f.endswith(".swap"))
+    victim = os.path.join(kept, files[0])
+    data = open(victim, "rb").read()
+    # foreign: bad magic
+    with open(victim, "r+b") as f:
+        f.write(b"NOTOURS!")
+    with pytest.raises(OffloadIOError, match="not a zkernels swap file"):
+        _nvme(make_model(), folder, resume_dir=kept)
+    # another unit's file under this name
+    other = open(os.path.join(kept, files[-1]), "rb").read()
+    with open(victim, "wb") as f:
+        f.write(other)
+    with pytest.raises(OffloadIOError, match="a file of another run or layout"):
+        _nvme(make_model(), folder, resume_dir=kept)
+    # truncated
+    with open(victim, "wb") as f:
+        f.write(data[:-4096])
+    with pytest.raises(OffloadIOError, match="truncated or foreign"):
+        _nvme(make_model(), folder, resume_dir=kept)
+    with open(victim, "wb") as f:
+        f.write(data)
+    # another layout (a different bucket size): the header's element counts differ
+    with pytest.raises(OffloadIOError, match="another run or layout"):
+        ZeroOptimizer(make_model(), stage=2, bucket_bytes=6000, offload="nvme",
+                      offload_dir=folder,
+                      offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET, resume_dir=kept))
+    # master kept in host RAM cannot be resumed; a folder without a manifest is refused
+    with pytest.raises(OffloadIOError, match="was kept by"):
+        _nvme(make_model(), folder, resume_dir=kept, nvme_master=False)
+    with pytest.raises(OffloadIOError, match="no readable manifest.json"):
+        _nvme(make_model(), folder, resume_dir=folder)
+    assert os.path.isdir(kept), "a failed resume leaves the kept folder as it was"
+    opt = _nvme(make_model(), folder, resume_dir=kept)  # intact again: adopted
+    assert [s.step for s in opt.shard_update.states] == [2] * len(opt.units)
+    opt.close()
+    assert not os.path.exists(kept)
+
+
+def test_keep_files_needs_the_master_on_disk(folder):
+    opt = _nvme(make_model(), folder, nvme_master=False)
+    with pytest.raises(ValueError, match="nvme_master=True"):
+        opt.close(keep_files=True)
+    opt.close()
+    with pytest.raises(ValueError, match="only to offload='nvme'"):
+        ZeroOptimizer(make_model(), stage=2, offload="cpu").close(keep_files=True)
+
+
+def test_budget_too_small(folder):
+    with pytest.raises(ValueError, match="nvme_buffer_bytes=1000 is too small"):
+        ZeroOptimizer(make_model(), stage=2, offload="nvme", offload_dir=folder,
+                      offload_config=OffloadConfig(nvme_buffer_bytes=1000))
+
+
+def test_direct_io_choice_is_reported(folder, caplog, monkeypatch, one_thread):
+    opt = _nvme(make_model(), folder)
+    ok, reason = swap.probe_direct_io(folder)
+    assert opt.shard_update.direct_io == ok and opt.shard_update.direct_io_reason == reason
+    opt.close()
+    opt = _nvme(make_model(), folder, direct_io=False)
+    assert not opt.shard_update.direct_io and "direct_io=False" in \
+        opt.shard_update.direct_io_reason
+    opt.close()
+    # A filesystem that refuses O_DIRECT (older tmpfs, some overlays): simulated, since this
+    # machine's tmpfs takes it. Buffered I/O with a warning, or an error when demanded.
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(swap.os, "open", refuse_direct)
+    with caplog.at_level(logging.WARNING, logger="zkernels.offload"):
+        opt = _nvme(make_model(), folder)
+    assert not opt.shard_update.direct_io and "buffered I/O" in caplog.text
+    assert "refuses O_DIRECT" in opt.shard_update.direct_io_reason
+    _train(make_model(), opt)
+    opt.close()
+    with pytest.raises(OffloadIOError, match="direct_io=True"):
+        _nvme(make_model(), folder, direct_io=True)
+    assert os.listdir(folder) == [], "a failed construction removes its run folder"
+
+
+def test_pin_memory_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: pinning works")
+    with pytest.raises(ValueError, match="pin_memory=True needs a GPU"):
+        ZeroOptimizer(make_model(), stage=2, offload="cpu",
+                      offload_config=OffloadConfig(pin_memory=True))
+
+
+def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
+    """A model whose moments (8 bytes per parameter) are more than 10x the host budget: host
+    RAM held by the strategy is the budget, the state is on disk, and the step is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    ref = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    ref.load_state_dict(model.state_dict())
+    psi = sum(p.numel() for p in model.parameters())
+    budget = 3 * 1024 * 16 + 2 * 4096   # fp32: no output staging; the smallest budget
+    assert 8 * psi >= 10 * budget
+    opt = ZeroOptimizer(model, stage=2, lr=1e-2, offload="nvme", offload_dir=folder,
+                        offload_config=OffloadConfig(nvme_buffer_bytes=budget))
+    ropt = ZeroOptimizer(ref, stage=2, lr=1e-2)
+    x = torch.randn(8, 256)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.backward(m(x).square().mean())
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    where = opt.stats()["memory_location_bytes"]
+    assert where["host"] <= budget and where["disk"] >= 12 * psi
+    assert where["disk"] >= 10 * budget
+
+
+def test_auto_and_plan_offer_offload_rungs(folder, capsys, caplog):
+    from zkernels.__main__ import main as zk_main
+    from zkernels.zero.auto import auto_rungs
+    from zkernels.zero.policy import RUNGS, rung_implemented
+    assert (2, "cpu") in RUNGS and (2, "nvme") in RUNGS
+    assert rung_implemented(2, "cpu") and rung_implemented(2, "nvme")
+    # Which rungs auto offers: on a GPU cpu offload, nvme with a folder; on the host none
+    # unless asked for.
+    gpu, host = torch.device("cuda"), torch.device("cpu")
+    assert {o for _, o in auto_rungs(gpu, None, None)} == {None, "cpu"}
+    assert {o for _, o in auto_rungs(gpu, None, folder)} == {None, "cpu", "nvme"}
+    assert {o for _, o in auto_rungs(host, None, folder)} == {None}
+    assert auto_rungs(host, "nvme", folder) == ((2, "nvme"), (3, "nvme"))
+    # stage="auto" with offload="cpu": a budget below stage 2's device bytes but above
+    # stage 2 + cpu offload's takes (2, "cpu") and builds it.
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    need = zk.estimate_memory(model, 1, 2, offload="cpu", bucket_bytes=3000).device_bytes
+    assert need < zk.estimate_memory(model, 1, 2, bucket_bytes=3000).device_bytes
+    with caplog.at_level(logging.INFO, logger="zkernels.zero"):
+        opt = ZeroOptimizer(model, stage="auto", offload="cpu", memory_budget_bytes=need,
+                            bucket_bytes=3000)
+    assert (opt.stage, opt.offload) == (2, "cpu") and "stage 2 + cpu offload" in caplog.text
+    assert type(opt.shard_update).__name__ == "HostUpdate"
+    opt = ZeroOptimizer(make_model(), stage="auto", offload="nvme", offload_dir=folder,
+                        memory_budget_bytes=need + 4 * psi, bucket_bytes=3000,
+                        offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET))
+    assert (opt.stage, opt.offload) == (2, "nvme")
+    opt.close()
+    # plan prints every rung, offload rungs included.
+    assert zk_main(["plan", "--params", "1e9", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    for name in ("stage 2 + cpu offload", "stage 2 + nvme offload", "stage 3 + cpu offload"):
+        assert name in out
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_two_backwards_without_zero_grad_add_like_the_device(kind, folder, one_thread):
+    """Reduced shards of two synced backwards add up (host-side add for cpu offload) exactly
+    as stage 2 adds them on the device."""
+    models, opts = [], []
+    for kw in ({}, {"offload": kind, **({"offload_dir": folder} if kind == "nvme" else {})}):
+        m = make_model()
+        models.append(m)
+        cfg = OffloadConfig(nvme_buffer_bytes=BUDGET) if kw else None
+        opts.append(ZeroOptimizer(m, stage=2, lr=1e-3, bucket_bytes=3000,
+                                  offload_config=cfg, **kw))
+    b1, b2 = make_batches(2, MICRO_BATCH)
+    for m, o in zip(models, opts):
+        o.backward(m(*chunk(b1, 0)))
+        o.backward(m(*chunk(b2, 0)))
+        o.step()
+        o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    opts[1].close()
+
+
+@pytest.mark.parametrize("src", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize("dst", ["device", "cpu", "nvme"])
+def test_checkpoint_across_placements(src, dst, folder, one_thread):
+    """zkernels.checkpoint saves an offloaded state (NVMe: read from its files) and loads it
+    into any placement; training continues bit-identically to the uninterrupted run."""
+    import zkernels.checkpoint as ck
+    kinds = {"device": {}, "cpu": {"offload": "cpu"},
+             "nvme": {"offload": "nvme", "offload_dir": folder,
+                      "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
+
+    def build(kw, seed):
+        m = make_model(seed)
+        return m, ZeroOptimizer(m, stage=2, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
+                                bucket_bytes=3000, **kw)
+    batches = make_batches(5, MICRO_BATCH)
+    m1, o1 = build(kinds[src], 0)
+    for b in batches[:3]:
+        o1.backward(m1(*chunk(b, 0)))
+        o1.step()
+        o1.zero_grad()
+    path = os.path.join(folder, "ckpt")
+    ck.save(o1, path)
+    m2, o2 = build(kinds[dst], 7)
+    ck.load(o2, path)
+    for b in batches[3:]:
+        for m, o in ((m1, o1), (m2, o2)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    o1.close()
+    o2.close()

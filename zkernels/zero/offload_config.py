@@ -1,0 +1,62 @@
+"""How offload runs: one frozen dataclass passed as ``ZeroOptimizer(offload_config=...)``.
+
+The registry entry (``policy.OFFLOADS[kind]``) says *what* a kind moves off the device; this
+says *how* (pinning, sub-group size, the NVMe buffer budget, I/O threads), as FSDP2's
+``CPUOffloadPolicy(pin_memory=...)`` and DeepSpeed's ``offload_optimizer`` block do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+IO_ALIGN = 4096           # bytes: O_DIRECT's alignment of buffers, offsets and lengths
+DEFAULT_SUB_GROUP_NUMEL = 1 << 22    # elements per CPU AdamW sub-group (16 MiB of fp32)
+DEFAULT_NVME_BUFFER_BYTES = 1 << 26  # host RAM the NVMe strategy streams through (64 MiB)
+NUM_NVME_BUFFERS = 3      # read sub-group k+1, update k, write k-1
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Knobs of ``offload="cpu"`` and ``offload="nvme"``.
+
+    Attributes:
+        pin_memory: None (pin host buffers when a GPU is present: page-locked memory is what
+            makes device<->host copies asynchronous), True (always: fails without a GPU) or
+            False (never: for hosts where pinning fails or is capped).
+        sub_group_numel: elements per CPU AdamW call (cpu offload): the updated compute
+            params of one sub-group go back to the device while the next one updates.
+        nvme_buffer_bytes: host RAM the NVMe strategy holds in all (its fixed aligned buffers:
+            moments, master, gradient and output staging of ``NUM_NVME_BUFFERS`` sub-groups);
+            the sub-group size follows from it. Host RAM stays at this budget whatever the
+            model size.
+        nvme_master: keep the fp32 master on disk too (12 bytes per parameter on disk, not 8);
+            False keeps it in host RAM (4Ψ/N, outside the budget).
+        io_threads: threads of the file I/O pool (each runs blocking ``os.preadv`` /
+            ``os.pwritev`` with the GIL released).
+        direct_io: None (O_DIRECT where the filesystem accepts it, else buffered I/O, with the
+            reason logged once), True (O_DIRECT or an error), False (buffered).
+        resume_dir: an NVMe run folder kept by ``opt.close(keep_files=True)``: the new
+            optimizer checks and adopts its files (moments, master, step counts) instead of
+            starting from zero moments; its parameters are rebuilt from the kept master.
+    """
+
+    pin_memory: Optional[bool] = None
+    sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL
+    nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES
+    nvme_master: bool = True
+    io_threads: int = 4
+    direct_io: Optional[bool] = None
+    resume_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("sub_group_numel", "nvme_buffer_bytes", "io_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"OffloadConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("pin_memory", "direct_io"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"OffloadConfig.{name} must be None, True or False, got {v!r}")
+        if not isinstance(self.nvme_master, bool):
+            raise ValueError(f"OffloadConfig.nvme_master must be a bool, got "
+                             f"{self.nvme_master!r}")

@@ -1,0 +1,95 @@
+"""Where the optimizer state lives: the one place that turns ``offload=`` into an update
+strategy (``update.DeviceUpdate``, ``host_update.HostUpdate``, ``nvme_update.NvmeUpdate``).
+
+The registry (``policy.OFFLOADS``) says which kinds exist, which are implemented and the lowest
+stage each combines with; this module checks the constructor's offload arguments against it
+and builds the strategy.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .. import ops as _ops
+from ..ops import OpSet
+from .offload_config import OffloadConfig
+from .policy import OFFLOADS, STAGES, StagePolicy
+
+
+def check_offload_args(offload, offload_dir, offload_config, auto: bool = False) -> None:
+    """Validate ``offload``, ``offload_dir`` and ``offload_config`` (before any work).
+
+    Args:
+        auto: ``stage="auto"``, where ``offload_dir`` alone offers the NVMe rungs and
+            ``offload_config`` applies to whichever offload rung is taken.
+
+    Raises:
+        ValueError / NotImplementedError / TypeError: naming the argument and what was
+            expected.
+    """
+    if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if not OFFLOADS[offload].implemented:
+        raise NotImplementedError(f"offload={offload!r} is not available in this version: "
+                                  f"pass offload=None")
+    if offload_config is not None and not isinstance(offload_config, OffloadConfig):
+        raise TypeError(f"offload_config must be a zkernels.zero.OffloadConfig or None, got "
+                        f"{type(offload_config).__name__}")
+    if offload is None and offload_config is not None and not auto:
+        raise ValueError("offload_config applies only with offload='cpu' or 'nvme'")
+    if offload == "cpu" and offload_config is not None and offload_config.resume_dir:
+        raise ValueError("OffloadConfig.resume_dir applies only to offload='nvme'")
+    if offload != "nvme" and offload_dir is not None and not (auto and offload is None):
+        raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
+                         f"{offload!r}, offload_dir={offload_dir!r})")
+    if offload_dir is not None:
+        if not isinstance(offload_dir, (str, os.PathLike)):
+            raise TypeError(f"offload_dir must be a path, got {type(offload_dir).__name__}")
+        path = os.fspath(offload_dir)
+        parent = os.path.dirname(os.path.abspath(path))
+        # A missing folder is created (as DeepSpeed's nvme_path is) when its parent exists.
+        if os.path.exists(path) and not os.path.isdir(path) or \
+                not os.path.exists(path) and not os.path.isdir(parent):
+            raise ValueError(f"offload_dir={path!r} is not an existing folder (nor one whose "
+                             f"parent exists)")
+    if offload == "nvme":
+        if offload_dir is None:
+            raise ValueError("offload='nvme' needs offload_dir= (an existing folder on the "
+                             "disk to hold the optimizer state)")
+
+
+def check_offload_stage(offload, policy: StagePolicy) -> None:
+    """Raises ValueError when ``offload`` does not combine with ``policy``'s stage."""
+    off = OFFLOADS[offload]
+    if policy.stage < off.min_stage:
+        allowed = " or ".join(str(s) for s, p in STAGES.items()
+                              if s >= off.min_stage and p.implemented)
+        raise ValueError(f"offload={offload!r} needs stage {allowed}, got stage "
+                         f"{policy.stage}: stage {policy.stage} keeps full gradients on the "
+                         f"device until step(), so there is no gradient shard to stream "
+                         f"to the host during backward")
+
+
+def host_ops_for(ops_backend: Optional[str]) -> OpSet:
+    """The CPU OpSet an offloaded step runs on: the native AdamW where built, the reference
+    otherwise; a forced ``"triton"`` backend (a device choice) does not apply to the host."""
+    backend = None if ops_backend == "triton" else ops_backend
+    return _ops.for_device("cpu", backend, arg_name="ops_backend")
+
+
+def make_update_strategy(offload, *, ops: OpSet, device: torch.device,
+                         ops_backend: Optional[str], offload_dir, rank: int,
+                         world_size: int, offload_config: Optional[OffloadConfig]):
+    """The update strategy for ``offload`` (None: states on the device)."""
+    if offload is None:
+        from .update import DeviceUpdate
+        return DeviceUpdate(ops)
+    config = offload_config or OffloadConfig()
+    if offload == "cpu":
+        from .host_update import HostUpdate
+        return HostUpdate(host_ops_for(ops_backend), device, config)
+    from .nvme_update import NvmeUpdate
+    return NvmeUpdate(ops, host_ops_for(ops_backend), device, config, offload_dir, rank,
+                      world_size)
