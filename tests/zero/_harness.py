@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from tests._dist import rank_threads, run_ranks
 from zkernels.demo.model import GPT, GPTConfig
 
 # Sizes that divide by nothing: 36 = 3 heads x 12, vocab 97 (prime), 13 positions.
@@ -145,6 +146,34 @@ def run_checks(checks: Dict[str, Callable], rank: int, world_size: int) -> Dict[
         except Exception:  # noqa: BLE001 - reported per check by the parent
             out[name] = traceback.format_exc()
     return out
+
+
+def battery_results(checks: Dict[str, Callable], battery: Callable, *, timeout: float = 400.0,
+                    pg_timeout_s: float = 60.0) -> Callable[[int], Dict[str, Optional[str]]]:
+    """``get(world_size)`` -> {check: None or the first failing rank's traceback}, cached per
+    world size: one spawn of ``battery`` (``battery(rank, world_size)`` runs every check) per
+    world size above 1, each rank paying a torch import once; world size 1 runs ``checks``
+    here, without torch.distributed, on the ranks' thread count (ZKERNELS_TEST_THREADS: OpenMP
+    barriers on a shared 2-core machine make tiny ops ~1000x slower)."""
+    cache = {}
+
+    def get(world_size: int) -> Dict[str, Optional[str]]:
+        if world_size not in cache:
+            if world_size == 1:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(rank_threads())
+                try:
+                    per_rank = [run_checks(checks, 0, 1)]
+                finally:
+                    torch.set_num_threads(threads)
+            else:
+                per_rank = run_ranks(battery, world_size, timeout=timeout,
+                                     pg_timeout_s=pg_timeout_s)
+            cache[world_size] = {name: next((r[name] for r in per_rank if r[name]), None)
+                                 for name in checks}
+        return cache[world_size]
+
+    return get
 
 
 def clone_model(model):

@@ -2,10 +2,9 @@
 world size runs every check of ``_stage3_checks.CHECKS``, each reported as its own test; then
 bad input and a rank that takes another path."""
 import pytest
-import torch
 
 from tests._dist import run_ranks
-from tests.zero._harness import run_checks
+from tests.zero._harness import battery_results
 from tests.zero._stage3_checks import CHECKS, battery, divergent_path
 
 WORLD_SIZES = (1, 2, 4)
@@ -13,24 +12,8 @@ WORLD_SIZES = (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(world_size):
-        if world_size not in cache:
-            if world_size == 1:
-                threads = torch.get_num_threads()
-                torch.set_num_threads(1)
-                try:
-                    per_rank = [run_checks(CHECKS, 0, 1)]
-                finally:
-                    torch.set_num_threads(threads)
-            else:
-                per_rank = run_ranks(battery, world_size, timeout=600.0, pg_timeout_s=60.0)
-            cache[world_size] = {name: next((r[name] for r in per_rank if r[name]), None)
-                                 for name in CHECKS}
-        return cache[world_size]
-
-    return get
+    """{world_size: {check: None or the first failing rank's traceback}}."""
+    return battery_results(CHECKS, battery, timeout=600.0)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
