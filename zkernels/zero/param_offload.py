@@ -10,10 +10,10 @@ gives each unit a :class:`HostShardedParams` gather policy:
 
 - ``ensure_gathered`` (the unit's forward or backward, or the schedule's prefetch of the unit
   predicted next: [Note: stage-3 gather schedule]) allocates the full device buffer, copies the
-  host shard into this rank's slice of it on the copier's stream (see [Note: offload copies]),
-  orders the compute stream after the copy and all-gathers in place. On a GPU neither step
-  blocks the host: the copy and the gather of unit k+1 are issued during unit k's compute and
-  run beside it. On a CPU-only machine the "device" buffer is a separate allocation and the
+  host shard into this rank's slice of it on the copier's stream (see [Note: offload copies])
+  and all-gathers in place once the copy is done ([Note: gathers after their copy]). On a GPU
+  neither step blocks the host or the compute stream: the copy and the gather of unit k+1 are
+  issued during unit k's compute and run beside it. On a CPU-only machine the "device" buffer is a separate allocation and the
   copy runs on the copy thread; the gather waits for it (a memcpy of one shard).
 - ``free`` releases the full buffer: between uses the device holds no parameter bytes of the
   unit (``stats()`` measures it: ``memory_location_bytes`` puts the shards under host).
@@ -23,11 +23,23 @@ gives each unit a :class:`HostShardedParams` gather policy:
   gather reads the new values. Before the update writes a shard, the store waits for any
   copy still reading it.
 
+[Note: gathers after their copy]
+On a GPU the all-gather of a unit whose shard was just copied in is issued with the copier's
+stream as the current stream: ProcessGroupNCCL's stream then waits for that stream (the copy),
+not for the compute stream, and the compute stream waits for the gather only where the unit
+is used (the handle's ``wait()``, called on the compute stream). Making the compute stream
+wait for the copy instead would hold back the kernels of the unit computing now behind the
+copy of the unit prefetched for next. The full buffer is allocated on the compute stream
+before either is issued and freed on it after it waited, so the caching allocator's
+per-stream reuse stays ordered. (Written for CUDA from these rules; in this repository's CI
+only the CPU path runs, where the gather waits for the copy thread.)
+
 Traffic: every gather brings its shard in (pΨ/N per gather: twice per step with
 ``reshard_after_forward``, once without) instead of sending pΨ/N up once after the update;
-``stats()["offload"]`` reports these bytes and copy time as ``param_host_to_device_*``, and the
+``stats()["offload"]`` reports these bytes and copy time as ``param_host_to_device_*``, the
 host time the gathers waited for them (``param_host_to_device_exposed_s``: on a GPU the host
-never waits, on a CPU it is the copy itself).
+never waits, on a CPU it is the copy itself plus the hand-off to the copy thread) and the
+copy time not waited for (``param_host_to_device_hidden_s``).
 
 Bit-identity: the parameters' values are the same bits wherever the shard lives (the AdamW
 writes the same rounded output; a copy changes nothing), so a run with ``offload_params`` is
@@ -35,8 +47,9 @@ bit-identical to the same offload without it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -65,11 +78,11 @@ class HostShardedParams(ShardedParams):
         self.fence: Optional[Fence] = None
         super().__init__(params, layout, host_shard, device=device)
 
-    def _gather_source(self) -> torch.Tensor:
+    def _issue_gather(self, comm, tag: Optional[str]):
         dst = self._full[self._slice]
         self.fence = self._store.bring_in(dst, self.compute_shard)
-        self._store.wait(self.fence)
-        return dst
+        with self._store.after(self.fence):
+            return comm.all_gather(self._full, dst, tag=tag)
 
     def held(self) -> List[torch.Tensor]:
         """Device parameter storage held: the full buffer while gathered, else nothing (the
@@ -115,11 +128,19 @@ class HostParamStore:
             self._retire(len(self.policies))   # eval loops without step(): stay bounded
         return fence
 
-    def wait(self, fence: Fence) -> None:
-        """Order the gather after the copy (GPU: the stream waits; CPU: the host does)."""
+    @contextlib.contextmanager
+    def after(self, fence: Fence) -> Iterator[None]:
+        """Collectives issued inside run after the copy of ``fence`` (see
+        [Note: gathers after their copy])."""
+        stream = self.copier.stream
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                yield
+            return
         t0 = time.perf_counter()
         fence.wait()
         self._exposed_s += time.perf_counter() - t0
+        yield
 
     def _retire(self, count: int) -> None:
         for f in self._done[:count]:
@@ -138,7 +159,8 @@ class HostParamStore:
         self.settle()
         out = {"param_host_to_device_bytes": self._bytes,
                "param_host_to_device_s": self._busy_s,
-               "param_host_to_device_exposed_s": self._exposed_s}
+               "param_host_to_device_exposed_s": self._exposed_s,
+               "param_host_to_device_hidden_s": max(0.0, self._busy_s - self._exposed_s)}
         self._bytes, self._busy_s, self._exposed_s = 0, 0.0, 0.0
         return out
 

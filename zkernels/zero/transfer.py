@@ -144,6 +144,11 @@ class Copier:
         self.bytes_to_device += src.numel() * src.element_size()
         return self._copy(dst, src, "to_device")
 
+    @property
+    def stream(self):
+        """The CUDA copy stream (None on a CPU-only device: copies run on the copy thread)."""
+        return self._stream
+
     def copy_untracked(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         """Copy ``src`` into ``dst`` off the compute stream, outside :meth:`take_counters`:
         the caller keeps the fence and counts the bytes (stage 3's parameter shards come in

@@ -183,14 +183,13 @@ class ShardedParams:
         for p, v in zip(self._params, self._views):
             p.data = v
         self._gathered = True
-        self._pending = _Gathering(self, comm.all_gather(self._full, self._gather_source(),
-                                                         tag=tag))
+        self._pending = _Gathering(self, self._issue_gather(comm, tag))
         return self._pending
 
-    def _gather_source(self) -> torch.Tensor:
-        """The device tensor this rank's shard is all-gathered from (the persistent shard;
-        ``param_offload.HostShardedParams`` brings its host shard in first)."""
-        return self.compute_shard
+    def _issue_gather(self, comm: Comm, tag: Optional[str]) -> Handle:
+        """Start the all-gather of the shards into the (allocated) full buffer; a policy whose
+        shard lives elsewhere brings it in first (``param_offload.HostShardedParams``)."""
+        return comm.all_gather(self._full, self.compute_shard, tag=tag)
 
     def free(self) -> None:
         """Release the full buffer's storage (waits for a gather in flight first)."""
