@@ -139,14 +139,19 @@ def test_choose_rung_takes_the_lowest_that_fits(rung):
                                    reduce_dtype="bf16")
     assert got == rung and est.device_bytes == budget
     assert "lowest rung that fits" in reason
-    # One byte less: a higher rung, or nothing when the next rung needs as much device memory.
+    assert not est.offload_params
+    # One byte less: a higher rung (stage 3 + offload: the same rung with the parameter shards
+    # in host RAM comes first), or nothing when the next rung needs as much device memory.
     try:
-        got, _, _ = choose_rung(PSI, N, budget - 1, headroom=0.0, param_dtype="bf16",
-                                reduce_dtype="bf16")
+        got, less, _ = choose_rung(PSI, N, budget - 1, headroom=0.0, param_dtype="bf16",
+                                   reduce_dtype="bf16")
     except NoRungFitsError:
         assert rung == (3, "cpu")
     else:
-        assert RUNGS.index(got) > RUNGS.index(rung)
+        if rung == (3, "cpu"):
+            assert got == rung and less.offload_params
+        else:
+            assert RUNGS.index(got) > RUNGS.index(rung)
 
 
 def test_choose_rung_headroom_and_host_budget():
