@@ -115,6 +115,8 @@ def against_device(rank, ws, *, kind, param_dtype=None, steps=10, micro=1, clip=
             shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size()
                               for u in opts[1].units)
             assert st["host_to_device_bytes"] == 0, st
+            assert st["param_host_to_device_s"] > 0
+            assert 0 <= st["param_host_to_device_hidden_s"] <= st["param_host_to_device_s"]
             assert st["param_host_to_device_bytes"] == (2 * micro + 1) * shard_bytes, \
                 (st, shard_bytes)
             opts[0].close()
@@ -122,6 +124,8 @@ def against_device(rank, ws, *, kind, param_dtype=None, steps=10, micro=1, clip=
             assert st["host_to_device_bytes"] > 0
         if kind == "nvme":
             assert st["disk_read_bytes"] == st["disk_write_bytes"] > 0
+            # I/O time measured per request; the part not waited for is reported as hidden
+            assert st["disk_io_s"] > 0 and 0 <= st["disk_io_hidden_s"] <= st["disk_io_s"]
         opts[1].close()
 
 

@@ -387,9 +387,12 @@ class NvmeUpdate:
         params = self.param_store.take_counters() if self.param_store is not None else {}
         tail = time.perf_counter() - t0
         self._in_step = False
+        exposed = self._timers["io_exposed_s"] + tail
         self.last_step = {
             "update_s": self._timers["update_s"] + tail,
-            "io_exposed_s": self._timers["io_exposed_s"] + tail,
+            "io_exposed_s": exposed,
+            # I/O thread seconds the step did not wait for (ran beside the CPU AdamW)
+            "disk_io_hidden_s": max(0.0, io["disk_io_s"] - exposed),
             "host_to_device_bytes": c["to_device_bytes"],
             "device_to_host_bytes": c["to_host_bytes"],
             "host_to_device_s": c["to_device_busy_s"],

@@ -429,7 +429,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``memory_location_bytes`` splits the total by location: host RAM is what the
             offload strategy allocated there, disk the measured sizes of its files. The offload
             entry adds the last step's transfers: bytes each way, the offloaded update's
-            host time, and how much of the gradient copies was hidden behind backward.
+            host time, and how much of the gradient copies was hidden behind backward; NVMe
+            adds the disk bytes and I/O time (``disk_io_s``, ``io_exposed_s``,
+            ``disk_io_hidden_s``); ``offload_params`` the parameter shards brought in at the
+            gathers (``param_host_to_device_bytes``, ``_s``, ``_exposed_s``, ``_hidden_s``).
             Memory is measured from the storages held: params are the flat
             compute buffers (and any frozen parameters); grads the stage-1 flat gradient
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
