@@ -468,3 +468,35 @@ def test_stage3_checkpoint_with_offload_params(src, dst, folder, one_thread):
         assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
     o1.close()
     o2.close()
+
+
+def test_offload_params_nvme_survives_close_and_reopen(folder, one_thread):
+    """Stage 3 NVMe with offload_params: a kept run folder, adopted by a new optimizer over a
+    differently initialized model, rebuilds the host parameter shards from the kept master
+    and continues exactly like the uninterrupted run."""
+    def build(seed, **config):
+        m = make_model(seed)
+        return m, ZeroOptimizer(m, stage=3, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
+                                offload="nvme", offload_dir=folder, offload_params=True,
+                                offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET,
+                                                             **config))
+    batches = make_batches(5, MICRO_BATCH)
+    ref_m, ref_o = build(0)
+    m1, o1 = build(0)
+    for b in batches[:3]:
+        for m, o in ((ref_m, ref_o), (m1, o1)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    kept = o1.close(keep_files=True)
+    m2, o2 = build(7, resume_dir=kept)
+    for b in batches[3:]:
+        for m, o in ((ref_m, ref_o), (m2, o2)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    with ref_o.gathered(), o2.gathered():
+        assert all(torch.equal(a, p) for a, p in zip(ref_m.parameters(), m2.parameters()))
+    o2.close()
+    ref_o.close()
+    assert not os.path.exists(kept)
