@@ -347,7 +347,10 @@ def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
                                       batch_size)
     if name == "fsdp2_cpu_offload":
         return FSDP2CPUOffloadMethod(model, lr, world_size)
-    raise ValueError(f"method must be one of {METHODS + OFFLOAD_METHODS}, got {name!r}")
+    if name in STAGE3_OFFLOAD_METHODS:
+        return build_stage3_offload(name, model, lr, offload_dir, batch_size)
+    raise ValueError(f"method must be one of "
+                     f"{METHODS + OFFLOAD_METHODS + STAGE3_OFFLOAD_METHODS}, got {name!r}")
 
 
 def all_ranks_ok(ok: bool) -> bool:
@@ -458,3 +461,78 @@ def build_stage3(name: str, model: nn.Module, lr: float, batch_size: int):
     if name == "deepspeed_stage3":
         return DeepSpeedStage3Method(model, lr, batch_size)
     raise ValueError(f"not a stage-3 method: {name!r}")
+
+
+# -- stage 3 offload rows (issue 9): zkernels stage 3 + cpu / nvme, with and without the
+# parameter shards in host RAM (offload_params), beside DeepSpeed stage 3's offload_optimizer
+# (and offload_param) to cpu ---------------------------------------------------------------
+
+STAGE3_OFFLOAD_METHODS = ("zk_stage3_cpu", "zk_stage3_cpu_params", "zk_stage3_nvme",
+                          "zk_stage3_nvme_params", "ds_stage3_cpu", "ds_stage3_cpu_params")
+
+
+class ZkStage3OffloadMethod(ZkOffloadMethod):
+    """``ZeroOptimizer(model, stage=3, offload=..., offload_params=...)``; memory by kind and
+    location from its ``stats()``."""
+
+    def __init__(self, model: nn.Module, lr: float, offload: str, offload_dir: Optional[str],
+                 offload_params: bool):
+        import zkernels
+        from zkernels.zero import OffloadConfig
+
+        self.model = model
+        kw = {"offload_dir": offload_dir} if offload == "nvme" else {}
+        self.opt = zkernels.ZeroOptimizer(
+            model, stage=3, lr=lr, offload=offload, offload_params=offload_params,
+            offload_config=OffloadConfig(pin_memory=None,
+                                         nvme_buffer_bytes=nvme_budget_bytes()), **kw)
+
+
+class DeepSpeedStage3OffloadMethod(DeepSpeedStage3Method):
+    """DeepSpeed ZeRO stage 3 (CPU accelerator, gloo, fp32) with ``offload_optimizer`` to cpu
+    (DeepSpeedCPUAdam) and, for ``ds_stage3_cpu_params``, ``offload_param`` to cpu. Memory by
+    kind as :class:`DeepSpeedStage3Method`; by location by role (DeepSpeed's CPU accelerator
+    puts "device" and host tensors in the same RAM): master, states and gradient partitions
+    on the host, parameter partitions too with ``offload_param``."""
+
+    def __init__(self, model: nn.Module, lr: float, batch_size: int, offload_param: bool):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise MethodUnavailable("deepspeed is not importable here (not installed)")
+        import os
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        for k, v in (("LOCAL_RANK", str(dist.get_rank())),
+                     ("LOCAL_WORLD_SIZE", str(dist.get_world_size())),
+                     ("RANK", str(dist.get_rank())), ("WORLD_SIZE", str(dist.get_world_size()))):
+            os.environ.setdefault(k, v)
+        import deepspeed
+
+        zo = {"stage": 3, "stage3_param_persistence_threshold": 0,
+              "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
+        if offload_param:
+            zo["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+               "gradient_clipping": 0, "zero_optimization": zo,
+               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+               "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+        self.offload_param = offload_param
+        self.engine, self.opt, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg,
+            dist_init_required=False)
+        self.model = model
+
+    def memory(self) -> Dict[str, int]:
+        out = super().memory()
+        host = out["master"] + out["optimizer_states"] + out["grads"] + \
+            (out["params"] if self.offload_param else 0)
+        out.update({"device": out["total"] - host, "host": host, "disk": 0})
+        return out
+
+
+def build_stage3_offload(name: str, model: nn.Module, lr: float, offload_dir: Optional[str],
+                         batch_size: int):
+    """The stage-3 offload rows (``STAGE3_OFFLOAD_METHODS``) over a fresh ``model``."""
+    params = name.endswith("_params")
+    if name.startswith("zk_"):
+        kind = "nvme" if "_nvme" in name else "cpu"
+        return ZkStage3OffloadMethod(model, lr, kind, offload_dir, params)
+    return DeepSpeedStage3OffloadMethod(model, lr, batch_size, params)

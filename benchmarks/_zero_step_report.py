@@ -166,6 +166,10 @@ def format_table(rows: List[dict]) -> str:
                    f"{off['device_to_host_hidden_s'] * 1e3:.2f} ms hidden behind backward"
                    if "device_to_host_hidden_s" in off else "")
                 + (f"; I/O wait {off['io_exposed_s'] * 1e3:.1f} ms" if "io_exposed_s" in off
-                   else ""))
+                   else "")
+                + (f"; param shards up at the gathers {_mb(off['param_host_to_device_bytes'])}"
+                   f" MiB, {off['param_host_to_device_s'] * 1e3:.2f} ms copying, "
+                   f"{off['param_host_to_device_exposed_s'] * 1e3:.2f} ms waited"
+                   if "param_host_to_device_bytes" in off else ""))
         notes.extend(f"{r['method']}: {n}" for n in r["notes"])
     return "\n".join(lines + [""] + notes)

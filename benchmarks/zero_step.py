@@ -42,7 +42,9 @@ ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspee
                "deepspeed_stage3")
 # --offload: the offload comparison (issue 9), each beside its non-offloaded stage.
 OFFLOAD_SET = ("ddp", "zk_stage2", "zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2_cpu",
-               "ds_stage2_nvme", "fsdp2", "fsdp2_cpu_offload")
+               "ds_stage2_nvme", "zk_stage3", "zk_stage3_cpu", "zk_stage3_cpu_params",
+               "zk_stage3_nvme", "zk_stage3_nvme_params", "ds_stage3_cpu",
+               "ds_stage3_cpu_params", "fsdp2", "fsdp2_cpu_offload")
 KNOWN_METHODS = ALL_METHODS + tuple(m for m in OFFLOAD_SET if m not in ALL_METHODS)
 
 
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
             "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
             "pg_timeout_s": min(120.0, args.timeout_s)}
     cleanup = None
-    if any(m.endswith("_nvme") for m in args.methods):
+    if any("_nvme" in m for m in args.methods):
         import tempfile
         if args.offload_dir is None:
             args.offload_dir = cleanup = tempfile.mkdtemp(prefix="zk-bench-nvme-")
@@ -274,25 +276,41 @@ def _offload_verdicts(rows, meta) -> None:
     """The offload issue's bars: zk stage 2 cpu offload faster than DeepSpeed's in the same
     run; NVMe host RAM within its budget while the moments are >= 10x the budget."""
     by = {r["method"]: r for r in rows if "error" not in r}
-    zk, ds = by.get("zk_stage2_cpu"), by.get("ds_stage2_cpu")
-    if zk and ds:
+    for ours, peer in (("zk_stage2_cpu", "ds_stage2_cpu"), ("zk_stage3_cpu", "ds_stage3_cpu"),
+                       ("zk_stage3_cpu_params", "ds_stage3_cpu_params"),
+                       ("zk_stage3_cpu_params", "fsdp2_cpu_offload")):
+        zk, ds = by.get(ours), by.get(peer)
+        if not (zk and ds):
+            continue
         ratio = zk["step_time_s"]["median"] / ds["step_time_s"]["median"]
         paired = sorted(a / b for a, b in zip(zk["step_times_s"], ds["step_times_s"]))
         paired = paired[len(paired) // 2]
-        zk["step_time_ratio_to_ds_stage2_cpu"] = ratio
-        print(f"zk_stage2_cpu vs ds_stage2_cpu: x{ratio:.3f} (paired per-step x{paired:.3f}): "
+        zk[f"step_time_ratio_to_{peer}"] = ratio
+        print(f"{ours} vs {peer}: x{ratio:.3f} (paired per-step x{paired:.3f}): "
               f"{'faster' if ratio < 1 else 'NOT faster'}")
-    nv = by.get("zk_stage2_nvme")
+    for name in ("zk_stage2_nvme", "zk_stage3_nvme", "zk_stage3_nvme_params"):
+        _nvme_verdict(name, by.get(name), meta)
+    blocked = [r for r in rows if r["method"] == "ds_stage2_nvme" and "error" in r]
+    if blocked:
+        print(f"ds_stage2_nvme: blocked here: {blocked[0]['error'].splitlines()[0]}")
+
+
+def _nvme_verdict(name, nv, meta) -> None:
+    """NVMe host RAM within its budget while the moments on disk are many times it."""
     if nv and meta.get("nvme_budget_bytes"):
         st = nv["zk_stats_last"]
         host = nv["memory_location_bytes_per_rank"]["host"]
         moments = max(m["optimizer_states"] for m in nv["memory_bytes_by_rank"])
         budget = meta["nvme_budget_bytes"]
-        nv["nvme_host_within_budget"] = host <= budget
         nv["nvme_state_to_budget_ratio"] = moments / budget
-        print(f"zk_stage2_nvme: host RAM {host} B <= budget {budget} B: "
-              f"{'yes' if host <= budget else 'NO'}; moments on disk {moments} B = "
-              f"{moments / budget:.1f}x the budget; O_DIRECT: {st['offload'].get('direct_io')}")
+        # offload_params: the parameter shards are host RAM too, outside the slot budget
+        params = st["memory_bytes"]["params"] if name.endswith("_params") else 0
+        nv["nvme_host_within_budget"] = host - params <= budget
+        print(f"{name}: host RAM {host - params} B <= budget {budget} B: "
+              f"{'yes' if host - params <= budget else 'NO'}"
+              + (f" (+ {params} B of parameter shards, offload_params)" if params else "")
+              + f"; moments on disk {moments} B = {moments / budget:.1f}x the budget; "
+              f"O_DIRECT: {st['offload'].get('direct_io')}")
 
 
 if __name__ == "__main__":

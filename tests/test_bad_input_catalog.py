@@ -127,6 +127,12 @@ CASES = [
      r"offload='tape'|offload must be .*'tape'"),
     ("offload_dir_without_nvme", zero(offload_dir="/tmp"), (ValueError, NotImplementedError),
      r"offload_dir"),
+    ("offload_params_at_stage_2", zero(stage=2, offload="cpu", offload_params=True), ValueError,
+     r"offload_params=True applies only to stage=3, got stage=2"),
+    ("offload_params_without_offload", zero(stage=3, offload_params=True), ValueError,
+     r"offload_params=True needs offload='cpu' or 'nvme'"),
+    ("offload_params_not_bool", zero(stage=3, offload="cpu", offload_params=1), TypeError,
+     r"offload_params must be a bool, got int"),
     # load_state_dict
     ("load_state_dict_foreign", _foreign_state_dict, ValueError,
      r"state_dict must be a dict from ZeroOptimizer.state_dict\(\) with keys"),

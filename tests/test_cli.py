@@ -3,6 +3,7 @@ rungs compared at one reduce dtype, config.json counting (against transformers' 
 bad options refused before any work, and the dispatcher's errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,8 +21,9 @@ def _rows(text):
     rows, chosen = {}, None
     for line in text.splitlines():
         if line[:2] in ("* ", "  ") and any(w in line for w in ("data parallel", "stage")):
-            name = line[2:26].strip()
-            rows[name] = line[26:].split()
+            # the name column is as wide as the longest rung name; columns are 2+ spaces apart
+            name, *cols = re.split(r"\s{2,}", line[2:].strip())
+            rows[name] = cols
             if line.startswith("*"):
                 chosen = name
     return rows, chosen
@@ -46,7 +48,11 @@ def test_plan_paper_example_subprocess():
 
 @pytest.mark.parametrize("memory, expected", [("40GB", "stage 1"), ("20GB", "stage 2"),
                                               ("4GB", "stage 3"),
-                                              ("100MB", "stage 3 + cpu offload")])
+                                              ("1GB", "stage 3 + cpu offload"),
+                                              # 7.5e9 bf16 params / 64 ranks: 234 MB of
+                                              # parameter shards, which only offload_params
+                                              # takes off the device
+                                              ("100MB", "stage 3 + cpu offload + params on host")])
 def test_plan_marks_the_lowest_rung_that_fits(capsys, tmp_path, memory, expected):
     path = tmp_path / "plan.json"
     rc = zk_main(["plan", "--params", "7.5e9", "--world-size", "64", "--device-memory", memory,

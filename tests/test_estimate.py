@@ -67,16 +67,30 @@ def test_offload_moves_states_off_the_device():
     cpu = estimate_memory(PSI, N, 3, offload="cpu", **kw)
     nvme = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26, **kw)
     staging = 2 * 2 * min(DEFAULT_SUB_GROUP_NUMEL, -(-PSI // N))   # two bf16 sub-groups
-    assert cpu.device_bytes == 0 and cpu.host_bytes == e3.model_states_bytes + staging
-    # NVMe: master, states and the stage-3 parameter shard on disk, the gradient shard stays
-    # on the device, host RAM is the slot budget.
-    assert nvme.disk_bytes == e3.params_bytes + e3.master_bytes + e3.optimizer_states_bytes
-    assert nvme.device_bytes == e3.grads_bytes and nvme.host_bytes == 2**26
+    # The stage-3 parameter shard stays on the device unless offload_params moves it too.
+    assert cpu.device_bytes == e3.params_bytes
+    assert cpu.host_bytes == e3.model_states_bytes - e3.params_bytes + staging
+    cpu_p = estimate_memory(PSI, N, 3, offload="cpu", offload_params=True, **kw)
+    assert cpu_p.device_bytes == 0 and cpu_p.host_bytes == e3.model_states_bytes  # no staging
+    # NVMe: master and states on disk, the gradient shard stays on the device, host RAM is
+    # the slot budget (plus the parameter shard with offload_params).
+    assert nvme.disk_bytes == e3.master_bytes + e3.optimizer_states_bytes
+    assert nvme.device_bytes == e3.grads_bytes + e3.params_bytes and nvme.host_bytes == 2**26
     assert nvme.disk_io_bytes == 2 * nvme.disk_bytes
+    nvme_p = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26,
+                             offload_params=True, **kw)
+    assert nvme_p.device_bytes == e3.grads_bytes
+    assert nvme_p.host_bytes == 2**26 + e3.params_bytes and nvme_p.disk_bytes == nvme.disk_bytes
     off = estimate_memory(PSI, N, 3, offload="nvme", nvme_master=False, **kw)
     assert off.disk_bytes == nvme.disk_bytes - e3.master_bytes
     assert off.host_bytes == DEFAULT_NVME_BUFFER_BYTES + e3.master_bytes
     assert cpu.host_device_bytes == 6 * (PSI // N)     # fp32 grad shard down, bf16 params up
+    # offload_params: the bf16 shard comes up at each of stage 3's two gathers per step.
+    assert cpu_p.host_device_bytes == (4 + 2 * 2) * (PSI // N)
+    with pytest.raises(ValueError, match="offload_params=True needs stage 3"):
+        estimate_memory(PSI, N, 2, offload="cpu", offload_params=True)
+    with pytest.raises(ValueError, match="offload_params=True needs stage 3"):
+        estimate_memory(PSI, N, 3, offload_params=True)
     e2cpu = estimate_memory(PSI, N, 2, offload="cpu", **kw)
     assert e2cpu.device_bytes == 2 * PSI and e2cpu.host_bytes == 16 * (PSI // N) + staging
     # Pure fp32: the device parameter is no longer the master, so offload keeps one.
@@ -125,14 +139,19 @@ def test_choose_rung_takes_the_lowest_that_fits(rung):
                                    reduce_dtype="bf16")
     assert got == rung and est.device_bytes == budget
     assert "lowest rung that fits" in reason
-    # One byte less: a higher rung, or nothing when the next rung needs as much device memory.
+    assert not est.offload_params
+    # One byte less: a higher rung (stage 3 + offload: the same rung with the parameter shards
+    # in host RAM comes first), or nothing when the next rung needs as much device memory.
     try:
-        got, _, _ = choose_rung(PSI, N, budget - 1, headroom=0.0, param_dtype="bf16",
-                                reduce_dtype="bf16")
+        got, less, _ = choose_rung(PSI, N, budget - 1, headroom=0.0, param_dtype="bf16",
+                                   reduce_dtype="bf16")
     except NoRungFitsError:
         assert rung == (3, "cpu")
     else:
-        assert RUNGS.index(got) > RUNGS.index(rung)
+        if rung == (3, "cpu"):
+            assert got == rung and less.offload_params
+        else:
+            assert RUNGS.index(got) > RUNGS.index(rung)
 
 
 def test_choose_rung_headroom_and_host_budget():

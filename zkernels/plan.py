@@ -28,7 +28,7 @@ from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, posi
 from .hf_params import count_hf_config, params_from_hf_config
 from .zero.estimate import estimate_memory, parse_dtype
 from .zero.ladder import NoRungFitsError, choose_rung
-from .zero.policy import RUNGS, implemented_stages, rung_implemented
+from .zero.policy import RUNGS, STAGES, implemented_stages, rung_implemented
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
            "render"]
@@ -69,7 +69,10 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes)
     rows = [estimate_memory(model, world_size, 0, **kw)]
-    rows += [estimate_memory(model, world_size, s, offload=o, **kw) for s, o in RUNGS]
+    rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
+             for s, o in RUNGS
+             for op in ((False, True) if o is not None and STAGES[s].shards_params
+                        else (False,))]
     choice = None
     if device_bytes is not None:
         try:
@@ -91,11 +94,12 @@ def render(rows, choice, unit_name: str = "GB", reduce_dtype=None) -> str:
     unit = _UNITS[unit_name.lower()]
     cols = ["rung", "params", "grads", "master", "optim", "states", "buffers", "transient",
             "device", "host", "disk", "comm/step", "reduce"]
-    chosen = None if choice is None or isinstance(choice, Exception) else choice[0]
+    chosen = None if choice is None or isinstance(choice, Exception) else \
+        (*choice[0], choice[1].offload_params)
     reduce_name = _dtype_name(reduce_dtype) if reduce_dtype is not None else "fp32"
     body = []
     for e in rows:
-        mark = "*" if chosen == (e.stage, e.offload) else " "
+        mark = "*" if chosen == (e.stage, e.offload, e.offload_params) else " "
         vals = [e.params_bytes, e.grads_bytes, e.master_bytes, e.optimizer_states_bytes,
                 e.model_states_bytes, e.buffers_bytes, e.transient_bytes, e.device_bytes,
                 e.host_bytes, e.disk_bytes, e.comm_bytes]

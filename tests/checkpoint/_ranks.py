@@ -54,7 +54,17 @@ def tensors(obj):
     return obj
 
 
+def split_offload(offload):
+    """``(kind, offload_params)`` of a case's offload: None, "cpu", "nvme", or "cpu+params" /
+    "nvme+params" (stage 3 with the parameter shards in host RAM too)."""
+    if offload is None:
+        return None, False
+    kind, _, extra = offload.partition("+")
+    return kind, extra == "params"
+
+
 def build(seed, *, stage, dtype, bucket_bytes, offload=None, offload_dir=None):
+    offload, offload_params = split_offload(offload)
     model = make_model(seed)
     model.register_buffer("seen", torch.zeros(3, dtype=torch.int64))
     # The reference ops (torch's arithmetic) everywhere: bf16 trajectories are compared across
@@ -63,7 +73,7 @@ def build(seed, *, stage, dtype, bucket_bytes, offload=None, offload_dir=None):
     opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                            param_groups=split_groups(model, WD), param_dtype=DTYPES[dtype],
                            bucket_bytes=bucket_bytes, offload=offload, offload_dir=offload_dir,
-                           ops_backend="reference")
+                           ops_backend="reference", offload_params=offload_params)
     return model, opt
 
 
@@ -164,7 +174,7 @@ def resume_battery(rank, ws, folder, cases, offload_root):
         name = (stage, offload, dtype)
         try:
             odir = os.path.join(offload_root, f"{ws}-{stage}-{offload}-{dtype}-r{rank}") \
-                if offload == "nvme" else None
+                if split_offload(offload)[0] == "nvme" else None
             out[name] = ("ok", resume_case(rank, ws, folder, stage=stage, offload=offload,
                                            dtype=dtype, offload_dir=odir))
         except Exception:  # noqa: BLE001 - reported per case

@@ -21,13 +21,17 @@ from zkernels.zero.policy import RUNGS
 
 WORLD_SIZES = (1, 2, 4)
 CASES = [(stage, offload, dtype) for stage, offload in RUNGS for dtype in _ranks.DTYPES]
+# Stage 3 with offload_params (the parameter shards in host RAM): the same checkpoints load.
+CASES += [(3, "cpu+params", dtype) for dtype in _ranks.DTYPES] + [(3, "nvme+params", "bf16")]
 
 
 def _refusal(stage, offload, tmp):
     """Why the optimizer refuses this rung, or None when it accepts it."""
+    offload, offload_params = _ranks.split_offload(offload)
     try:
         zk.ZeroOptimizer(make_model(), stage=stage, offload=offload,
-                         offload_dir=str(tmp) if offload == "nvme" else None)
+                         offload_dir=str(tmp) if offload == "nvme" else None,
+                         offload_params=offload_params).close()
     except NotImplementedError as exc:
         return str(exc)
     except ValueError as exc:

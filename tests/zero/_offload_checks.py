@@ -63,19 +63,24 @@ def _compare(model, ref, step, exact, dtype):
 
 
 def against_device(rank, ws, *, kind, param_dtype=None, steps=10, micro=1, clip=None,
-                   nvme_master=True, stage=2):
+                   nvme_master=True, stage=2, offload_params=False):
     """Stage 2 (or 3) with offload == the same stage on the device, loss and every parameter
-    each step, and the optimizer state (master, moments) at the end."""
+    each step, and the optimizer state (master, moments) at the end. With ``offload_params``
+    (stage 3) the reference is the same offload without it: the parameter shards' placement
+    changes no bit ([Note: parameter offload]), so the runs must be bit-identical."""
     with _folder() as folder:
         extra = {} if kind == "cpu" else {"nvme_master": nvme_master}
         models, opts = [], []
-        for kw in ({}, _offload_kw(kind, folder, **extra)):
+        ref_kw = _offload_kw(kind, folder, **extra) if offload_params else {}
+        sub_kw = {**_offload_kw(kind, folder, **extra),
+                  **({"offload_params": True} if offload_params else {})}
+        for kw in (ref_kw, sub_kw):
             m = make_model()
             models.append(m)
             opts.append(zk.ZeroOptimizer(m, stage=stage, lr=LR, betas=BETAS, eps=EPS,
                                          weight_decay=WD, param_dtype=param_dtype,
                                          max_grad_norm=clip, bucket_bytes=SMALL_BUCKET, **kw))
-        exact = _same_backend(*opts)
+        exact = _same_backend(*opts) if not offload_params else True
         for step, batch in enumerate(make_batches(steps, ws * micro * MICRO_BATCH)):
             losses = []
             for m, o in zip(models, opts):
@@ -102,11 +107,92 @@ def against_device(rank, ws, *, kind, param_dtype=None, steps=10, micro=1, clip=
                     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
             assert s["step"] == sd_off["state"][i]["step"] == steps
         st = opts[1].stats()["offload"]
-        assert st["kind"] == kind and st["host_to_device_bytes"] > 0
-        assert st["device_to_host_bytes"] > 0
+        assert st["kind"] == kind and st["device_to_host_bytes"] > 0
+        if offload_params:
+            # The update writes the host shards: nothing goes up in step(); every gather
+            # brought its shard in instead: two per unit per micro-step (forward, backward),
+            # plus the previous step's opt.gathered() above.
+            shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size()
+                              for u in opts[1].units)
+            assert st["host_to_device_bytes"] == 0, st
+            assert st["param_host_to_device_s"] > 0
+            assert 0 <= st["param_host_to_device_hidden_s"] <= st["param_host_to_device_s"]
+            assert st["param_host_to_device_bytes"] == (2 * micro + 1) * shard_bytes, \
+                (st, shard_bytes)
+            opts[0].close()
+        else:
+            assert st["host_to_device_bytes"] > 0
         if kind == "nvme":
             assert st["disk_read_bytes"] == st["disk_write_bytes"] > 0
+            # I/O time measured per request; the part not waited for is reported as hidden
+            assert st["disk_io_s"] > 0 and 0 <= st["disk_io_hidden_s"] <= st["disk_io_s"]
         opts[1].close()
+
+
+def _device_param_bytes(opt, model) -> int:
+    """Device bytes held for parameters now: each gather policy's device storage and every
+    parameter's (freed parameters are empty), counted once per storage."""
+    seen, total = set(), 0
+    for t in [t for u in opt.units for t in u.gather.held()] + list(model.parameters()):
+        s = t.untyped_storage()
+        if t.device.type != "meta" and s.data_ptr() not in seen and s.nbytes():
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def params_leave_the_device(rank, ws, *, kind, param_dtype):
+    """Stage 3 ``offload_params``: between uses the device holds ~0 parameter bytes (measured
+    from the storages: exactly 0 here, every parameter is trainable), while inside a unit's
+    forward its parameters are there; the shards are in host RAM instead (stats() moves them
+    from device to host, byte for byte against the same run without offload_params), and
+    estimate_memory says the same."""
+    with _folder() as folder:
+        runs = []
+        for op in (False, True):
+            model = make_model()
+            kw = {**_offload_kw(kind, folder), "offload_params": op}
+            opt = zk.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, param_dtype=param_dtype,
+                                   **kw)
+            inside = []
+            block = model.blocks[0]
+            # after the schedule's pre-hook (registered first): the unit is gathered here
+            h = block.register_forward_pre_hook(
+                lambda m, a, opt=opt, model=model: inside.append(
+                    _device_param_bytes(opt, model)))
+            for batch in make_batches(2, ws * MICRO_BATCH):
+                opt.backward(model(*chunk(batch, rank)))
+                opt.step()
+                opt.zero_grad()
+            h.remove()
+            runs.append((model, opt, _device_param_bytes(opt, model), inside, opt.stats()))
+        (_, o0, between0, _, st0), (m1, o1, between1, inside1, st1) = runs
+        shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size()
+                          for u in o1.units)
+        assert between0 == shard_bytes, (between0, shard_bytes)
+        assert between1 == 0, f"offload_params: {between1} parameter bytes left on the device"
+        unit0 = next(u for u in o1.schedule.units if u.module is m1.blocks[0])
+        assert min(inside1) >= unit0.nbytes > 0, (inside1, unit0.nbytes)
+        w0, w1 = st0["memory_location_bytes"], st1["memory_location_bytes"]
+        assert w0["device"] - w1["device"] == shard_bytes, (w0, w1, shard_bytes)
+        staging = sum(t.untyped_storage().nbytes()
+                      for t in o0.shard_update.held_host().get("buffers", [])) \
+            if kind == "cpu" else 0   # cpu offload's staging goes: the update writes the shard
+        master = shard_bytes if (kind == "cpu" and param_dtype is None) else 0  # fp32: one copy
+        assert w1["host"] - w0["host"] == shard_bytes - staging - master, (w0, w1, shard_bytes)
+        assert st1["memory_bytes"]["params"] == shard_bytes
+        fresh = make_model()   # the optimizer's model has empty (sharded) parameters now
+        est = zk.estimate_memory(fresh, ws, 3, param_dtype=param_dtype, offload=kind,
+                                 offload_params=True, nvme_buffer_bytes=NVME_BUDGET,
+                                 sub_group_numel=CPU_SUB)
+        est0 = zk.estimate_memory(fresh, ws, 3, param_dtype=param_dtype, offload=kind,
+                                  nvme_buffer_bytes=NVME_BUDGET, sub_group_numel=CPU_SUB)
+        numel = sum(p.numel() for p in fresh.parameters())
+        p = (param_dtype or torch.float32).itemsize
+        assert est0.held_device_bytes - est.held_device_bytes == p * -(-numel // ws)
+        assert abs(est.params_bytes - shard_bytes) <= 0.02 * shard_bytes
+        o0.close()
+        o1.close()
 
 
 def nvme_budget_and_disk(rank, ws, *, nvme_master):
@@ -268,6 +354,21 @@ CHECKS = {
     "stage3_bf16_nvme_clip": partial(against_device, kind="nvme", stage=3, steps=6,
                                      param_dtype=torch.bfloat16, clip=0.05),
     "stage3_accumulate_cpu": partial(against_device, kind="cpu", stage=3, steps=4, micro=2),
+    # Stage 3 offload_params against the same offload without it: bit-identical.
+    "stage3_params_fp32_cpu_accumulate_clip": partial(
+        against_device, kind="cpu", stage=3, micro=2, clip=0.05, offload_params=True),
+    "stage3_params_bf16_cpu_accumulate_clip": partial(
+        against_device, kind="cpu", stage=3, micro=2, clip=0.05, param_dtype=torch.bfloat16,
+        offload_params=True),
+    "stage3_params_fp32_nvme_clip": partial(
+        against_device, kind="nvme", stage=3, steps=6, clip=0.05, offload_params=True),
+    "stage3_params_bf16_nvme_accumulate": partial(
+        against_device, kind="nvme", stage=3, steps=6, micro=2, param_dtype=torch.bfloat16,
+        offload_params=True),
+    "stage3_params_leave_device_fp32_cpu": partial(params_leave_the_device, kind="cpu",
+                                                   param_dtype=None),
+    "stage3_params_leave_device_bf16_nvme": partial(params_leave_the_device, kind="nvme",
+                                                    param_dtype=torch.bfloat16),
     "nvme_budget_disk_master": partial(nvme_budget_and_disk, nvme_master=True),
     "nvme_budget_disk_moments": partial(nvme_budget_and_disk, nvme_master=False),
     "cpu_memory_by_location": cpu_memory_by_location,

@@ -364,3 +364,189 @@ def test_checkpoint_across_placements(src, dst, folder, one_thread):
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
     o1.close()
     o2.close()
+
+
+# -- stage 3 offload_params ([Note: parameter offload]) -------------------------------------
+
+def test_offload_params_is_refused_where_it_means_nothing(folder):
+    model = make_model()
+    for stage in (1, 2):
+        with pytest.raises(ValueError, match="offload_params=True applies only to stage=3"):
+            ZeroOptimizer(make_model(), stage=stage, offload="cpu" if stage == 2 else None,
+                          offload_params=True)
+    with pytest.raises(ValueError, match="offload_params=True needs offload='cpu' or 'nvme'"):
+        ZeroOptimizer(model, stage=3, offload_params=True)
+    with pytest.raises(TypeError, match="offload_params must be a bool"):
+        ZeroOptimizer(make_model(), stage=3, offload="cpu", offload_params="yes")
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_offload_params_close_and_eval_loops_stay_bounded(kind, folder, one_thread):
+    """Forward passes without step() (evaluation) bring shards in each time: the copies in
+    flight stay bounded, nothing stays gathered, and close() finishes them."""
+    model = make_model()
+    kw = {"offload_dir": folder, "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)} \
+        if kind == "nvme" else {}
+    opt = ZeroOptimizer(model, stage=3, lr=1e-3, offload=kind, offload_params=True, **kw)
+    _train(model, opt, steps=1)
+    store = opt.shard_update.param_store
+    batch = make_batches(1, MICRO_BATCH)[0]
+    with torch.no_grad():
+        for _ in range(20):
+            model(*chunk(batch, 0))
+    assert len(store._done) <= 2 * len(store.policies) + 2
+    assert opt.stats()["gather"]["gathered_bytes"] == 0
+    opt.close()
+    assert store._done == []
+
+
+def test_auto_offers_offload_params(caplog, capsys):
+    """The ladder tries a stage-3 offload rung again with the parameter shards in host RAM
+    before the next rung; stage="auto" with offload_params=True takes only such rungs; plan
+    shows the rows."""
+    from zkernels.__main__ import main as zk_main
+    from zkernels.zero.ladder import choose_rung
+    psi, n = 10 ** 9, 8
+    kw = dict(param_dtype="bf16", bucket_bytes=0)
+    e3 = zk.estimate_memory(psi, n, 3, offload="cpu", **kw)
+    e3p = zk.estimate_memory(psi, n, 3, offload="cpu", offload_params=True, **kw)
+    assert e3.device_bytes - e3p.device_bytes == 2 * psi // n
+    (stage, offload), est, reason = choose_rung(psi, n, (e3.device_bytes + e3p.device_bytes)
+                                                // 2, headroom=0.0, **kw)
+    assert (stage, offload, est.offload_params) == (3, "cpu", True), reason
+    assert "stage 3 + cpu offload + params on host is the lowest rung" in reason
+    (_, _), est, _ = choose_rung(psi, n, e3.device_bytes, headroom=0.0, **kw)
+    assert not est.offload_params          # it fits without: the shards stay on the device
+    model = make_model()
+    with caplog.at_level(logging.INFO, logger="zkernels"):
+        opt = ZeroOptimizer(model, stage="auto", offload="cpu", offload_params=True,
+                            memory_budget_bytes=10 ** 9, bucket_bytes=3000)
+    assert (opt.stage, opt.offload, opt.offload_params) == (3, "cpu", True)
+    assert "params on host" in caplog.text
+    assert type(opt.units[0].gather).__name__ == "HostShardedParams"
+    opt.close()
+    capsys.readouterr()
+    assert zk_main(["plan", "--params", "1e9", "--world-size", "8", "--param-dtype", "bf16",
+                    "--bucket-bytes", "0", "--headroom", "0", "--device-memory",
+                    f"{(e3.device_bytes + e3p.device_bytes) // 2}B"]) == 0
+    out = capsys.readouterr().out
+    assert "* stage 3 + cpu offload + params on host" in out, out
+    assert "stage 3 + nvme offload + params on host" in out
+
+
+@pytest.mark.parametrize("src,dst", [("device", "cpu_params"), ("cpu_params", "device"),
+                                     ("cpu_params", "nvme_params"), ("nvme_params", "cpu")])
+def test_stage3_checkpoint_with_offload_params(src, dst, folder, one_thread):
+    """Stage 3 checkpoints save from and load into offload_params runs (the shards in host
+    RAM); training continues bit-identically to the uninterrupted run."""
+    import zkernels.checkpoint as ck
+    kinds = {"device": {}, "cpu": {"offload": "cpu"},
+             "cpu_params": {"offload": "cpu", "offload_params": True},
+             "nvme_params": {"offload": "nvme", "offload_dir": folder, "offload_params": True,
+                             "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
+
+    def build(kw, seed):
+        m = make_model(seed)
+        return m, ZeroOptimizer(m, stage=3, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
+                                **kw)
+    batches = make_batches(5, MICRO_BATCH)
+    m1, o1 = build(kinds[src], 0)
+    for b in batches[:3]:
+        o1.backward(m1(*chunk(b, 0)))
+        o1.step()
+        o1.zero_grad()
+    path = os.path.join(folder, "ckpt")
+    ck.save(o1, path)
+    m2, o2 = build(kinds[dst], 7)
+    ck.load(o2, path)
+    for b in batches[3:]:
+        for m, o in ((m1, o1), (m2, o2)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    with o1.gathered(), o2.gathered():
+        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    o1.close()
+    o2.close()
+
+
+def test_offload_params_nvme_survives_close_and_reopen(folder, one_thread):
+    """Stage 3 NVMe with offload_params: a kept run folder, adopted by a new optimizer over a
+    differently initialized model, rebuilds the host parameter shards from the kept master
+    and continues exactly like the uninterrupted run."""
+    def build(seed, **config):
+        m = make_model(seed)
+        return m, ZeroOptimizer(m, stage=3, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
+                                offload="nvme", offload_dir=folder, offload_params=True,
+                                offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET,
+                                                             **config))
+    batches = make_batches(5, MICRO_BATCH)
+    ref_m, ref_o = build(0)
+    m1, o1 = build(0)
+    for b in batches[:3]:
+        for m, o in ((ref_m, ref_o), (m1, o1)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    kept = o1.close(keep_files=True)
+    m2, o2 = build(7, resume_dir=kept)
+    for b in batches[3:]:
+        for m, o in ((ref_m, ref_o), (m2, o2)):
+            o.backward(m(*chunk(b, 0)))
+            o.step()
+            o.zero_grad()
+    with ref_o.gathered(), o2.gathered():
+        assert all(torch.equal(a, p) for a, p in zip(ref_m.parameters(), m2.parameters()))
+    o2.close()
+    ref_o.close()
+    assert not os.path.exists(kept)
+
+
+_RSS_SCRIPT = r'''
+import sys, tempfile, torch, torch.nn as nn
+torch.set_num_threads(1)
+import zkernels as zk
+from zkernels.zero import OffloadConfig
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith(field + ":")).split()[1]) * 1024
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024))
+psi = sum(p.numel() for p in model.parameters())
+budget = 1 << 20
+opt = zk.ZeroOptimizer(model, stage=2, lr=1e-3, offload="nvme", offload_dir=sys.argv[1],
+                       bucket_bytes=1 << 20, offload_config=OffloadConfig(nvme_buffer_bytes=budget))
+x = torch.randn(4, 1024)
+peaks = []
+for i in range(4):
+    opt.backward(model(x).square().mean())
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # reset VmHWM: the peak of this step() alone
+    opt.step()
+    peaks.append(status("VmHWM") - before)
+    opt.zero_grad()
+print(psi, budget, *peaks)
+opt.close()
+'''
+
+
+def test_nvme_step_rss_stays_within_budget(folder):
+    """Measured by the kernel, not by our own counters: the resident memory a step adds (its
+    peak RSS over the RSS before it, in a fresh process) stays within the NVMe budget while
+    the moments streamed through it are 16x the budget. The first step touches the slot
+    arena's pages for the first time (up to the budget); later steps add ~nothing."""
+    import sys
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    res = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, folder], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    psi, budget, *peaks = map(int, res.stdout.split())
+    assert 8 * psi >= 16 * budget
+    slack = 256 * 1024   # allocator and first-use noise (one arena page run, small tensors)
+    assert max(peaks) <= budget + slack, peaks
+    assert max(peaks[1:]) <= slack, peaks

@@ -139,11 +139,17 @@ def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
     return tuple(r for r in RUNGS if r[1] in usable)
 
 
-def resolve_auto_rung(params: Iterable[torch.Tensor], *, world_size: int,
-                      param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
-                      memory_budget_bytes: Optional[int] = None, group=None,
-                      num_param_groups: int = 1, model=None, offload=None,
-                      offload_dir=None) -> Tuple[int, Optional[str]]:
+def resolve_auto_rung(params: Iterable[torch.Tensor], **kwargs) -> Tuple[int, Optional[str]]:
+    """``(stage, offload)`` of :func:`resolve_auto_placement` (same arguments)."""
+    return resolve_auto_placement(params, **kwargs)[:2]
+
+
+def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
+                           param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                           memory_budget_bytes: Optional[int] = None, group=None,
+                           num_param_groups: int = 1, model=None, offload=None,
+                           offload_dir=None, offload_params: Optional[bool] = None
+                           ) -> Tuple[int, Optional[str], bool]:
     """The rung ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
 
     Args:
@@ -159,10 +165,12 @@ def resolve_auto_rung(params: Iterable[torch.Tensor], *, world_size: int,
             counted.
         offload, offload_dir: the optimizer's; they decide which offload rungs are offered
             (see :func:`auto_rungs`).
+        offload_params: as ``ladder.choose_rung``'s: None lets a stage-3 offload rung that
+            does not fit try the parameter shards in host RAM; True takes only such rungs.
 
     Returns:
-        ``(stage, offload)`` (implemented: see ``policy.rung_implemented``). Rank 0 says
-        which rung and why, in one line (see [Note: auto announcement]).
+        ``(stage, offload, offload_params)`` (implemented: see ``policy.rung_implemented``).
+        Rank 0 says which rung and why, in one line (see [Note: auto announcement]).
 
     Raises:
         NoRungFitsError: not even the last rung fits.
@@ -191,13 +199,13 @@ def resolve_auto_rung(params: Iterable[torch.Tensor], *, world_size: int,
         world_size, budget,
         headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
-        num_param_groups=num_param_groups, rungs=rungs)
+        num_param_groups=num_param_groups, rungs=rungs, offload_params=offload_params)
     if not rung_implemented(stage, offload):
         raise RungNotAvailableError(
             f"stage='auto': this model needs {rung_name(stage, offload)} ({reason}), which is "
             f"not available in this version of zkernels (implemented stages: "
             f"{', '.join(map(str, implemented_stages()))}). Use more ranks, a narrower "
             f"param_dtype, or a larger memory budget")
-    chosen = f"stage {stage}" if offload is None else rung_name(stage, offload)
+    chosen = f"stage {stage}" if offload is None else est.name
     announce(f"stage='auto' chose {chosen} (budget from {source}): {reason}", group)
-    return stage, offload
+    return stage, offload, est.offload_params

@@ -40,12 +40,14 @@ bucket buffers, as at stage 1).
 
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
 ``ZeroOptimizer``'s strategies place it (``host_update.py``, ``nvme_update.py``): with ``"cpu"``
-the master, optimizer states and the gradient shard live in host RAM (and at stage 3 the
-parameter shard too), plus two compute-dtype staging sub-groups in mixed precision; with
-``"nvme"`` the states and, by default, the master live on disk (each swap file adds one
-4096-byte header and pads to 4096 bytes, ignored here), the gradient shard stays on the
-device, and host RAM holds exactly the configured slot budget (``nvme_buffer_bytes``), plus
-the master when ``nvme_master=False``.
+the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
+staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
+live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
+the gradient shard stays on the device, and host RAM holds exactly the configured slot budget
+(``nvme_buffer_bytes``), plus the master when ``nvme_master=False``. At stage 3 the parameter
+shard stays on the device unless ``offload_params=True`` puts it in host RAM (either kind;
+``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
+and, in pure fp32, no master of its own (the shard is the master).
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
@@ -54,8 +56,9 @@ all-gather the parameters ((r + p)·Ψ·(N−1)/N: the paper's 2Ψ), stage 3 gat
 twice, once per direction ((r + 2p)·Ψ·(N−1)/N: 3Ψ). Stage 0 all-reduces the gradients in
 ``reduce_dtype`` when one is given (2·r·Ψ·(N−1)/N: the like-for-like row ``plan`` shows), else
 in their own dtype, as DDP does by default (2·p·Ψ·(N−1)/N).
-Offload adds host<->device copies (gradient shard down, updated shard up) and, for nvme, the
-read and write of master and states.
+Offload adds host<->device copies (gradient shard down, updated shard up; with
+``offload_params`` the shard comes up at every gather instead: twice per step) and, for nvme,
+the read and write of master and states.
 """
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ class MemoryEstimate:
         comm_bytes: bytes this rank sends per step over the process group.
         host_device_bytes: bytes copied between host and device per step (offload).
         disk_io_bytes: bytes read plus written on disk per step (nvme offload).
+        offload_params: stage 3's parameter shards are in host RAM too.
     """
 
     stage: int
@@ -126,6 +130,7 @@ class MemoryEstimate:
     comm_bytes: int
     host_device_bytes: int
     disk_io_bytes: int
+    offload_params: bool = False
 
     @property
     def model_states_bytes(self) -> int:
@@ -145,7 +150,8 @@ class MemoryEstimate:
 
     @property
     def name(self) -> str:
-        return rung_name(self.stage, self.offload)
+        name = rung_name(self.stage, self.offload)
+        return name + " + params on host" if self.offload_params else name
 
 
 def count_params(model_or_num_params) -> int:
@@ -193,7 +199,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     num_param_groups: int = 1,
                     nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES,
                     nvme_master: bool = True,
-                    sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL) -> MemoryEstimate:
+                    sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
+                    offload_params: bool = False) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -219,6 +226,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         nvme_buffer_bytes, nvme_master, sub_group_numel: as in
             :class:`~zkernels.zero.offload_config.OffloadConfig` (the NVMe host budget, master
             on disk, the CPU offload sub-group).
+        offload_params: stage 3 with offload: the parameter shards in host RAM too.
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -231,6 +239,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if stage < off.min_stage:
         allowed = " or ".join(str(s) for s in STAGES if s >= off.min_stage)
         raise ValueError(f"offload={offload!r} needs stage {allowed}, got stage {stage}")
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params must be a bool, got {type(offload_params).__name__}")
+    if offload_params and (not policy.shards_params or offload is None):
+        raise ValueError(f"offload_params=True needs stage 3 with offload='cpu' or 'nvme', "
+                         f"got stage={stage}, offload={offload!r}")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     pdt = parse_dtype(param_dtype, "param_dtype") or torch.float32
@@ -281,21 +294,25 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                      optimizer_states=ADAM_STATE_BYTES * shard,
                      buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
                      transient=transient)
-    if offload is not None and not mixed:
+    if offload is not None and not mixed and not (offload_params and offload == "cpu"):
         # Pure fp32 offload: the device parameter can no longer be the master (the update
-        # runs elsewhere), so the host or disk holds an fp32 master shard of its own.
+        # runs elsewhere), so the host or disk holds an fp32 master shard of its own (with
+        # offload_params the host parameter shard is the CPU strategy's master).
         kinds["master"] = MASTER_BYTES * shard
     device = dict(kinds)
     host, disk = {}, {}
-    sharded_params = ("params",) if policy.shards_params else ()
+    if offload_params:
+        host["params"] = device.pop("params")
     if offload == "cpu":
-        for k in ("master", "optimizer_states", "grads") + sharded_params:
+        for k in ("master", "optimizer_states", "grads"):
             host[k] = device.pop(k)
-        # Two staging sub-groups of compute-dtype results on their way to the device.
-        host["staging"] = 2 * p * min(sub_group_numel, shard) if mixed else 0
+        # Two staging sub-groups of compute-dtype results on their way to the device (none
+        # when the update writes host parameter shards).
+        host["staging"] = 2 * p * min(sub_group_numel, shard) if mixed and not offload_params \
+            else 0
     elif offload == "nvme":
         on_disk = ("master",) if nvme_master else ()
-        for k in on_disk + ("optimizer_states",) + sharded_params:
+        for k in on_disk + ("optimizer_states",):
             disk[k] = device.pop(k)
         if not nvme_master:
             host["master"] = device.pop("master")
@@ -306,7 +323,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
     else:               # one reduce-scatter, one or two all-gathers
         comm = (r + policy.gathers_per_step * p) * n_psi * frac
-    h2d = 0 if offload is None else g * shard + p * shard
+    h2d = 0 if offload is None else g * shard + \
+        (policy.gathers_per_step if offload_params else 1) * p * shard
     disk_io = 0 if offload != "nvme" else 2 * sum(disk.values())
     return MemoryEstimate(
         stage=stage, offload=offload, num_params=n_psi, world_size=big_n,
@@ -314,4 +332,5 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         optimizer_states_bytes=kinds["optimizer_states"], buffers_bytes=kinds["buffers"],
         transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
         host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
-        comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io)
+        comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io,
+        offload_params=offload_params)

@@ -26,9 +26,12 @@ during backward, and the registry's ``min_stage`` is 2).
 Stage 3 plugs in unchanged: its units get their states from the same ``init_state`` (the
 optimizer passes its update strategy to the unit builder), its gradient strategy is stage 2's
 reducer over units (so it takes the same ``grad_sink``), and ``update`` writes the persistent
-compute shard of a sharded unit exactly as it writes a replicated unit's slice. Keeping the
-*parameter* shards on the host between uses (``offload_params``) is a gather policy's job
-(bring the shard in ahead of the all-gather), not this strategy's.
+compute shard of a sharded unit exactly as it writes a replicated unit's slice. With
+``offload_params=True`` (stage 3) the strategy also places the *parameter* shards: its
+``sharded_params`` gives each unit a gather policy whose shard lives in host RAM and comes to
+the device ahead of the unit's all-gather (``param_offload.py``, [Note: parameter offload]);
+the update then writes the host shard directly (no staging, nothing sent in ``step()``), and
+in pure fp32 the master is the shard itself.
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ import torch
 
 from ..ops import OpSet
 from .offload_config import OffloadConfig
+from .param_offload import HostParamStore, HostShardedParams
 from .shard_state import ShardState
 from .transfer import Copier, Fence
-from .units import FlatParamUnit
+from .units import FlatParamUnit, ShardedParams
 from .update import GradScale
 
 
@@ -113,9 +117,13 @@ class HostUpdate:
         device: the compute device (CPU here, where the "device" buffers are separate from
             the host ones; CUDA on GPU machines).
         config: the :class:`OffloadConfig`.
+        offload_params: stage 3: keep the parameter shards in host RAM too (see
+            [Note: parameter offload]).
 
     Attributes:
         placement: "cpu".
+        param_store: the :class:`~zkernels.zero.param_offload.HostParamStore` (None without
+            ``offload_params``).
         states: one :class:`ShardState` per unit, its tensors in host RAM.
         grad_sink: the :class:`HostGradShards` the stage-2 reducer fills.
         grad_ops: the OpSet for the gradient shards (clipping's sum of squares).
@@ -124,10 +132,12 @@ class HostUpdate:
     placement = "cpu"
     resumed = False
 
-    def __init__(self, host_ops: OpSet, device: torch.device, config: OffloadConfig) -> None:
+    def __init__(self, host_ops: OpSet, device: torch.device, config: OffloadConfig,
+                 offload_params: bool = False) -> None:
         self.host_ops = self.grad_ops = host_ops
         self.config = config
         self.copier = Copier(device, config.pin_memory)
+        self.param_store = HostParamStore(self.copier) if offload_params else None
         self.states: List[ShardState] = []
         self.grad_sink = HostGradShards(self.copier)
         self._staging: List[torch.Tensor] = []
@@ -144,12 +154,16 @@ class HostUpdate:
             raise ValueError(f"init_state: unit {unit.index} out of order (expected "
                              f"{len(self.states)})")
         n = unit.layout.shard_numel
-        master = self.copier.host_empty(n, torch.float32)
-        master.copy_(initial_master)
+        on_host = _shard_on_host(unit)
+        if on_host and unit.compute_dtype == torch.float32:
+            master = unit.compute_shard   # the host parameter shard is its own master
+        else:
+            master = self.copier.host_empty(n, torch.float32)
+            master.copy_(initial_master)
         m = self.copier.host_empty(n, torch.float32).zero_()
         v = self.copier.host_empty(n, torch.float32).zero_()
         self.grad_sink.add(n)
-        if unit.compute_dtype != torch.float32:
+        if unit.compute_dtype != torch.float32 and not on_host:
             need = min(n, self.config.sub_group_numel)
             if not self._staging or self._staging[0].numel() < need \
                     or self._staging[0].dtype != unit.compute_dtype:
@@ -175,6 +189,19 @@ class HostUpdate:
         mixed = unit.compute_dtype != torch.float32
         n, sub = unit.layout.shard_numel, self.config.sub_group_numel
         last: Optional[Fence] = None
+        if _shard_on_host(unit):
+            # [Note: parameter offload]: write the host shard in place, nothing to send.
+            self.param_store.settle()
+            for lo in range(0, n, sub):
+                hi = min(n, lo + sub)
+                self.host_ops.adamw_step(
+                    st.master[lo:hi], grad[lo:hi], st.exp_avg[lo:hi], st.exp_avg_sq[lo:hi],
+                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    step=st.step, grad_scale=scale,
+                    out=unit.compute_shard[lo:hi] if mixed else None)
+            self._update_s += time.perf_counter() - t0
+            return
         for lo in range(0, n, sub):
             hi = min(n, lo + sub)
             out = None
@@ -209,6 +236,7 @@ class HostUpdate:
         step's transfer figures in :attr:`last_step`."""
         t0 = time.perf_counter()
         c = self.copier.take_counters()
+        params = self.param_store.take_counters() if self.param_store is not None else {}
         tail = time.perf_counter() - t0
         self._h2d_exposed_s += tail
         self._staging_fences = [None, None]
@@ -222,7 +250,7 @@ class HostUpdate:
             "device_to_host_hidden_s": max(0.0, c["to_host_busy_s"] - d2h_exposed),
             "host_to_device_s": c["to_device_busy_s"],
             "host_to_device_exposed_s": self._h2d_exposed_s,
-            "disk_read_bytes": 0, "disk_write_bytes": 0,
+            "disk_read_bytes": 0, "disk_write_bytes": 0, **params,
         }
         self._update_s = self._h2d_exposed_s = 0.0
         self.grad_sink.exposed_s = 0.0
@@ -235,6 +263,11 @@ class HostUpdate:
         st.exp_avg.copy_(exp_avg)
         st.exp_avg_sq.copy_(exp_avg_sq)
         st.master.copy_(master)
+        if _shard_on_host(unit):
+            self.param_store.settle()
+            if unit.compute_dtype != torch.float32:
+                self.host_ops.cast(st.master, out=unit.compute_shard)
+            return   # fp32: the master is the shard
         src = st.master if unit.compute_dtype == torch.float32 else \
             self.host_ops.cast(st.master, unit.compute_dtype)
         self.copier.to_device(unit.compute_shard, src).synchronize()
@@ -250,12 +283,20 @@ class HostUpdate:
 
     def held_host(self) -> Dict[str, List[torch.Tensor]]:
         """Host tensors held by kind (for ``stats()``)."""
-        return {"master": [s.master for s in self.states],
+        return {"params": self.param_store.held_host() if self.param_store is not None else [],
+                "master": [s.master for s in self.states],
                 "optimizer_states": [t for s in self.states for t in (s.exp_avg, s.exp_avg_sq)],
                 "grads": list(self.grad_sink.shards), "buffers": list(self._staging)}
 
     def disk_bytes(self) -> Dict[str, int]:
         return {}
+
+    def sharded_params(self, params, layout, rank: int, compute_shard: torch.Tensor):
+        """Stage 3's gather policy: the shard in host RAM with ``offload_params`` (see
+        [Note: parameter offload]), else on the device."""
+        if self.param_store is None:
+            return ShardedParams(params, layout, compute_shard)
+        return self.param_store.sharded_params(params, layout, rank, compute_shard)
 
     def close(self) -> None:
         """Finish copies and stop the copy thread (idempotent)."""
@@ -263,3 +304,8 @@ class HostUpdate:
 
     def adopt(self, num_units: int) -> None:
         raise RuntimeError(f"{type(self).__name__} does not resume kept state")
+
+
+def _shard_on_host(unit: FlatParamUnit) -> bool:
+    """The unit's persistent compute shard is host memory (stage 3, ``offload_params``)."""
+    return isinstance(unit.gather, HostShardedParams)

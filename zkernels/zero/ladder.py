@@ -1,15 +1,17 @@
 """The ladder's decision: the lowest rung whose estimate fits a memory budget (pure arithmetic).
 
 ``stage="auto"`` (:mod:`zkernels.zero.auto`) and ``python -m zkernels plan`` both decide here.
-Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 3 with offload to host RAM,
-then to NVMe.
+Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 2 and 3 with offload to
+host RAM, then to NVMe. A stage-3 offload rung that does not fit is tried again with
+``offload_params`` (the parameter shards in host RAM too: ``param_offload.py``) before the
+next rung: it costs host-to-device copies at each gather, not disk bandwidth.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 from .estimate import MemoryEstimate, count_params, estimate_memory
-from .policy import RUNGS
+from .policy import RUNGS, stage_policy
 
 __all__ = ["RUNGS", "NoRungFitsError", "choose_rung"]
 
@@ -29,6 +31,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
                 host_budget_bytes: Optional[int] = None,
                 disk_budget_bytes: Optional[int] = None,
                 rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
+                offload_params: Optional[bool] = None,
                 ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
     """Lowest rung whose device bytes per rank fit ``budget_bytes * (1 - headroom)``.
 
@@ -44,9 +47,13 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
             max_tensor_numel, num_param_groups: as in :func:`estimate_memory`.
         host_budget_bytes, disk_budget_bytes: when given, offload rungs must also fit there.
         rungs: ``(stage, offload)`` pairs to try, lowest first.
+        offload_params: None (a stage-3 offload rung is tried without, then with the
+            parameter shards in host RAM), True (only with: rungs that cannot take it are
+            skipped) or False (never).
 
     Returns:
-        ``((stage, offload), estimate, reason)``: the rung, its estimate, and one sentence
+        ``((stage, offload), estimate, reason)``: the rung, its estimate (its
+        ``offload_params`` says whether the parameter shards go to host RAM), and one sentence
         saying why it was taken (what it needs, what was available, why lower rungs did not fit).
 
     Raises:
@@ -65,13 +72,19 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
             f"({headroom:.0%} headroom for activations and fragmentation)"
     rejected = []
     est = None
-    for stage, offload in rungs:
+    tries = [(s, o, op) for s, o in rungs
+             for op in ((False, True) if offload_params is None else (offload_params,))
+             if not op or (o is not None and stage_policy(s).shards_params)]
+    if not tries:
+        raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "
+                         f"offload")
+    for stage, offload, op in tries:
         est = estimate_memory(model_or_num, world_size, stage, param_dtype=param_dtype,
                               reduce_dtype=reduce_dtype, grad_shard_dtype=grad_shard_dtype,
                               offload=offload,
                               bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,
                               max_tensor_numel=max_tensor_numel,
-                              num_param_groups=num_param_groups)
+                              num_param_groups=num_param_groups, offload_params=op)
         misses = []
         if est.device_bytes > usable:
             misses.append(f"{_gb(est.device_bytes)} on the device")

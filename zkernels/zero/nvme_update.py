@@ -14,7 +14,12 @@ updated compute params go back the same way, as with CPU offload. Host RAM is th
 budget whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master) per rank.
 
 Before the first sub-group of a step every file's size is checked, so a truncated file fails
-the step before any state changes; each read checks its byte count too. Files live in the
+the step before any state changes; each read checks its byte count too.
+
+With ``offload_params=True`` (stage 3) the parameter shards live in host RAM (pΨ/N, outside
+the slot budget: [Note: parameter offload]); each sub-group's AdamW then writes its
+compute-dtype output straight into the host shard (the slot's output staging goes unused) and
+nothing goes to the device in ``step()``. Parameters on disk are not implemented. Files live in the
 run's own folder and go on :meth:`NvmeUpdate.close` (also at garbage collection), unless
 ``close(keep_files=True)`` keeps them, with a manifest, for ``OffloadConfig(resume_dir=...)``.
 """
@@ -31,11 +36,12 @@ import torch
 from ..ops import OpSet
 from .host_update import host_scalar
 from .offload_config import IO_ALIGN, NUM_NVME_BUFFERS, OffloadConfig
+from .param_offload import HostParamStore, HostShardedParams
 from .shard_state import ShardState
 from .swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty, log, make_run_folder,
                    probe_direct_io, remove_run_folder, round_up)
 from .transfer import Copier
-from .units import FlatParamUnit
+from .units import FlatParamUnit, ShardedParams
 from .update import GradScale
 
 ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
@@ -86,6 +92,8 @@ class NvmeUpdate:
         config: the :class:`OffloadConfig`.
         offload_dir: the folder under which this run's folder is made.
         rank, world_size: this rank and the group size (written into the file headers).
+        offload_params: stage 3: keep the parameter shards in host RAM (see
+            [Note: parameter offload]).
 
     Attributes:
         placement: "nvme". folder: this run's folder. direct_io: whether O_DIRECT is used
@@ -98,12 +106,14 @@ class NvmeUpdate:
     grad_sink = None
 
     def __init__(self, ops: OpSet, host_ops: OpSet, device: torch.device,
-                 config: OffloadConfig, offload_dir, rank: int, world_size: int) -> None:
+                 config: OffloadConfig, offload_dir, rank: int, world_size: int,
+                 offload_params: bool = False) -> None:
         self.grad_ops, self.host_ops, self.config = ops, host_ops, config
         self.rank, self.world_size = rank, world_size
         self.kinds: Tuple[str, ...] = (("master",) if config.nvme_master else ()) + \
             ("exp_avg", "exp_avg_sq")
         self.copier = Copier(device, config.pin_memory)
+        self.param_store = HostParamStore(self.copier) if offload_params else None
         resume = config.resume_dir
         self.folder = os.fspath(resume) if resume is not None else \
             make_run_folder(offload_dir, rank)
@@ -265,9 +275,17 @@ class NvmeUpdate:
                 f.result()
 
     def _rebuild_compute(self, unit: FlatParamUnit) -> None:
-        master = self._read_kind(unit.index, "master")
+        self._write_compute(unit, self._read_kind(unit.index, "master"))
+
+    def _write_compute(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
+        """The unit's compute shard from an fp32 host master (device copy, or in place on the
+        host with ``offload_params``)."""
         src = master if unit.compute_dtype == torch.float32 else \
-            self.host_ops.cast(master, unit.compute_dtype)
+            self.host_ops.cast(master.contiguous(), unit.compute_dtype)
+        if isinstance(unit.gather, HostShardedParams):
+            self.param_store.settle()
+            unit.compute_shard.copy_(src)
+            return
         self.copier.to_device(unit.compute_shard, src).synchronize()
 
     # -- the step -----------------------------------------------------------------------
@@ -308,6 +326,9 @@ class NvmeUpdate:
         beta1, beta2 = group["betas"]
         scale = host_scalar(grad_scale)
         mixed = unit.compute_dtype != torch.float32
+        on_host = isinstance(unit.gather, HostShardedParams)
+        if on_host:
+            self.param_store.settle()   # no copy still reads the shard we write
         pieces = self._pieces(unit.layout.shard_numel)
         files = self.files[unit.index]
         host_master = self._host_master[unit.index]
@@ -334,16 +355,22 @@ class NvmeUpdate:
             self._timers["io_exposed_s"] += slot.settle()
             k = hi - lo
             master = slot.states["master"][:k] if host_master is None else host_master[lo:hi]
-            out = slot.out[:k] if mixed else None
+            out = None if not mixed else unit.compute_shard[lo:hi] if on_host else slot.out[:k]
             self.host_ops.adamw_step(
                 master, slot.grad[:k], slot.states["exp_avg"][:k], slot.states["exp_avg_sq"][:k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                 eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                 step=st.step, grad_scale=scale, out=out)
-            last = self.copier.to_device(unit.compute_shard[lo:hi], out if mixed else master)
             nbytes = round_up(k * 4)
-            slot.busy = [last] + [self.io.write(files[kd], slot.states[kd], lo * 4, nbytes)
-                                  for kd in self.kinds]
+            slot.busy = [self.io.write(files[kd], slot.states[kd], lo * 4, nbytes)
+                         for kd in self.kinds]
+            if on_host:
+                if not mixed:
+                    unit.compute_shard[lo:hi].copy_(master)
+            else:
+                last = self.copier.to_device(unit.compute_shard[lo:hi],
+                                             out if mixed else master)
+                slot.busy.append(last)
             if nxt is not None and self._prefetched is None:
                 slot = nxt
         if last is not None:
@@ -357,16 +384,20 @@ class NvmeUpdate:
             s.settle()
         c = self.copier.take_counters()
         io = self.io.take_counters()
+        params = self.param_store.take_counters() if self.param_store is not None else {}
         tail = time.perf_counter() - t0
         self._in_step = False
+        exposed = self._timers["io_exposed_s"] + tail
         self.last_step = {
             "update_s": self._timers["update_s"] + tail,
-            "io_exposed_s": self._timers["io_exposed_s"] + tail,
+            "io_exposed_s": exposed,
+            # I/O thread seconds the step did not wait for (ran beside the CPU AdamW)
+            "disk_io_hidden_s": max(0.0, io["disk_io_s"] - exposed),
             "host_to_device_bytes": c["to_device_bytes"],
             "device_to_host_bytes": c["to_host_bytes"],
             "host_to_device_s": c["to_device_busy_s"],
             "device_to_host_s": c["to_host_busy_s"], **io,
-            "sub_group_numel": self.sub_group_numel, "direct_io": self.direct_io,
+            "sub_group_numel": self.sub_group_numel, "direct_io": self.direct_io, **params,
         }
         self._timers = {"update_s": 0.0, "io_exposed_s": 0.0}
 
@@ -398,10 +429,7 @@ class NvmeUpdate:
             hm.copy_(master)
         self._fill(unit, master if hm is None else None, exp_avg, exp_avg_sq)
         self.io.take_counters()
-        src = master.to("cpu", torch.float32)
-        if unit.compute_dtype != torch.float32:
-            src = self.host_ops.cast(src.contiguous(), unit.compute_dtype)
-        self.copier.to_device(unit.compute_shard, src).synchronize()
+        self._write_compute(unit, master.to("cpu", torch.float32))
         self.copier.take_counters()
 
     def _settle_all(self) -> None:
@@ -417,7 +445,8 @@ class NvmeUpdate:
     def held_host(self) -> Dict[str, List[torch.Tensor]]:
         """Host tensors: the slot arena (buffers) and, with ``nvme_master=False``, the
         master."""
-        return {"master": [m for m in self._host_master if m is not None],
+        return {"params": self.param_store.held_host() if self.param_store is not None else [],
+                "master": [m for m in self._host_master if m is not None],
                 "buffers": [self._arena] if self._arena is not None else []}
 
     def disk_bytes(self) -> Dict[str, int]:
@@ -429,6 +458,13 @@ class NvmeUpdate:
                     out["master" if k == "master" else "optimizer_states"] += \
                         os.fstat(f.fd).st_size
         return out
+
+    def sharded_params(self, params, layout, rank: int, compute_shard: torch.Tensor):
+        """Stage 3's gather policy: the shard in host RAM with ``offload_params`` (see
+        [Note: parameter offload]), else on the device."""
+        if self.param_store is None:
+            return ShardedParams(params, layout, compute_shard)
+        return self.param_store.sharded_params(params, layout, rank, compute_shard)
 
     def close(self, keep_files: bool = False) -> Optional[str]:
         """Finish I/O, close the files and remove the run folder (idempotent).

@@ -21,7 +21,7 @@ import torch.nn as nn
 from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
-from .auto import resolve_auto_rung
+from .auto import resolve_auto_placement
 from .buckets import align_numel, bucket_capacity, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
@@ -33,7 +33,8 @@ from .stats import memory_by_location
 from .stage3 import GatherSchedule, build_units
 from .units import build_replicated_unit, param_names
 from .offload_config import OffloadConfig
-from .placement import check_offload_args, check_offload_stage, make_update_strategy
+from .placement import (check_offload_args, check_offload_params, check_offload_stage,
+                        make_update_strategy)
 
 
 def resolve_stage(stage) -> int:
@@ -130,6 +131,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             every unit gathered at the end of forward); see [Note: stage-3 gather schedule].
         check_paths: stage 3: before each all-gather, check that every rank gathers the same
             unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
+        offload_params: stage 3 with ``offload``: keep the parameter shards (compute dtype)
+            in host RAM between uses, each brought to the device ahead of its unit's
+            all-gather ([Note: parameter offload] in ``param_offload.py``). Stages 1-2 or no
+            offload raise ValueError. With ``stage="auto"``, True limits the rungs to stage 3
+            with offload; left False, the ladder may still take it for a stage-3 offload rung
+            that does not fit without it (see ``ladder.choose_rung``; ``opt.offload_params``
+            says what was chosen).
 
     Attributes:
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
@@ -154,7 +162,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  ops_backend: Optional[str] = None, timeout=None,
                  nonfinite: str = "skip", units=None,
                  reshard_after_forward: bool = True, check_paths: bool = True,
-                 offload_config: Optional[OffloadConfig] = None) -> None:
+                 offload_config: Optional[OffloadConfig] = None,
+                 offload_params: bool = False) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
         # strategy of the kind asked for.
         auto = isinstance(stage, str) and stage == "auto"
@@ -193,12 +202,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                 self.meter)
         n = self.comm.world_size
         if auto:
-            self.stage, offload = resolve_auto_rung(
+            self.stage, offload, offload_params = resolve_auto_placement(
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                 memory_budget_bytes=memory_budget_bytes, group=process_group,
                 num_param_groups=len(groups), model=model, offload=offload,
-                offload_dir=offload_dir)
+                offload_dir=offload_dir, offload_params=True if offload_params else None)
             if offload != "nvme":
                 offload_dir = None   # it only offered the NVMe rungs
             if offload is None:
@@ -206,6 +215,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offload = offload
         self.policy = STAGES[self.stage]
         check_offload_stage(offload, self.policy)
+        self.offload_params = check_offload_params(offload_params, offload, self.policy)
         if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
             # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
             # forward for its backward; freeing a unit after forward and gathering it again
@@ -228,7 +238,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_update = make_update_strategy(
             offload, ops=self.ops, device=device, ops_backend=ops_backend,
             offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
-            offload_config=offload_config)
+            offload_config=offload_config, offload_params=self.offload_params)
         self.units = []
         self.schedule: Optional[GatherSchedule] = None
         try:
@@ -419,7 +429,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``memory_location_bytes`` splits the total by location: host RAM is what the
             offload strategy allocated there, disk the measured sizes of its files. The offload
             entry adds the last step's transfers: bytes each way, the offloaded update's
-            host time, and how much of the gradient copies was hidden behind backward.
+            host time, and how much of the gradient copies was hidden behind backward; NVMe
+            adds the disk bytes and I/O time (``disk_io_s``, ``io_exposed_s``,
+            ``disk_io_hidden_s``); ``offload_params`` the parameter shards brought in at the
+            gathers (``param_host_to_device_bytes``, ``_s``, ``_exposed_s``, ``_hidden_s``).
             Memory is measured from the storages held: params are the flat
             compute buffers (and any frozen parameters); grads the stage-1 flat gradient
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,

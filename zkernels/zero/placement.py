@@ -72,6 +72,30 @@ def check_offload_stage(offload, policy: StagePolicy) -> None:
                          f"to the host during backward")
 
 
+def check_offload_params(offload_params, offload, policy: StagePolicy) -> bool:
+    """``offload_params`` as a bool, checked against the stage and the offload kind.
+
+    Raises:
+        TypeError: not a bool.
+        ValueError: stages 1-2 (nothing to offload: the full parameters stay on the device),
+            or no ``offload`` (the shards go to host RAM beside the offloaded state).
+    """
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params must be a bool, got {type(offload_params).__name__}")
+    if not offload_params:
+        return False
+    if not policy.shards_params:
+        raise ValueError(f"offload_params=True applies only to stage=3, got stage="
+                         f"{policy.stage}: stages 1-2 keep the full parameters on the device "
+                         f"(every rank computes with all of them), so there is no parameter "
+                         f"shard to keep in host RAM")
+    if offload is None:
+        raise ValueError("offload_params=True needs offload='cpu' or 'nvme': the parameter "
+                         "shards go to host RAM beside the offloaded optimizer state (pass "
+                         "offload='cpu' too)")
+    return True
+
+
 def host_ops_for(ops_backend: Optional[str]) -> OpSet:
     """The CPU OpSet an offloaded step runs on: the native AdamW where built, the reference
     otherwise; a forced ``"triton"`` backend (a device choice) does not apply to the host."""
@@ -81,15 +105,18 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
 
 def make_update_strategy(offload, *, ops: OpSet, device: torch.device,
                          ops_backend: Optional[str], offload_dir, rank: int,
-                         world_size: int, offload_config: Optional[OffloadConfig]):
-    """The update strategy for ``offload`` (None: states on the device)."""
+                         world_size: int, offload_config: Optional[OffloadConfig],
+                         offload_params: bool = False):
+    """The update strategy for ``offload`` (None: states on the device); with
+    ``offload_params`` (stage 3, checked by :func:`check_offload_params`) it also keeps the
+    parameter shards in host RAM (``param_offload.py``)."""
     if offload is None:
         from .update import DeviceUpdate
         return DeviceUpdate(ops)
     config = offload_config or OffloadConfig()
     if offload == "cpu":
         from .host_update import HostUpdate
-        return HostUpdate(host_ops_for(ops_backend), device, config)
+        return HostUpdate(host_ops_for(ops_backend), device, config, offload_params)
     from .nvme_update import NvmeUpdate
     return NvmeUpdate(ops, host_ops_for(ops_backend), device, config, offload_dir, rank,
-                      world_size)
+                      world_size, offload_params)

@@ -87,9 +87,11 @@ class OffloadPolicy:
     """Where the fp32 work lives (ZeRO-Offload / ZeRO-Infinity).
 
     Attributes:
-        kind: None (the device), "cpu" (master, moments and gradient shard in host RAM; at
-            stage 3 the parameter shard too) or "nvme" (master and moments, at stage 3 the
-            parameter shard, on disk; gradient shard and a staging bucket in host RAM).
+        kind: None (the device), "cpu" (master, moments and gradient shard in host RAM) or
+            "nvme" (master and moments on disk, streamed through a fixed host budget; the
+            gradient shard stays on the device). At stage 3 either kind also takes the
+            parameter shard into host RAM with ``offload_params=True`` (``param_offload.py``;
+            parameters on disk are not implemented).
         min_stage: the lowest stage it combines with.
         implemented: ``ZeroOptimizer(offload=kind)`` runs it in this version.
     """

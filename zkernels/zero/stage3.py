@@ -384,7 +384,9 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
     Args:
         group_of: ``id(param) -> param group index`` of every trainable parameter.
         names: ``units.param_names(model)``.
-        shard_update: the update strategy (its ``init_state`` is called per flat unit).
+        shard_update: the update strategy: its ``sharded_params`` builds each unit's gather
+            policy (where the persistent parameter shard lives is the strategy's placement),
+            its ``init_state`` is called per flat unit.
 
     Returns:
         ``(flat_units, gather_units)``: flat units in launch order (backward order: the last
@@ -400,7 +402,8 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
             ps = [p for p in spec.params if group_of[id(p)] == gi]
             layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
             unit, initial = build_sharded_unit(len(flat_units), gi, ps, names, layout, rank,
-                                               compute_dtype, ops)
+                                               compute_dtype, ops,
+                                               make_gather=shard_update.sharded_params)
             shard_update.init_state(unit, initial)
             del initial
             flat_units.append(unit)

@@ -27,6 +27,7 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Tuple
@@ -233,26 +234,43 @@ class AsyncFileIO:
         num_threads: requests in flight at once.
 
     Attributes:
-        bytes_read, bytes_written, busy_s: totals since :meth:`take_counters`.
+        bytes_read, bytes_written: totals since :meth:`take_counters`; ``busy_s`` there too:
+            the seconds requests took, summed over the I/O threads (finished requests).
     """
 
     def __init__(self, num_threads: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=num_threads,
                                         thread_name_prefix="zk-offload-io")
         self.bytes_read = self.bytes_written = 0
+        self.busy_s = 0.0
+        self._lock = threading.Lock()
+
+    def _timed(self, *args) -> float:
+        took = _transfer(*args)
+        with self._lock:   # counted before the future completes: a waiter sees it
+            self.busy_s += took
+        return took
+
+    def _submit(self, *args) -> Future:
+        return self._pool.submit(self._timed, *args)
 
     def read(self, f: SwapFile, buf: torch.Tensor, offset: int, nbytes: int) -> Future:
         """Read ``nbytes`` of ``f``'s data at ``offset`` into ``buf`` (aligned)."""
         self.bytes_read += nbytes
-        return self._pool.submit(_transfer, os.preadv, f, buf, offset, nbytes, "read")
+        return self._submit(os.preadv, f, buf, offset, nbytes, "read")
 
     def write(self, f: SwapFile, buf: torch.Tensor, offset: int, nbytes: int) -> Future:
         """Write ``nbytes`` of ``buf`` to ``f``'s data at ``offset``."""
         self.bytes_written += nbytes
-        return self._pool.submit(_transfer, os.pwritev, f, buf, offset, nbytes, "write")
+        return self._submit(os.pwritev, f, buf, offset, nbytes, "write")
 
     def take_counters(self) -> dict:
-        out = {"disk_read_bytes": self.bytes_read, "disk_write_bytes": self.bytes_written}
+        """``{"disk_read_bytes", "disk_write_bytes", "disk_io_s"}`` since the last call (then
+        reset); call it once the requests finished."""
+        with self._lock:
+            busy, self.busy_s = self.busy_s, 0.0
+        out = {"disk_read_bytes": self.bytes_read, "disk_write_bytes": self.bytes_written,
+               "disk_io_s": busy}
         self.bytes_read = self.bytes_written = 0
         return out
 

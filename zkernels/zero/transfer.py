@@ -101,6 +101,7 @@ class Copier:
             max_workers=1, thread_name_prefix="zk-offload-copy")
         self._issued: List[Tuple[str, Fence]] = []
         self._registered: List[torch.Tensor] = []
+        self.on_close: List = []   # callables that finish copies the caller tracks itself
         self._closed = False
         self.bytes_to_host = 0
         self.bytes_to_device = 0
@@ -143,7 +144,18 @@ class Copier:
         self.bytes_to_device += src.numel() * src.element_size()
         return self._copy(dst, src, "to_device")
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Fence:
+    @property
+    def stream(self):
+        """The CUDA copy stream (None on a CPU-only device: copies run on the copy thread)."""
+        return self._stream
+
+    def copy_untracked(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        """Copy ``src`` into ``dst`` off the compute stream, outside :meth:`take_counters`:
+        the caller keeps the fence and counts the bytes (stage 3's parameter shards come in
+        during forward and backward, between steps: ``param_offload.HostParamStore``)."""
+        return self._copy(dst, src, None)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: Optional[str]) -> Fence:
         if self._closed:
             raise RuntimeError("this ZeroOptimizer was closed (close()): its offloaded state "
                                "is gone, build a new optimizer to train on")
@@ -159,7 +171,8 @@ class Copier:
             fence = Fence(event=end, start=start, device=self.device, keep=(dst, src))
         else:
             fence = Fence(future=self._pool.submit(_timed_copy, dst, src))
-        self._issued.append((direction, fence))
+        if direction is not None:
+            self._issued.append((direction, fence))
         return fence
 
     def take_counters(self) -> dict:
@@ -178,6 +191,11 @@ class Copier:
     def close(self) -> None:
         """Finish every copy and stop the copy thread."""
         self._closed = True
+        for finish in self.on_close:
+            try:
+                finish()
+            except Exception:  # noqa: BLE001 - closing: the copy's error was reported already
+                pass
         for _, f in self._issued:
             try:
                 f.synchronize()

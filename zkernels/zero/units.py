@@ -141,18 +141,19 @@ class ShardedParams:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
-                 compute_shard: torch.Tensor) -> None:
+                 compute_shard: torch.Tensor, device: Optional[torch.device] = None) -> None:
         if compute_shard.numel() != layout.shard_numel:
             raise ValueError(f"compute_shard has {compute_shard.numel()} elements, the layout's "
                              f"shard {layout.shard_numel}")
         self.compute_shard = compute_shard
+        self.device = torch.device(device) if device is not None else compute_shard.device
         self._full = torch.empty(layout.padded_numel, dtype=compute_shard.dtype,
-                                 device=compute_shard.device)
+                                 device=self.device)
         self._nbytes = self._full.untyped_storage().nbytes()
         self._params = list(params)
         self._views = [self._full[o:o + p.numel()].view(p.shape)
                        for p, o in zip(params, layout.offsets)]
-        self._empty = torch.empty(0, dtype=compute_shard.dtype, device=compute_shard.device)
+        self._empty = torch.empty(0, dtype=compute_shard.dtype, device=self.device)
         self._pending: Optional[_Gathering] = None
         self._gathered = True  # storage allocated (values valid once any gather finished)
         self.free()
@@ -182,9 +183,13 @@ class ShardedParams:
         for p, v in zip(self._params, self._views):
             p.data = v
         self._gathered = True
-        self._pending = _Gathering(self, comm.all_gather(self._full, self.compute_shard,
-                                                         tag=tag))
+        self._pending = _Gathering(self, self._issue_gather(comm, tag))
         return self._pending
+
+    def _issue_gather(self, comm: Comm, tag: Optional[str]) -> Handle:
+        """Start the all-gather of the shards into the (allocated) full buffer; a policy whose
+        shard lives elsewhere brings it in first (``param_offload.HostShardedParams``)."""
+        return comm.all_gather(self._full, self.compute_shard, tag=tag)
 
     def free(self) -> None:
         """Release the full buffer's storage (waits for a gather in flight first)."""
@@ -238,7 +243,9 @@ class FlatParamUnit:
     device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
-        self.device = self.gather.compute_shard.device
+        # The compute device: a gather policy whose persistent shard lives elsewhere (stage 3's
+        # offload_params keeps it in host RAM) names the device its full buffer lives on.
+        self.device = getattr(self.gather, "device", None) or self.gather.compute_shard.device
 
     @property
     def shard_slice(self) -> slice:
@@ -304,7 +311,7 @@ def build_replicated_unit(index: int, group_index: int, params: Sequence[torch.T
 def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
                        names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
                        rank: int, compute_dtype: torch.dtype,
-                       ops: OpSet) -> Tuple[FlatParamUnit, torch.Tensor]:
+                       ops: OpSet, make_gather=None) -> Tuple[FlatParamUnit, torch.Tensor]:
     """Stage 3: keep only this rank's shard of ``params`` (compute dtype) and make them views
     of a full buffer that exists only while gathered (:class:`ShardedParams`, built freed).
 
@@ -312,6 +319,11 @@ def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tens
         ``(unit, initial_master)`` as :func:`build_replicated_unit`: this rank's fp32 shard of
         the original values (in pure fp32 the unit's compute shard itself). The full fp32 copy
         made here is released before the function returns.
+
+    Args:
+        make_gather: ``(params, layout, rank, compute_shard) -> gather policy``: the update
+            strategy's ``sharded_params`` (it decides where the persistent shard lives);
+            default :class:`ShardedParams` on the parameters' device.
     """
     device = params[0].device
     lo, hi = layout.shard_range(rank)
@@ -322,7 +334,10 @@ def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tens
     initial = fp32[lo:hi].clone()
     del fp32
     compute = initial if compute_dtype == torch.float32 else ops.cast(initial, compute_dtype)
-    gather = ShardedParams(params, layout, compute)
+    gather = ShardedParams(params, layout, compute) if make_gather is None else \
+        make_gather(params, layout, rank, compute)
+    if compute_dtype == torch.float32:
+        initial = gather.compute_shard  # the master starts as the (possibly moved) shard
     unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
                          compute_dtype, gather)

@@ -16,7 +16,7 @@ import torch
 
 from ..ops import OpSet
 from .shard_state import ShardState
-from .units import FlatParamUnit
+from .units import FlatParamUnit, ShardedParams
 
 GradScale = Union[None, float, torch.Tensor]
 
@@ -33,6 +33,12 @@ class UpdateStrategy(Protocol):
 
     def init_state(self, unit: FlatParamUnit, initial_master: torch.Tensor) -> ShardState:
         """Allocate ``unit``'s state (where this strategy keeps states)."""
+
+    def sharded_params(self, params, layout, rank: int, compute_shard: torch.Tensor):
+        """Stage 3: the gather policy of a unit whose persistent compute shard is
+        ``compute_shard`` (on the device): :class:`~zkernels.zero.units.ShardedParams`, or,
+        with ``offload_params``, one that keeps the shard in host RAM
+        (``param_offload.HostShardedParams``)."""
 
     def update(self, unit: FlatParamUnit, grad: torch.Tensor, group: dict,
                grad_scale: GradScale) -> None:
@@ -103,6 +109,11 @@ class DeviceUpdate:
                            zeros())
         self.states.append(state)
         return state
+
+    def sharded_params(self, params, layout, rank: int,
+                       compute_shard: torch.Tensor) -> ShardedParams:
+        """Stage 3: the parameter shard stays on the device."""
+        return ShardedParams(params, layout, compute_shard)
 
     def _writes_compute(self, unit: FlatParamUnit) -> bool:
         return unit.compute_dtype != torch.float32

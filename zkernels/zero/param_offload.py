@@ -1,0 +1,169 @@
+"""Stage 3 ``offload_params=True``: the compute-dtype parameter shards live in host RAM between
+uses and come to the device ahead of their unit's all-gather.
+
+[Note: parameter offload]
+At stage 3 a rank holds its parameter shard (pΨ/N) permanently; with ``offload_params`` the
+offload strategy (``host_update.HostUpdate`` or ``nvme_update.NvmeUpdate``: placement is the
+update strategy's) keeps that shard in host RAM instead, in a buffer of a
+:class:`HostParamStore` (pinned when a GPU is present, see ``OffloadConfig.pin_memory``), and
+gives each unit a :class:`HostShardedParams` gather policy:
+
+- ``ensure_gathered`` (the unit's forward or backward, or the schedule's prefetch of the unit
+  predicted next: [Note: stage-3 gather schedule]) allocates the full device buffer, copies the
+  host shard into this rank's slice of it on the copier's stream (see [Note: offload copies])
+  and all-gathers in place once the copy is done ([Note: gathers after their copy]). On a GPU
+  neither step blocks the host or the compute stream: the copy and the gather of unit k+1 are
+  issued during unit k's compute and run beside it. On a CPU-only machine the "device" buffer is a separate allocation and the
+  copy runs on the copy thread; the gather waits for it (a memcpy of one shard).
+- ``free`` releases the full buffer: between uses the device holds no parameter bytes of the
+  unit (``stats()`` measures it: ``memory_location_bytes`` puts the shards under host).
+- The update writes the new compute-dtype parameters straight into the host shard (the fused
+  CPU AdamW's ``out=``): no staging buffer and no host-to-device copy in ``step()``; in pure
+  fp32 the host master *is* the shard (CPU offload) and nothing is written twice. The next
+  gather reads the new values. Before the update writes a shard, the store waits for any
+  copy still reading it.
+
+[Note: gathers after their copy]
+On a GPU the all-gather of a unit whose shard was just copied in is issued with the copier's
+stream as the current stream: ProcessGroupNCCL's stream then waits for that stream (the copy),
+not for the compute stream, and the compute stream waits for the gather only where the unit
+is used (the handle's ``wait()``, called on the compute stream). Making the compute stream
+wait for the copy instead would hold back the kernels of the unit computing now behind the
+copy of the unit prefetched for next. The full buffer is allocated on the compute stream
+before either is issued and freed on it after it waited, so the caching allocator's
+per-stream reuse stays ordered. (Written for CUDA from these rules; in this repository's CI
+only the CPU path runs, where the gather waits for the copy thread.)
+
+Traffic: every gather brings its shard in (pΨ/N per gather: twice per step with
+``reshard_after_forward``, once without) instead of sending pΨ/N up once after the update;
+``stats()["offload"]`` reports these bytes and copy time as ``param_host_to_device_*``, the
+host time the gathers waited for them (``param_host_to_device_exposed_s``: on a GPU the host
+never waits, on a CPU it is the copy itself plus the hand-off to the copy thread) and the
+copy time not waited for (``param_host_to_device_hidden_s``).
+
+Bit-identity: the parameters' values are the same bits wherever the shard lives (the AdamW
+writes the same rounded output; a copy changes nothing), so a run with ``offload_params`` is
+bit-identical to the same offload without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ..layout import FlatLayout
+from .transfer import Copier, Fence
+from .units import ShardedParams
+
+
+class HostShardedParams(ShardedParams):
+    """Stage 3's gather policy with the persistent shard in host RAM (see
+    [Note: parameter offload]).
+
+    Args:
+        params, layout: as :class:`~zkernels.zero.units.ShardedParams`.
+        shard: this rank's slice of the full buffer.
+        host_shard: [shard_numel] compute dtype, host RAM (the store's buffer): the
+            ``compute_shard`` the update writes.
+        device: the compute device (where the full buffer lives while gathered).
+        store: the :class:`HostParamStore` that copies and counts.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout, shard: slice,
+                 host_shard: torch.Tensor, device: torch.device,
+                 store: "HostParamStore") -> None:
+        self._slice, self._store = shard, store
+        self.fence: Optional[Fence] = None
+        super().__init__(params, layout, host_shard, device=device)
+
+    def _issue_gather(self, comm, tag: Optional[str]):
+        dst = self._full[self._slice]
+        self.fence = self._store.bring_in(dst, self.compute_shard)
+        with self._store.after(self.fence):
+            return comm.all_gather(self._full, dst, tag=tag)
+
+    def held(self) -> List[torch.Tensor]:
+        """Device parameter storage held: the full buffer while gathered, else nothing (the
+        shard is host memory: the store reports it)."""
+        return [self._full] if self._gathered else []
+
+
+class HostParamStore:
+    """Owner of the host parameter shards of one optimizer (see [Note: parameter offload]).
+
+    Args:
+        copier: the offload strategy's :class:`~zkernels.zero.transfer.Copier` (its stream or
+            thread carries the copies; its ``host_empty`` pins).
+    """
+
+    def __init__(self, copier: Copier) -> None:
+        self.copier = copier
+        self.policies: List[HostShardedParams] = []
+        self._bytes = 0
+        self._busy_s = 0.0
+        self._exposed_s = 0.0
+        self._done: List[Fence] = []
+        copier.on_close.append(self.settle)
+
+    def sharded_params(self, params, layout: FlatLayout, rank: int,
+                       compute_shard: torch.Tensor) -> HostShardedParams:
+        """Move ``compute_shard`` (built on the device) into a new host buffer and return the
+        unit's gather policy over it."""
+        lo, hi = layout.shard_range(rank)
+        host = self.copier.host_empty(compute_shard.numel(), compute_shard.dtype)
+        host.copy_(compute_shard)
+        policy = HostShardedParams(params, layout, slice(lo, hi), host,
+                                   compute_shard.device, self)
+        self.policies.append(policy)
+        return policy
+
+    def bring_in(self, dst: torch.Tensor, host: torch.Tensor) -> Fence:
+        """Issue the copy of ``host`` into the device slice ``dst``."""
+        self._bytes += host.numel() * host.element_size()
+        fence = self.copier.copy_untracked(dst, host)
+        self._done.append(fence)
+        if len(self._done) > 2 * len(self.policies) + 2:
+            self._retire(len(self.policies))   # eval loops without step(): stay bounded
+        return fence
+
+    @contextlib.contextmanager
+    def after(self, fence: Fence) -> Iterator[None]:
+        """Collectives issued inside run after the copy of ``fence`` (see
+        [Note: gathers after their copy])."""
+        stream = self.copier.stream
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                yield
+            return
+        t0 = time.perf_counter()
+        fence.wait()
+        self._exposed_s += time.perf_counter() - t0
+        yield
+
+    def _retire(self, count: int) -> None:
+        for f in self._done[:count]:
+            f.synchronize()
+            self._busy_s += f.busy_s()
+        del self._done[:count]
+
+    def settle(self) -> None:
+        """Every copy issued is done (the host shards may be written)."""
+        self._retire(len(self._done))
+        for p in self.policies:
+            p.fence = None
+
+    def take_counters(self) -> Dict[str, float]:
+        """Settle; return and reset the parameter copy figures since the last call."""
+        self.settle()
+        out = {"param_host_to_device_bytes": self._bytes,
+               "param_host_to_device_s": self._busy_s,
+               "param_host_to_device_exposed_s": self._exposed_s,
+               "param_host_to_device_hidden_s": max(0.0, self._busy_s - self._exposed_s)}
+        self._bytes, self._busy_s, self._exposed_s = 0, 0.0, 0.0
+        return out
+
+    def held_host(self) -> List[torch.Tensor]:
+        """The host shards (for ``stats()``)."""
+        return [p.compute_shard for p in self.policies]
