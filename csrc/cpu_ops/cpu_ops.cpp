@@ -14,20 +14,9 @@
 namespace zk::cpu {
 namespace {
 
-// Elements per OpenMP work item (64 KiB of fp32).
+// Elements per OpenMP work item (64 KiB of fp32): below two of them a call stays on the
+// calling thread, where waking the pool would cost more than the copy.
 constexpr int64_t kTileNumel = 16384;
-
-// [Note: when the copies go parallel]
-// A copy or unscale takes one more thread per kParallelNumel elements it moves (up to the
-// thread count asked for): 256K elements (1-2 MiB each way) copy in ~25-40 us on one core, and
-// a second thread saved only 3-8% of that here (best decile of interleaved calls, 2-core Zen 4
-// VM: 256K fp32->fp32 scaled 40.7 -> 39.6 us, fp32->bf16 31.2 -> 28.9 us), against 27-40% at
-// 512K-1M elements (71 -> 52 us, 136 -> 94 us). Below it the pool's fork/join eats the gain,
-// and on a shared machine a region waits for a descheduled second thread for a whole
-// scheduler slice (medians of 8-20 ms seen for a 30 us copy), so small calls stay on the
-// calling thread, as torch's per-tensor loops (its foreach ops) do. The sum of squares is
-// ~2x more work per byte and keeps its own rule (two chunks or more).
-constexpr int64_t kParallelNumel = 1 << 18;
 
 Isa resolve(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();
@@ -88,7 +77,7 @@ Isa copy_segments(const Segment* segments, int64_t count, const CopySpec& spec, 
   const CopyFn fn = copy_function(spec, isa);
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) total += segments[i].numel;
-  const int threads = thread_count(num_threads, total / kParallelNumel);
+  const int threads = thread_count(num_threads, total / kTileNumel);
   if (threads == 1) {
     for (int64_t i = 0; i < count; ++i) {
       fn(spec, segments[i].src, segments[i].dst, 0, segments[i].numel);
@@ -115,7 +104,7 @@ bool unscale_and_check(void* x, DType dtype, int64_t numel, float inv_scale, Isa
                 : isa == Isa::kAvx2 ? detail::unscale_range_avx2
                                     : detail::unscale_range_scalar;
   const int64_t num_tiles = (numel + kTileNumel - 1) / kTileNumel;
-  const int threads = thread_count(num_threads, numel / kParallelNumel);
+  const int threads = thread_count(num_threads, numel / kTileNumel);
   if (threads == 1) return fn(x, dtype, 0, numel, inv_scale);
   int bad = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
