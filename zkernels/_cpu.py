@@ -50,10 +50,11 @@ else:
 
 AVAILABLE = _C is not None
 
-# The native copy with every check of zkernels.ops done inside it, declining (False) what it
-# does not take: zkernels.ops tries it first for the copy ops on CPU tensors (ops/_fast.py;
+# The native copy and unscale with every check of zkernels.ops done inside them, declining
+# (False) what they do not take: zkernels.ops tries them first on CPU tensors (ops/_fast.py;
 # [Note: checked fast path of the copy ops] in python/src/cpu_ops.cpp).
 CHECKED_COPY = _C.cpu_copy_checked if _C is not None else None
+CHECKED_UNSCALE = _C.cpu_unscale_checked if _C is not None else None
 
 Scalar = Union[float, int, torch.Tensor]
 

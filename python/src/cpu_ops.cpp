@@ -176,7 +176,8 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 
 
 // [Note: checked fast path of the copy ops]
-// On one thread at 256K elements in 32 tensors, flatten's copy takes ~23 us and torch.cat
+// (The cast, one tensor into an `out` of its numel, and the unscale, cpu_unscale_checked
+// below, take the same path.) On one thread at 256K elements in 32 tensors, flatten's copy takes ~23 us and torch.cat
 // spends ~4.5 us on everything else (~0.1 us a tensor in C++). The checked Python path
 // (zkernels.ops: list and offset checks, backend choice, then the binding above) costs ~20 us
 // of that kind, so the public ops and OpSet first offer every call to cpu_copy_checked: it
@@ -190,7 +191,8 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 // fast path changes no result and no message; it only skips the Python work when the call is
 // valid.
 bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_flat,
-                  double scale, bool fp32_route, int num_threads, bool obey_env) {
+                  double scale, bool fp32_route, int num_threads, bool obey_env,
+                  bool whole_flat) {
   const zk::py_binding::FastTensor& ft = zk::py_binding::fast_tensor();
   if (!ft.ok) return false;
   if (obey_env && !env_allows_cpp()) return false;
@@ -208,7 +210,8 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
   }
   zk::py_binding::FastFields f;
   if (!zk::py_binding::exact_tensor(ft, flat) ||
-      !zk::py_binding::read_fast(ft, flat, /*want_dim=*/true, &f) || f.dim != 1) {
+      !zk::py_binding::read_fast(ft, flat, /*want_dim=*/!whole_flat, &f) ||
+      (!whole_flat && f.dim != 1) || (whole_flat && offsets != Py_None)) {
     return false;
   }
   const int64_t flat_bytes = zk::dtype_bytes(f.dtype);
@@ -236,6 +239,7 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
     }
     if (o < 0 || o > f.numel || g.numel > f.numel - o) return false;
     pos = o + g.numel;
+    if (whole_flat && (count != 1 || g.numel != f.numel)) return false;
     char* at = reinterpret_cast<char*>(f.data_ptr) + o * flat_bytes;
     zk::cpu::Segment& s = segs[static_cast<size_t>(i)];
     s.numel = g.numel;
@@ -248,6 +252,52 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
     py::gil_scoped_release release;
     zk::cpu::copy_segments(segs.data(), static_cast<int64_t>(segs.size()), spec, wanted,
                            num_threads);
+  }
+  return true;
+}
+
+// The unscale's fast path, as copy_checked: every check of zkernels.ops.unscale_and_check_
+// here (x a contiguous CPU float tensor with elements, found_inf and a tensor inv_scale
+// 1-element fp32 CPU tensors, or inv_scale an exact float/int); runs it and returns true, or
+// does nothing and returns false.
+bool unscale_checked(PyObject* x, PyObject* inv_scale, PyObject* found_inf, int num_threads,
+                     bool obey_env) {
+  const zk::py_binding::FastTensor& ft = zk::py_binding::fast_tensor();
+  if (!ft.ok) return false;
+  if (obey_env && !env_allows_cpp()) return false;
+  zk::cpu::Isa wanted;
+  if (!env_isa(&wanted)) return false;
+  zk::py_binding::FastFields t, f, s;
+  if (!zk::py_binding::exact_tensor(ft, x) || !zk::py_binding::read_fast(ft, x, false, &t) ||
+      t.numel == 0) {
+    return false;
+  }
+  if (!zk::py_binding::exact_tensor(ft, found_inf) ||
+      !zk::py_binding::read_fast(ft, found_inf, false, &f) || f.dtype != DType::kFloat32 ||
+      f.numel != 1) {
+    return false;
+  }
+  float inv;
+  if (PyFloat_CheckExact(inv_scale) || PyLong_CheckExact(inv_scale)) {
+    const double v = PyFloat_AsDouble(inv_scale);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    inv = static_cast<float>(v);
+  } else if (zk::py_binding::exact_tensor(ft, inv_scale) &&
+             zk::py_binding::read_fast(ft, inv_scale, false, &s) &&
+             s.dtype == DType::kFloat32 && s.numel == 1) {
+    std::memcpy(&inv, reinterpret_cast<const void*>(s.data_ptr), sizeof inv);
+  } else {
+    return false;
+  }
+  {
+    py::gil_scoped_release release;
+    if (zk::cpu::unscale_and_check(reinterpret_cast<void*>(t.data_ptr), t.dtype, t.numel, inv,
+                                   wanted, num_threads)) {
+      *reinterpret_cast<float*>(f.data_ptr) = 1.0f;
+    }
   }
   return true;
 }
@@ -391,14 +441,26 @@ PyObject* copy_segments_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 constexpr const char* kCheckedSig =
     "cpu_copy_checked(tensors, flat, offsets, to_flat, scale, fp32_route, num_threads, "
-    "obey_env)";
+    "obey_env, whole_flat)";
 
 PyObject* copy_checked_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return guarded([&] {
-    const Args a(args, nargs, 8, 8, kCheckedSig);
+    const Args a(args, nargs, 9, 9, kCheckedSig);
     const bool ran = copy_checked(args[0], args[1], args[2], a.boolean(3, true),
                                   a.real(4, 1.0), a.boolean(5, false), a.integer(6, 0),
-                                  a.boolean(7, true));
+                                  a.boolean(7, true), a.boolean(8, false));
+    return py::bool_(ran).release().ptr();
+  });
+}
+
+constexpr const char* kUnscaleCheckedSig =
+    "cpu_unscale_checked(x, inv_scale, found_inf, num_threads, obey_env)";
+
+PyObject* unscale_checked_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded([&] {
+    const Args a(args, nargs, 5, 5, kUnscaleCheckedSig);
+    const bool ran = unscale_checked(args[0], args[1], args[2], a.integer(3, 0),
+                                     a.boolean(4, true));
     return py::bool_(ran).release().ptr();
   });
 }
@@ -438,13 +500,21 @@ PyMethodDef g_methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(copy_checked_entry)),
      METH_FASTCALL,
      "cpu_copy_checked(tensors, flat, offsets, to_flat, scale, fp32_route, num_threads, "
-     "obey_env)\n--\n\n"
+     "obey_env, whole_flat)\n--\n\n"
      "cpu_copy_segments with every check of zkernels.ops done here: runs the copy and returns\n"
      "True when the call is valid for this backend (exact torch.Tensor/Parameter objects, CPU,\n"
      "contiguous, one float dtype per side, flat 1-D, offsets a list/tuple of ints in range or\n"
      "None for back to back, ZKERNELS_CPU_ISA valid and, with obey_env, ZKERNELS_BACKEND unset,\n"
-     "empty or cpp); else copies nothing and returns False (see [Note: checked fast path of\n"
-     "the copy ops]). Positional arguments only, all eight."},
+     "empty or cpp; whole_flat: one tensor, flat of any shape with exactly its numel, offsets\n"
+     "None: the cast); else copies nothing and returns False (see [Note: checked fast path of\n"
+     "the copy ops]). Positional arguments only, all nine."},
+    {"cpu_unscale_checked",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unscale_checked_entry)),
+     METH_FASTCALL,
+     "cpu_unscale_checked(x, inv_scale, found_inf, num_threads, obey_env)\n--\n\n"
+     "cpu_unscale_and_check with every check of zkernels.ops done here: runs it and returns\n"
+     "True when the call is valid for this backend (as cpu_copy_checked; x non-empty), else\n"
+     "does nothing and returns False. Positional arguments only, all five."},
     {"cpu_unscale_and_check",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unscale_entry)), METH_FASTCALL,
      "cpu_unscale_and_check(x, inv_scale, found_inf, isa=None, num_threads=0)\n--\n\n"

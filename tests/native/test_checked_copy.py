@@ -1,5 +1,6 @@
-"""The checked fast path of the CPU copy ops (zkernels._C.cpu_copy_checked, tried first by
-zkernels.ops and OpSet: [Note: checked fast path of the copy ops] in python/src/cpu_ops.cpp).
+"""The checked fast path of the CPU copy ops and the unscale (zkernels._C.cpu_copy_checked and
+cpu_unscale_checked, tried first by zkernels.ops and OpSet: [Note: checked fast path of the
+copy ops] in python/src/cpu_ops.cpp).
 
 It must (1) give the reference's bits on every forced SIMD path, through the public ops and an
 OpSet, (2) decline, writing nothing, every call the checked Python path would refuse or route
@@ -20,9 +21,9 @@ def _values(numels, dtype, seed=0):
 
 
 def _checked(native_C, tensors, flat, offsets=None, to_flat=True, scale=1.0, fp32_route=False,
-             threads=1, obey_env=True):
+             threads=1, obey_env=True, whole_flat=False):
     return native_C.cpu_copy_checked(tensors, flat, offsets, to_flat, scale, fp32_route, threads,
-                                     obey_env)
+                                     obey_env, whole_flat)
 
 
 @pytest.mark.parametrize("src", FLOATS)
@@ -81,7 +82,8 @@ def test_opset_takes_the_fast_path_only_where_it_chose_cpp(native_C, monkeypatch
     assert cpp._fast["bucket_pack"] and not any(ref._fast.values())
     calls = []
     real = ops._fast._native()
-    monkeypatch.setattr(ops._fast, "_native", lambda: lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(ops._fast, "_native",
+                        lambda *name: lambda *a: calls.append(a[-2]) or real(*a))
     for opset in (cpp, ref):
         bucket = torch.zeros(4130, dtype=torch.bfloat16)
         opset.bucket_pack(ts, bucket, [0, 33], scale=0.25)
@@ -159,3 +161,69 @@ def test_public_ops_keep_their_messages(native_C):
     out = torch.zeros(4)
     ops.flatten([torch.arange(4.0).as_subclass(_Sub)], out=out)
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("src", FLOATS)
+@pytest.mark.parametrize("dst", FLOATS)
+def test_cast_bit_exact_on_every_path(isa, native_C, src, dst):
+    x = awkward_values(40_019, "cpu", seed=5).to(src).view(7, 5_717)
+    out = torch.empty(40_019, dtype=dst)
+    assert _checked(native_C, (x,), out.clone(), whole_flat=True)
+    assert ops.cast(x, out=out) is out
+    assert_bits_equal(out, reference.cast(x, dst).view(-1), nan_payload=src == torch.float32)
+    opset_out = torch.empty(5_717, 7, dtype=dst)  # any shape of the same numel
+    assert ops.for_device("cpu", "cpp").cast(x, out=opset_out) is opset_out
+    assert_bits_equal(opset_out.view(-1), out, nan_payload=src == torch.float32)
+
+
+def test_cast_declines_what_is_not_one_whole_copy(native_C):
+    x = torch.ones(6)
+    for tensors, out, offsets in (((x,), torch.zeros(7), None), ((x, x), torch.zeros(12), None),
+                                  ((x,), torch.zeros(6), [0])):
+        before = out.clone()
+        assert _checked(native_C, tensors, out, offsets, whole_flat=True) is False
+        assert torch.equal(out, before)
+    with pytest.raises(ValueError, match="out must have 6 elements"):
+        ops.cast(x, out=torch.zeros(7))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_unscale_bit_exact_on_every_path(isa, native_C, dtype):
+    x = awkward_values(40_009, "cpu", seed=6).to(dtype)
+    for inv in (0.5, torch.tensor([0.125]), 3):
+        mine, ref = x.clone(), x.clone()
+        found, found_ref = torch.zeros(1), torch.zeros(1)
+        assert native_C.cpu_unscale_checked(mine.clone(), inv, found.clone(), 1, True)
+        assert ops.unscale_and_check_(mine, inv, found) is found
+        reference.unscale_and_check_(ref, inv, found_ref)
+        assert_bits_equal(mine, ref, nan_payload=dtype == torch.float32)
+        assert_bits_equal(found, found_ref)
+        assert found.item() == 1.0  # awkward_values holds inf and NaN
+
+
+def test_unscale_declines_and_touches_nothing(native_C, monkeypatch):
+    x = torch.full((5,), 2.0)
+    f = torch.zeros(1)
+    cases = [
+        (torch.ones(4, dtype=torch.int32), 1.0, f),          # x not a float tensor
+        (torch.ones(8)[::2], 1.0, f),                        # x not contiguous
+        (torch.ones(0), 1.0, f),                             # nothing to do: the Python path
+        (x, 1.0, torch.zeros(2)),                            # found_inf not one element
+        (x, 1.0, torch.zeros(1, dtype=torch.float16)),       # found_inf not fp32
+        (x, torch.ones(1, dtype=torch.float64), f),          # inv_scale tensor not fp32
+        (x, torch.ones(2), f),                               # inv_scale not one element
+        (x, True, f),                                        # a bool: the Python path decides
+        (x, "2", f),
+        (x.as_subclass(_Sub), 1.0, f),
+    ]
+    for xx, inv, found in cases:
+        before = xx.clone()
+        assert native_C.cpu_unscale_checked(xx, inv, found, 1, True) is False
+        torch.testing.assert_close(xx, before, rtol=0, atol=0, equal_nan=True)
+    monkeypatch.setenv("ZKERNELS_BACKEND", "reference")
+    assert native_C.cpu_unscale_checked(x, 0.5, f, 1, True) is False
+    assert x.eq(2.0).all()
+    assert native_C.cpu_unscale_checked(x, 0.5, f, 1, False) is True
+    assert x.eq(1.0).all() and f.item() == 0.0
+    with pytest.raises(TypeError, match="found_inf"):
+        ops.unscale_and_check_(x, 1.0, torch.zeros(1, dtype=torch.float16))

@@ -25,7 +25,8 @@ from .flatten import _flatten, _unflatten
 from ._backend import BACKENDS, _module, _say_once, forced_backend, resolve_backend
 
 # The ops with a checked native fast path on CPU (see ops/_fast.py).
-_FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack")
+_FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
+             "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
        "adamw_step", "sum_squares")
@@ -81,10 +82,15 @@ class OpSet:
             return outs
         return _bucket_unpack(self._resolve, bucket, outs, offsets, scale=scale)
 
-    def cast(self, x, dtype=None, **kw):
-        return _cast(self._resolve, x, dtype, **kw)
+    def cast(self, x, dtype=None, *, out=None):
+        if out is not None and dtype is None and self._fast["cast"] and \
+                _fast.copy((x,), out, None, True, 1.0, False, False, True):
+            return out
+        return _cast(self._resolve, x, dtype, out=out)
 
     def unscale_and_check_(self, x, inv_scale, found_inf):
+        if self._fast["unscale_and_check_"] and _fast.unscale(x, inv_scale, found_inf, False):
+            return found_inf
         return _unscale_and_check_(self._resolve, x, inv_scale, found_inf)
 
     def adamw_step(self, param, grad, exp_avg, exp_avg_sq, **kw):
