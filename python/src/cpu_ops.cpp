@@ -176,20 +176,25 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 
 
 // [Note: checked fast path of the copy ops]
-// (The cast, one tensor into an `out` of its numel, and the unscale, cpu_unscale_checked
-// below, take the same path.) On one thread at 256K elements in 32 tensors, flatten's copy takes ~23 us and torch.cat
-// spends ~4.5 us on everything else (~0.1 us a tensor in C++). The checked Python path
-// (zkernels.ops: list and offset checks, backend choice, then the binding above) costs ~20 us
+// On one thread at 256K elements in 32 tensors, flatten's copy takes ~23 us and torch.cat
+// spends ~4.5 us on everything else (~0.11 us a tensor in C++). The checked Python path
+// (zkernels.ops: list and offset checks, backend choice, then the binding above) cost ~20 us
 // of that kind, so the public ops and OpSet first offer every call to cpu_copy_checked: it
 // checks in C everything the Python path checks, with torch's own getter and method functions
-// called straight through their C pointers (tensor_fast.h: ~30 us a read instead of ~50 by
-// attribute lookup, ~100 from Python), and runs the copy when all of it holds. When anything
-// does not hold (a non-exact tensor type, another device or dtype, a non-contiguous tensor,
-// an offset that is not an int in range, a forced backend or ISA it does not take, an empty
-// list) it copies nothing and returns False, and the caller runs the checked Python path,
-// which raises the error that names the argument, or runs the backend chosen there. So the
-// fast path changes no result and no message; it only skips the Python work when the call is
-// valid.
+// called straight through their C pointers (tensor_fast.h: ~30 ns a read instead of ~50 by
+// attribute lookup, ~100 from Python; five reads, ~0.19 us a tensor in all), and runs the
+// copy when all of it holds. When anything does not hold (a non-exact tensor type, another
+// device or dtype, a non-contiguous tensor, an offset that is not an int in range, a forced
+// backend or ISA it does not take, an empty list) it copies nothing and returns False, and the
+// caller runs the checked Python path, which raises the error that names the argument, or runs
+// the backend chosen there. So the fast path changes no result and no message; it only skips
+// the Python work when the call is valid. The cast (one tensor into an `out` of its numel,
+// whole_flat) and the unscale (cpu_unscale_checked, below) take the same kind of path.
+// What is left against torch.cat is those five reads: each is a torch binding function with
+// its own torch-function-mode and warning-handler thread-local checks (~30 ns), against cat's
+// C++ access to the TensorImpl. Reading TensorImpl fields ourselves would need torch's headers
+// and ABI ([Note: no torch headers]); caching what was read is unsound (dtype, device and
+// strides change in place, e.g. through `.data =` or `t_()`, without a version bump).
 bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_flat,
                   double scale, bool fp32_route, int num_threads, bool obey_env,
                   bool whole_flat) {
