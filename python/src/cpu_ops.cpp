@@ -193,8 +193,8 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 // What is left against torch.cat is those five reads: each is a torch binding function with
 // its own torch-function-mode and warning-handler thread-local checks (~30 ns), against cat's
 // C++ access to the TensorImpl. Reading TensorImpl fields ourselves would need torch's headers
-// and ABI ([Note: no torch headers]); caching what was read is unsound (dtype, device and
-// strides change in place, e.g. through `.data =` or `t_()`, without a version bump).
+// and ABI ([Note: no torch headers]); caching what was read is unsound (`t.data = other`
+// changes a tensor's dtype, device, size and strides in place without bumping its version).
 bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_flat,
                   double scale, bool fp32_route, int num_threads, bool obey_env,
                   bool whole_flat) {
