@@ -20,10 +20,11 @@ Two measurements:
   (``torch.profiler``: its C++ ranges cost ~1 us each).
 - zkernels stage 2, in unprofiled steps (a Python ``record_function`` costs ~8 us per range
   here, more than the pack itself, so the profiler would mostly measure itself): wall time
-  (``perf_counter``) of ``ops.bucket_pack`` inside the post-accumulate-grad hook, of ``_pack``
+  (``perf_counter``) of ``OpSet.bucket_pack`` inside the post-accumulate-grad hook, of ``_pack``
   (buffer acquire + pack + ``grad = None``), of the whole hook (bookkeeping, pack, starting a
-  ready bucket's reduce-scatter), and of ``_accumulate`` (stage 2 has no copy back: the reduced
-  shard is added into the fp32 gradient shard).
+  ready bucket's reduce-scatter), and of ``DeviceGradShards.accumulate`` (stage 2 has no copy
+  back: the reduced shard is added into the fp32 gradient shard). Each wrapper costs ~0.5 us a
+  call, and the outer ranges contain the inner ones' wrappers.
 
 Prints a table (milliseconds per step, median over steps, rank 0) and writes JSON
 (``--json``, default ``bench_results/hook_path.json``). The issue's bar: the stage-2 pack
@@ -66,7 +67,7 @@ def _instrument_stage2() -> None:
     """Wrap the stage-2 reducer's methods in wall-clock accumulators (this process only)."""
     import time
 
-    import zkernels.ops
+    from zkernels.ops import OpSet
     from zkernels.zero import grad_reducers as gr
 
     def ranged(name, fn):
@@ -79,12 +80,15 @@ def _instrument_stage2() -> None:
                 _TIMES[name] = (total + time.perf_counter() - t0, calls + 1)
         return wrapper
     cls = gr.ShardedGradReducer
-    zkernels.ops.bucket_pack = ranged(ZK_EVENTS["zk_pack"], zkernels.ops.bucket_pack)
+    # The reducer packs through the optimizer's OpSet (backend chosen once, see
+    # [Note: ops chosen once]), not through zkernels.ops.bucket_pack.
+    OpSet.bucket_pack = ranged(ZK_EVENTS["zk_pack"], OpSet.bucket_pack)
     gr.ReducePool.acquire = ranged(ZK_EVENTS["zk_acquire"], gr.ReducePool.acquire)
     gr.ReducePool.launch = ranged(ZK_EVENTS["zk_launch"], gr.ReducePool.launch)
     cls._pack = ranged(ZK_EVENTS["zk_pack_path"], cls._pack)
     cls._hook = ranged(ZK_EVENTS["zk_hook"], cls._hook)
-    cls._accumulate = ranged(ZK_EVENTS["zk_accumulate"], cls._accumulate)
+    gr.DeviceGradShards.accumulate = ranged(ZK_EVENTS["zk_accumulate"],
+                                            gr.DeviceGradShards.accumulate)
 
 
 def _per_step_ms(prof, names: dict) -> dict:
@@ -159,9 +163,12 @@ def primitive(cfg, world_size: int = 2, repeat: int = 7, number: int = 200) -> d
     views = [bucket[o:o + g.numel()].view_as(g) for o, g in zip(layout.offsets, grads)]
     scale = 1.0 / world_size
 
+    # The hook's call: the OpSet ZeroOptimizer builds for the device (ops_backend=None).
+    opset = zkernels.ops.for_device("cpu")
+
     def zk():
         for i, g in enumerate(grads):
-            zkernels.ops.bucket_pack([g], bucket, [layout.offsets[i]], scale=scale)
+            opset.bucket_pack([g], bucket, [layout.offsets[i]], scale=scale)
 
     def ddp():
         for g, v in zip(grads, views):
@@ -182,9 +189,26 @@ def primitive(cfg, world_size: int = 2, repeat: int = 7, number: int = 200) -> d
             fn()
             t = statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number
             out[name] = min(out.get(name, float("inf")), 1e3 * t)
+    out["zk_free_grads"] = _free_grads_ms(params, grads, repeat)
     out["num_grads"] = len(grads)
-    out["backend"] = zkernels.ops.choose("bucket_pack", torch.device("cpu"))
+    out["backend"] = opset.backends["bucket_pack"]
     return out
+
+
+def _free_grads_ms(params, grads, repeat: int) -> float:
+    """Per step (ms): the hook's ``p.grad = None`` over every gradient (it frees the full
+    gradient, stage 2's memory saving; DDP frees the same in ``zero_grad(set_to_none=True)``),
+    median of ``repeat`` rounds, the gradients re-assigned untimed before each."""
+    import time
+    times = []
+    for _ in range(max(repeat, 5)):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        t0 = time.perf_counter()
+        for p in params:
+            p.grad = None
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
@@ -245,7 +269,7 @@ def main(argv=None) -> int:
               med(ddp, "ddp_pack_calls")),
              ("DDP reducer: bucket back into the grads", med(ddp, "ddp_copy_back"),
               med(ddp, "ddp_copy_back_calls")),
-             ("zkernels stage 2: pack (ops.bucket_pack: 1/N, cast)*", med(zk, "zk_pack"),
+             ("zkernels stage 2: pack (OpSet.bucket_pack: 1/N, cast)*", med(zk, "zk_pack"),
               med(zk, "zk_pack_calls")),
              ("zkernels stage 2: _pack (buffer acquire + pack + grad=None)",
               med(zk, "zk_pack_path"), med(zk, "zk_pack_path_calls")),
@@ -269,13 +293,15 @@ def main(argv=None) -> int:
     print(f"   DDP in:      torch.mul(g, 1/N, out=bucket_view) per grad: {prim['ddp_mul_out']:.3f}")
     print(f"   DDP back:    g.copy_(bucket_view) per grad:              "
           f"{prim['ddp_copy_back']:.3f}")
-    print(f"   stage 2 in:  ops.bucket_pack([g], bucket, [o], 1/N):      "
+    print(f"   stage 2 in:  OpSet.bucket_pack([g], bucket, [o], 1/N):    "
           f"{prim['zk_bucket_pack']:.3f}  ({prim['zk_bucket_pack'] / prim['ddp_mul_out']:.2f}x "
           f"DDP in)")
     print(f"   stage 2:     shard.copy_(reduced) per bucket:            "
           f"{prim['zk_accumulate']:.3f}")
     print(f"   per step: DDP {ddp_total:.3f}, stage 2 {zk_total:.3f} "
           f"({zk_total / ddp_total:.2f}x)")
+    print(f"   (stage 2's hook also frees each gradient, p.grad = None: "
+          f"{prim['zk_free_grads']:.3f} per step; DDP frees the same in zero_grad)")
     print(f"2. config={args.config} ({r0['num_params']:,} params in {r0['num_param_tensors']} "
           f"tensors), 2 gloo ranks x 1 thread, {args.steps} steps, rank 0, "
           "median ms per step (DDP: profiler; * stage 2: wall clock, unprofiled steps)")

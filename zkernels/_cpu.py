@@ -13,17 +13,18 @@ a composition of torch calls, which is all the reference can be while it stays t
   ``torch._foreach_copy_`` (+ ``_foreach_mul``), each already one C++ loop over the tensors;
   a reference built from the same calls can only add Python work on top, and the bucket peers
   make an fp32 temporary that the fused copy-scale-cast never writes (6 bytes per element
-  instead of 14). Native: one pass, per-tensor cost ~0.25 us (see [Note: per-tensor cost of
-  the multi-tensor bindings] in python/src/cpu_ops.cpp). flatten's copy runs at the speed of
-  ``torch.cat``'s (both are plain copies at the machine's copy bandwidth), so the per-tensor
-  reads decide it: ``torch.cat`` spends ~0.2 us per tensor in C++ in all, while from Python
-  each attribute read (dtype, device, contiguity, numel, data_ptr) costs ~0.1 us; with 32
-  tensors of 8K elements (the bench at 256K, 1 thread) that is ~10 us of checks and reads
-  against a ~25 us copy, and flatten stays below ``torch.cat`` there (at 2M and with 2
-  threads the copy dominates, or its tiling across threads wins).
+  instead of 14). Native: one pass. The public ops and OpSet first offer each call to a
+  checked native fast path (``CHECKED_COPY``, [Note: checked fast path of the copy ops] in
+  python/src/cpu_ops.cpp), which reads each tensor with five torch calls from C (~0.19 us a
+  tensor) instead of the Python checks plus binding (~0.6 us a tensor and ~4 us a call).
+  flatten's copy runs at the speed of ``torch.cat``'s (both are plain copies at the machine's
+  copy bandwidth), so the per-tensor reads decide it: ``torch.cat`` spends ~0.11 us per tensor
+  in C++, so with 32 tensors of 8K elements (the bench at 256K, 1 thread) flatten is ~1.5 us
+  behind a ~29 us ``torch.cat`` (0.93-0.97x); at 2M, and with 2 threads, it is ahead.
 - cast: ``out.copy_(x)`` is the peer and the reference; only a leaner call can be faster.
 - unscale_and_check_: the reference is two passes plus an fp32 temporary (``isfinite().all()``,
-  ``x.float().mul``), the peer one fused pass; native does the fused pass.
+  ``x.float().mul``), the peer one fused pass; native does the fused pass (its checks in C
+  too: ``CHECKED_UNSCALE``).
 - sum_squares: the reference is one torch reduction per tensor; native is one pass over all of
   them, in an fp64 order that is the same on every path and thread count ([Note: sum_squares
   order] in csrc/cpu_ops/kernel.h), so it equals the reference exactly where fp32 is exact
@@ -31,7 +32,8 @@ a composition of torch calls, which is all the reference can be while it stays t
 - adamw_step: native (csrc/cpu_adam), bit-exact with the reference.
 
 The reference stays the plain oracle the tests compare every path with, bit for bit for every
-copy and cast (tests/ops with ``ZKERNELS_BACKEND=cpp``, tests/native/test_cpu_ops.py per ISA).
+copy and cast (tests/ops with ``ZKERNELS_BACKEND=cpp``, tests/native/test_cpu_ops.py per ISA,
+tests/native/test_checked_copy.py for the checked fast paths through the public ops).
 """
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ else:
     IMPORT_ERROR = None
 
 AVAILABLE = _C is not None
+
+# The native copy and unscale with every check of zkernels.ops done inside them, declining
+# (False) what they do not take: zkernels.ops tries them first on CPU tensors (ops/_fast.py;
+# [Note: checked fast path of the copy ops] in python/src/cpu_ops.cpp).
+CHECKED_COPY = _C.cpu_copy_checked if _C is not None else None
+CHECKED_UNSCALE = _C.cpu_unscale_checked if _C is not None else None
 
 Scalar = Union[float, int, torch.Tensor]
 

@@ -18,6 +18,30 @@ namespace {
 // calling thread, where waking the pool would cost more than the copy.
 constexpr int64_t kTileNumel = 16384;
 
+// [Note: when the list ops go parallel]
+// One tensor (a cast, the unscale, a list of one) takes a second thread from two tiles, like
+// torch's own copy_ and unscale, its peers, which are parallel there too: a 256K-element
+// fp32->bf16 cast went from 19.6 to 13.1 us with two threads here (torch's copy_ 15.4). A list
+// of several tensors (flatten, unflatten, bucket pack/unpack, sum of squares) takes one thread
+// per kListParallelNumel elements in all, so a 256K list runs on the calling thread, as its
+// peers (torch's foreach ops, torch.cat) do. On a quiet moment a second thread would save ~8
+// us of a ~27 us 256K pack (27.0 -> 18.8 us, best decile of interleaved calls, 2-core Zen 4
+// VM); but a parallel region waits for a descheduled thread for a whole scheduler slice when
+// the cores are shared, and on this VM that happened to most calls in whole windows: the
+// 2-thread bench's 256K medians were 7-13 ms for bucket_pack in 4 runs of 4, for sum_squares
+// in 3 and unflatten in 2, against ~0.03 ms on one thread, while the serial peers never
+// stalled. One thread there costs 30% of a call that is already 2-5x its peer; a stall costs
+// 300x. From 512K up (a 512K pack: 48 -> 30 us) the second thread pays. Results never depend
+// on the thread count (the copies are elementwise; the sum of squares has a fixed order,
+// [Note: sum_squares order]).
+constexpr int64_t kListParallelNumel = 1 << 18;
+
+// The work items thread_count splits `total` elements of `count` tensors into: the list rule
+// above for several tensors, else `single_items`.
+int64_t work_items(int64_t total, int64_t count, int64_t single_items) {
+  return count > 1 ? total / kListParallelNumel : single_items;
+}
+
 Isa resolve(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();
   if (!isa_supported(isa)) {
@@ -77,7 +101,7 @@ Isa copy_segments(const Segment* segments, int64_t count, const CopySpec& spec, 
   const CopyFn fn = copy_function(spec, isa);
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) total += segments[i].numel;
-  const int threads = thread_count(num_threads, total / kTileNumel);
+  const int threads = thread_count(num_threads, work_items(total, count, total / kTileNumel));
   if (threads == 1) {
     for (int64_t i = 0; i < count; ++i) {
       fn(spec, segments[i].src, segments[i].dst, 0, segments[i].numel);
@@ -129,7 +153,9 @@ double sum_squares(const Span* spans, int64_t count, Isa isa, int num_threads, I
   const std::vector<Tile> work =
       tiles(count, detail::kSumChunk, [&](int64_t i) { return spans[i].numel; });
   const int64_t num_chunks = static_cast<int64_t>(work.size());
-  const int threads = thread_count(num_threads, num_chunks / 2);
+  int64_t numel = 0;
+  for (int64_t i = 0; i < count; ++i) numel += spans[i].numel;
+  const int threads = thread_count(num_threads, work_items(numel, count, num_chunks / 2));
   double total = 0.0;
   if (threads == 1) {
     for (const Tile& t : work) total += chunk(t);

@@ -140,7 +140,9 @@ def test_sum_squares_non_finite(isa):
 def test_paths_and_threads_agree_bit_for_bit(native_C):
     """Every path and thread count: same copies, same flag, and the same sum (its order is
     fixed: [Note: sum_squares order])."""
-    numels = [300_007, 5, 70_001]
+    # 670K elements: two threads really split the copies (one per 256K elements, see
+    # [Note: when the list ops go parallel] in csrc/cpu_ops/cpu_ops.cpp).
+    numels = [600_007, 5, 70_001]
     ts = _values(numels, torch.float32, seed=8)
     layout = FlatLayout.build(numels, world_size=2, align=8)
     results = []

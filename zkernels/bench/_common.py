@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -53,6 +53,65 @@ def timeit(fn: Callable[[], object], device: torch.device, repeat: int = 5,
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times))
+
+
+def timeit_interleaved(fns: Sequence[Callable[[], object]], device: torch.device,
+                       repeat: int = 5, warmup: int = 1,
+                       setups: Optional[Sequence[Callable[[], object]]] = None) -> List[dict]:
+    """``timeit`` of several calls measured side by side: each round times every call once,
+    in an order that rotates from round to round, so that a burst of load on a shared machine
+    hits all of them alike instead of whichever ran its block of repeats then. Besides each
+    call's median/min/max, ``paired`` is the median over the rounds of the first call's time
+    over this call's in the same round (``fns[0]`` is the peer: >1 means faster than it).
+
+    Args:
+        fns: the calls; ``fns[0]`` the reference the ``paired`` ratios divide.
+        device, repeat, warmup: as ``timeit`` (``warmup`` untimed rounds first).
+        setups: optional untimed call before each of ``fns`` (e.g. entering a backend).
+
+    Returns:
+        one dict per call: ``median_ms``, ``min_ms``, ``max_ms``, ``paired``.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    setups = list(setups) if setups is not None else [None] * len(fns)
+    cuda = device.type == "cuda"
+
+    def once(i: int) -> float:
+        if setups[i] is not None:
+            setups[i]()
+        if cuda:
+            torch.cuda.synchronize(device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[i]()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fns[i]()
+        return 1e3 * (time.perf_counter() - t0)
+    for _ in range(warmup):
+        for i in range(len(fns)):
+            once(i)
+    times: List[List[float]] = [[] for _ in fns]
+    for r in range(repeat):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
+            times[i].append(once(i))
+    return [dict(median_ms=statistics.median(t), min_ms=min(t), max_ms=max(t),
+                 paired=statistics.median(p / q if q > 0 else float("inf")
+                                          for p, q in zip(times[0], t)))
+            for t in times]
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average (None where the OS does not say): how busy the machine was."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 class SectionUnavailable(RuntimeError):
@@ -97,7 +156,7 @@ def metadata(device: torch.device) -> dict:
     meta = dict(kind="meta", machine=platform.node(), cpu=_cpu_model(),
                 num_cpus=os.cpu_count(), threads=torch.get_num_threads(),
                 torch=torch.__version__, triton=triton_version, python=platform.python_version(),
-                git_revision=_git_revision(), device=str(device),
+                git_revision=_git_revision(), device=str(device), load_average=load_average(),
                 utc_time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     if device.type == "cuda":
         meta.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)

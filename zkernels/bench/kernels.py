@@ -10,6 +10,12 @@ peer moves (more where it writes an fp32 temporary); ``frac_copy`` is the op's G
 fraction of a ``dst.copy_(src)`` of the same size measured the same way in the same run, the
 practical ceiling of a memory-bound op; ``bound`` says "memory" from 0.6 of it up (the op runs
 at copy speed), "overhead" below (its time is fixed per-call cost or arithmetic).
+
+Timing: the peer and each backend of an op are timed round by round, side by side
+(``timeit_interleaved``), so a burst of load from other jobs on a shared machine slows them
+alike; ``speedup`` is the peer's median over the op's, ``paired`` the median of the per-round
+ratios (the steadier of the two where the machine is busy). ``--threads`` sets the thread count
+of torch and of the native ops alike.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import torch
 
 from .. import ops
 from ..layout import FlatLayout
-from ._common import gbps, timeit
+from ._common import gbps, timeit, timeit_interleaved
 
 NUM_TENSORS = 32
 DEFAULT_SIZES = {"cpu": [1 << 18, 1 << 21], "cuda": [1 << 24, 1 << 26]}
@@ -197,29 +203,44 @@ def run(args) -> List[dict]:
 def _measure(op: str, numel: int, device: torch.device, repeat: int, warmup: int,
              copy_gbps: float) -> List[dict]:
     case = _build(op, numel, device)
-    peer = timeit(case.peer, device, repeat, warmup)
     peer_bytes = case.peer_bytes or case.num_bytes
-    default = ops.choose(_OP_NAMES.get(op, op), device) if "ZKERNELS_BACKEND" not in os.environ \
-        else None
-    rows = []
+    name = _OP_NAMES.get(op, op)
+    default = ops.choose(name, device) if "ZKERNELS_BACKEND" not in os.environ else None
+    runnable = []
     for backend in backends(device):
         try:
             with forced_backend(backend):
-                ops.choose(_OP_NAMES.get(op, op), device)
-                t = timeit(case.zkernels, device, repeat, warmup)
+                ops.choose(name, device)
         except RuntimeError as exc:  # backend lacks this op here: no row, said in the table
             if "not available" not in str(exc):
                 raise
             continue
+        runnable.append(backend)
+    # The peer and every backend side by side, round by round (see timeit_interleaved).
+    with forced_backend(runnable[0] if runnable else "reference"):
+        times = timeit_interleaved([case.peer] + [case.zkernels] * len(runnable), device,
+                                   repeat, warmup,
+                                   setups=[None] + [_set_backend(b) for b in runnable])
+    peer = times[0]
+    rows = []
+    for backend, t in zip(runnable, times[1:]):
         rate = gbps(case.num_bytes, t["median_ms"])
+        paired = t.pop("paired")
         rows.append(dict(section="kernels", op=op, numel=numel, backend=backend,
                          default="yes" if backend == default else "",
                          num_bytes=case.num_bytes, gbps=rate, frac_copy=rate / copy_gbps,
                          bound="memory" if rate / copy_gbps >= MEMORY_BOUND else "overhead",
                          peer=PEERS[op], peer_median_ms=peer["median_ms"],
                          peer_bytes=peer_bytes, peer_gbps=gbps(peer_bytes, peer["median_ms"]),
-                         speedup=peer["median_ms"] / t["median_ms"], **t))
+                         speedup=peer["median_ms"] / t["median_ms"], paired=paired, **t))
     return rows
+
+
+def _set_backend(name: str) -> Callable[[], None]:
+    """Switches ZKERNELS_BACKEND to ``name`` (inside ``forced_backend``, which restores it)."""
+    def setup() -> None:
+        os.environ["ZKERNELS_BACKEND"] = name
+    return setup
 
 
 def _free(device: torch.device) -> None:
@@ -232,7 +253,8 @@ def _free(device: torch.device) -> None:
 MEMORY_BOUND = 0.6
 
 COLUMNS = ["op", "numel", "backend", "default", "median_ms", "min_ms", "max_ms", "num_bytes",
-           "gbps", "frac_copy", "bound", "peer_median_ms", "peer_bytes", "peer_gbps", "speedup"]
+           "gbps", "frac_copy", "bound", "peer_median_ms", "peer_bytes", "peer_gbps", "speedup",
+           "paired"]
 
 
 def legend(rows: Sequence[dict]) -> Optional[str]:

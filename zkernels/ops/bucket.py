@@ -5,8 +5,12 @@ from typing import Sequence
 
 import torch
 
-from . import _checks
+from . import _checks, _fast
 from ._backend import Resolve, implementation
+
+
+# Scales the fast path takes as they are (anything else goes through _scale's check).
+_PLAIN_SCALE = (float, int)
 
 
 def _scale(scale) -> float:
@@ -19,6 +23,9 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
                 scale: float = 1.0) -> torch.Tensor:
     """Place gradients into a rank-aligned bucket, cast and scaled, in one launch. See
     :func:`zkernels.reference.bucket_pack`."""
+    if type(scale) in _PLAIN_SCALE and _fast.copy(tensors, bucket, offsets, True, scale, True,
+                                                  True):
+        return bucket
     return _bucket_pack(implementation, tensors, bucket, offsets, scale=scale)
 
 
@@ -39,6 +46,9 @@ def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: S
                   scale: float = 1.0) -> Sequence[torch.Tensor]:
     """Copy slices of a bucket back into tensors, scaled and cast, in one launch. See
     :func:`zkernels.reference.bucket_unpack`."""
+    if type(scale) in _PLAIN_SCALE and _fast.copy(outs, bucket, offsets, False, scale, True,
+                                                  True):
+        return outs
     return _bucket_unpack(implementation, bucket, outs, offsets, scale=scale)
 
 

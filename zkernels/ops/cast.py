@@ -5,7 +5,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _checks
+from . import _checks, _fast
 from ._backend import Resolve, implementation
 
 
@@ -13,6 +13,9 @@ def cast(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x.to(dtype)`` bit for bit (round to nearest even). See
     :func:`zkernels.reference.cast`."""
+    if out is not None and dtype is None and _fast.copy((x,), out, None, True, 1.0, False, True,
+                                                        True):
+        return out
     return _cast(implementation, x, dtype, out=out)
 
 
@@ -39,6 +42,8 @@ def unscale_and_check_(x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
                        found_inf: torch.Tensor) -> torch.Tensor:
     """In place ``x *= inv_scale``; ``found_inf = 1`` on any inf/NaN. See
     :func:`zkernels.reference.unscale_and_check_`."""
+    if _fast.unscale(x, inv_scale, found_inf, True):
+        return found_inf
     return _unscale_and_check_(implementation, x, inv_scale, found_inf)
 
 

@@ -17,11 +17,16 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from . import _fast
 from .adamw import _adamw_step, _sum_squares
-from .bucket import _bucket_pack, _bucket_unpack
+from .bucket import _PLAIN_SCALE, _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
 from ._backend import BACKENDS, _module, _say_once, forced_backend, resolve_backend
+
+# The ops with a checked native fast path on CPU (see ops/_fast.py).
+_FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
+             "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
        "adamw_step", "sum_squares")
@@ -42,6 +47,10 @@ class OpSet:
         self.backends = MappingProxyType(dict(backends))
         self._fns = {op: getattr(_module(b), op) for op, b in backends.items()}
         self._fns.update(unavailable or {})
+        # The copy ops bound to cpp on CPU first try its checked fast path (ops/_fast.py),
+        # without reading ZKERNELS_BACKEND again: the choice was made here.
+        self._fast = {op: device_type == "cpu" and backends.get(op) == "cpp"
+                      for op in _FAST_OPS}
 
     def _resolve(self, op: str, device: torch.device) -> Callable:
         if device.type != self.device_type:
@@ -49,22 +58,39 @@ class OpSet:
                              f"{self.device_type} tensors")
         return self._fns[op]
 
-    def flatten(self, tensors, **kw):
-        return _flatten(self._resolve, tensors, **kw)
+    def flatten(self, tensors, *, out=None, dtype=None, offsets=None):
+        if out is not None and dtype is None and self._fast["flatten"] and \
+                _fast.copy(tensors, out, offsets, True, 1.0, False, False):
+            return out
+        return _flatten(self._resolve, tensors, out=out, dtype=dtype, offsets=offsets)
 
-    def unflatten(self, flat, shapes=None, **kw):
-        return _unflatten(self._resolve, flat, shapes, **kw)
+    def unflatten(self, flat, shapes=None, *, out=None, offsets=None):
+        if shapes is None and out is not None and self._fast["unflatten"] and \
+                _fast.copy(out, flat, offsets, False, 1.0, False, False):
+            return list(out)
+        return _unflatten(self._resolve, flat, shapes, out=out, offsets=offsets)
 
-    def bucket_pack(self, tensors, bucket, offsets, **kw):
-        return _bucket_pack(self._resolve, tensors, bucket, offsets, **kw)
+    def bucket_pack(self, tensors, bucket, offsets, *, scale=1.0):
+        if type(scale) in _PLAIN_SCALE and self._fast["bucket_pack"] and \
+                _fast.copy(tensors, bucket, offsets, True, scale, True, False):
+            return bucket
+        return _bucket_pack(self._resolve, tensors, bucket, offsets, scale=scale)
 
-    def bucket_unpack(self, bucket, outs, offsets, **kw):
-        return _bucket_unpack(self._resolve, bucket, outs, offsets, **kw)
+    def bucket_unpack(self, bucket, outs, offsets, *, scale=1.0):
+        if type(scale) in _PLAIN_SCALE and self._fast["bucket_unpack"] and \
+                _fast.copy(outs, bucket, offsets, False, scale, True, False):
+            return outs
+        return _bucket_unpack(self._resolve, bucket, outs, offsets, scale=scale)
 
-    def cast(self, x, dtype=None, **kw):
-        return _cast(self._resolve, x, dtype, **kw)
+    def cast(self, x, dtype=None, *, out=None):
+        if out is not None and dtype is None and self._fast["cast"] and \
+                _fast.copy((x,), out, None, True, 1.0, False, False, True):
+            return out
+        return _cast(self._resolve, x, dtype, out=out)
 
     def unscale_and_check_(self, x, inv_scale, found_inf):
+        if self._fast["unscale_and_check_"] and _fast.unscale(x, inv_scale, found_inf, False):
+            return found_inf
         return _unscale_and_check_(self._resolve, x, inv_scale, found_inf)
 
     def adamw_step(self, param, grad, exp_avg, exp_avg_sq, **kw):
