@@ -78,10 +78,10 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
                 assert opt.meter.current_step()["total"] == 0, "no_sync must not communicate"
         if stage == 2:
             assert all(p.grad is None for p in model.parameters()), "stage 2 frees full grads"
-            sent = opt.meter.current_step()["reduce_scatter"]
-            assert ws == 1 or 0 < mid_backward[-1] < sent, "stage 2 reduces during backward"
         else:
-            assert mid_backward[-1] == 0, "stage 1 communicates only in step()"
+            assert all(p.grad is not None for p in _trainable(model)), "stage 1 keeps them"
+        sent = opt.meter.current_step()["reduce_scatter"]
+        assert ws == 1 or 0 < mid_backward[-1] < sent, f"stage {stage} reduces during backward"
         opt.step()
         opt.zero_grad()
         rloss = ref(*batch)

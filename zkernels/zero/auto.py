@@ -88,7 +88,8 @@ def _min_over_ranks(value: int, group, device: torch.device) -> int:
 
 
 def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
-                       param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                       param_dtype=None, reduce_dtype=None,
+                       bucket_bytes: Optional[int] = None,
                        memory_budget_bytes: Optional[int] = None, group=None,
                        num_param_groups: int = 1) -> int:
     """The stage ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.

@@ -6,7 +6,7 @@ groups, so every hyperparameter is uniform over a bucket and AdamW runs once per
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -14,10 +14,51 @@ from ..layout import FlatLayout
 
 ALIGN_BYTES = 16  # every tensor and shard starts 16-byte aligned for vector loads
 
+# [Note: buckets sized from the model]
+# ``bucket_bytes=None`` (the default) sizes buckets from the model: its reduce bytes
+# (Ψ · reduce dtype size) cut into AUTO_NUM_BUCKETS buckets, within [AUTO_MIN_BUCKET_BYTES,
+# AUTO_MAX_BUCKET_BYTES] (DDP's 25 MiB bucket is the ceiling: larger models get more buckets,
+# not larger ones), and a first bucket a quarter of that, so that the first reduce-scatter
+# starts early in backward (DDP's small first bucket). Eight buckets overlap backward well and
+# keep stage 2's reduce buffers (two buckets, ``policy.num_reduce_buffers``) at about Ψ/4 of
+# reduce dtype, so stage 2 never holds more than stage 1 (whose full gradients are Ψ of
+# the param dtype) and stays within its formula plus two buckets; more buckets would pay one
+# more collective latency each (twice: reduce-scatter and all-gather) for little memory.
+# ``estimate_memory`` applies the same rule (:func:`auto_bucket_bytes`), so estimates and
+# ``stats()`` agree.
+AUTO_NUM_BUCKETS = 8
+AUTO_MIN_BUCKET_BYTES = 2 ** 16
+AUTO_MAX_BUCKET_BYTES = 25 * 2 ** 20
+AUTO_FIRST_BUCKET_FRACTION = 4
+
 
 def align_numel(*dtypes: torch.dtype) -> int:
     """Element alignment that keeps every offset 16-byte aligned in each of ``dtypes``."""
     return ALIGN_BYTES // min(torch.empty((), dtype=d).element_size() for d in dtypes)
+
+
+def auto_bucket_bytes(num_params: int, reduce_dtype: torch.dtype) -> Tuple[int, int]:
+    """``(first bucket bytes, bucket bytes)`` for ``num_params`` trainable parameters reduced in
+    ``reduce_dtype`` (see [Note: buckets sized from the model])."""
+    elem = torch.empty((), dtype=reduce_dtype).element_size()
+    total = int(num_params) * elem
+    size = min(max(total // AUTO_NUM_BUCKETS, AUTO_MIN_BUCKET_BYTES), AUTO_MAX_BUCKET_BYTES)
+    return size // AUTO_FIRST_BUCKET_FRACTION, size
+
+
+def bucket_capacities(bucket_bytes: Optional[int], num_params: int, reduce_dtype: torch.dtype,
+                      world_size: int, align: int) -> Tuple[int, int]:
+    """``(first bucket capacity, capacity)`` in elements: ``bucket_bytes`` for every bucket,
+    or, with None, sized from the model (:func:`auto_bucket_bytes`; never below one aligned
+    element per rank)."""
+    if bucket_bytes is None:
+        first, size = auto_bucket_bytes(num_params, reduce_dtype)
+        elem = torch.empty((), dtype=reduce_dtype).element_size()
+        minimum = world_size * align * elem
+        return (bucket_capacity(max(first, minimum), reduce_dtype, world_size, align),
+                bucket_capacity(max(size, minimum), reduce_dtype, world_size, align))
+    capacity = bucket_capacity(bucket_bytes, reduce_dtype, world_size, align)
+    return capacity, capacity
 
 
 def bucket_capacity(bucket_bytes: int, reduce_dtype: torch.dtype, world_size: int,
@@ -41,7 +82,8 @@ def bucket_capacity(bucket_bytes: int, reduce_dtype: torch.dtype, world_size: in
 
 
 def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, world_size: int,
-                 align: int) -> List[Tuple[int, List[torch.Tensor], FlatLayout]]:
+                 align: int, first_capacity: Optional[int] = None
+                 ) -> List[Tuple[int, List[torch.Tensor], FlatLayout]]:
     """Greedy partition into buckets of at most ``capacity`` elements that never mix groups;
     a parameter larger than ``capacity`` gets a bucket of its own.
 
@@ -53,6 +95,8 @@ def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, wor
     Args:
         ordered: ``(group_index, param)`` in the model's registration order.
         capacity, world_size, align: bucket size in elements, ranks, element alignment.
+        first_capacity: size of the buckets filled before the first one closes (default
+            ``capacity``): a small first bucket starts the first reduction early.
 
     Returns:
         ``(group_index, params, layout)`` per bucket, in launch order.
@@ -65,10 +109,11 @@ def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, wor
         plans.append((gi, params, FlatLayout.build([q.numel() for q in params], world_size,
                                                    align)))
 
+    first = capacity if first_capacity is None else first_capacity
     for gi, p in reversed(list(ordered)):
         params, used = open_.get(gi, ([], 0))
         start = -(-used // align) * align
-        if params and start + p.numel() > capacity:
+        if params and start + p.numel() > (capacity if plans else first):
             close(gi)
             params, start = [], 0
         params.append(p)

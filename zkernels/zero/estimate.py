@@ -7,8 +7,9 @@ gradient shard (``grad_shard_dtype``: fp32 when None, as ``ZeroOptimizer`` accum
 gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a ``param_dtype``
 narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
 is its own master (DESIGN.md's table). B = elements of the largest bucket
-(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model), G = number
-of param groups.
+(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model; with
+``bucket_bytes=None`` the optimizer's default, sized from Ψ by ``buckets.auto_bucket_bytes``),
+G = number of param groups.
 
     kind              stage 0 (DDP)   stage 1        stage 2        stage 3
     params            pΨ              pΨ             pΨ             pΨ/N
@@ -55,6 +56,7 @@ from typing import Optional, Union
 
 import torch
 
+from .buckets import auto_bucket_bytes
 from .policy import NUM_REDUCE_BUFFERS, STAGES, offload_policy, stage_policy
 
 ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
@@ -182,7 +184,7 @@ def _largest_tensor_numel(model) -> int:
 
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
                     stage: int, param_dtype=None, reduce_dtype=None,
-                    offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
+                    offload: Optional[str] = None, bucket_bytes: Optional[int] = None,
                     max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
                     max_tensor_numel: Optional[int] = None,
                     num_param_groups: int = 1) -> MemoryEstimate:
@@ -195,7 +197,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         param_dtype: compute dtype of the parameters (None: fp32, no master copy).
         reduce_dtype: dtype gradients are reduced in (None: fp32).
         offload: None, "cpu" or "nvme" (stages 2-3 only).
-        bucket_bytes: reduce bucket size (0: count no buffers, model states only).
+        bucket_bytes: reduce bucket size (0: count no buffers, model states only; None, the
+            optimizer's default: sized from the model, see [Note: buckets sized from the
+            model] in ``buckets.py``).
         max_unit_numel: parameters of the largest unit gathered at stage 3; default: the
             model's largest block when a module is given, else 0 (not counted).
         grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
@@ -216,13 +220,16 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if stage < off.min_stage:
         allowed = " or ".join(str(s) for s in STAGES if s >= off.min_stage)
         raise ValueError(f"offload={offload!r} needs stage {allowed}, got stage {stage}")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
+                                     not isinstance(bucket_bytes, int) or bucket_bytes < 0):
+        raise ValueError(f"bucket_bytes must be None or an int >= 0, got {bucket_bytes!r}")
     pdt = parse_dtype(param_dtype, "param_dtype") or torch.float32
     rdt = parse_dtype(reduce_dtype, "reduce_dtype") or torch.float32
     gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
     p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
     n_psi, big_n = num_params, world_size
+    if bucket_bytes is None:
+        bucket_bytes = auto_bucket_bytes(n_psi, rdt)[1]
     mixed = pdt != torch.float32
 
     if max_unit_numel is None:

@@ -22,9 +22,10 @@ from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
 from .auto import resolve_auto_stage
-from .buckets import align_numel, bucket_capacity, plan_buckets
+from .buckets import align_numel, bucket_capacities, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
+from .param_wait import ParamGatherWaiter
 from .params import resolve_param_groups
 from .policy import OFFLOADS, STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
@@ -78,6 +79,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_dtype: dtype of the gradient reduction (default fp32).
         offload, offload_dir: must be None (offload comes with a later issue).
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket.
+            None (default): sized from the model, a small first bucket then buckets of about
+            1/8 of the model (see [Note: buckets sized from the model] in ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank).
@@ -90,6 +93,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ops_backend: None (``ZKERNELS_BACKEND`` as set at construction, else the best backend
             per op) or ``"reference"``, ``"triton"``, ``"cpp"``: the fused ops' backend, chosen
             once here (see [Note: ops chosen once] in ``zkernels/ops/opset.py``).
+        overlap_param_gather: False (default): ``step()`` returns with the parameters
+            all-gathered, a complete step. True (stages 1-2): ``step()`` returns with the
+            all-gathers in flight and the next forward waits for each unit's gather when the
+            first module owning its parameters runs; code that reads parameters between steps
+            outside a module's forward or ``state_dict()`` calls :meth:`wait_params` first
+            (see [Note: lazy parameter gathers] in ``param_wait.py``).
 
     Attributes:
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
@@ -105,10 +114,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0, param_groups: Optional[Sequence[dict]] = None,
                  param_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
-                 bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
+                 bucket_bytes: Optional[int] = None, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
-                 ops_backend: Optional[str] = None) -> None:
+                 ops_backend: Optional[str] = None, overlap_param_gather: bool = False) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; an offload strategy plugs in as
         # the update strategy (update.py) when its kind is flipped to implemented.
         if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS
@@ -151,7 +160,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy = STAGES[self.stage]
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
-        capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
+        num_trainable = sum(p.numel() for p in {id(p): p for g in groups
+                                                for p in g["params"]}.values())
+        first_capacity, capacity = bucket_capacities(
+            bucket_bytes, num_trainable, self.precision.reduce_dtype, n, align)
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
@@ -160,7 +172,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         names = param_names(model)
         self.shard_update = DeviceUpdate(self.ops)
         self.units = []
-        for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
+        for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align,
+                                                       first_capacity)):
             unit, initial_master = build_replicated_unit(
                 i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype, self.ops)
             self.shard_update.init_state(unit, initial_master)
@@ -168,6 +181,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             del initial_master  # the full fp32 copy goes before the next unit is built
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
                                          self.ops)
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got "
+                            f"{type(overlap_param_gather).__name__}")
+        if overlap_param_gather and self.policy.shards_params:
+            raise ValueError(f"overlap_param_gather applies to stages 1-2 (stage "
+                             f"{self.stage} gathers each unit before its forward anyway)")
+        self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
+            else None
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -216,6 +237,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None and not self._scaled_backward:
             raise RuntimeError("param_dtype=torch.float16 uses dynamic loss scaling: call "
                                "opt.backward(loss) instead of loss.backward() before step()")
+        self.wait_params()  # the update writes the shards a gather may still be reading
         shards, divisor = self.reducer.finish()
         grad_scale, skip = grad_scale_and_overflow(
             shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
@@ -232,20 +254,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update(self, shards, grad_scale) -> None:
+        # Forward order (units are in backward order), so the gathers land in the order the
+        # next forward needs them (see [Note: lazy parameter gathers] in param_wait.py).
         handles = []
-        for u, g in zip(self.units, shards):
-            self.shard_update.update(u, g, self.param_groups[u.group_index], grad_scale)
+        for u in reversed(self.units):
+            self.shard_update.update(u, shards[u.index], self.param_groups[u.group_index],
+                                     grad_scale)
             # Gather this unit while the next one updates.
-            handles.append(u.gather.publish(self.comm))
+            h = u.gather.publish(self.comm)
+            if self._param_waiter is not None:
+                self._param_waiter.add(u.index, h)
+            else:
+                handles.append(h)
         for h in handles:
             h.wait()
 
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gathers still in flight (``overlap_param_gather=True``;
+        a no-op otherwise or when none is): afterwards every parameter holds the last step's
+        values."""
+        if self._param_waiter is not None:
+            self._param_waiter.wait_all()
+
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
+        self.wait_params()
         return _state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state from :meth:`state_dict` (same world size). Collective."""
+        self.wait_params()
         _state.load_state_dict(self, state_dict)
 
     def stats(self) -> dict:
