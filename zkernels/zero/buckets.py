@@ -15,21 +15,29 @@ from ..layout import FlatLayout
 ALIGN_BYTES = 16  # every tensor and shard starts 16-byte aligned for vector loads
 
 # [Note: buckets sized from the model]
-# ``bucket_bytes=None`` (the default) sizes buckets from the model: its reduce bytes
-# (Ψ · reduce dtype size) cut into AUTO_NUM_BUCKETS buckets, within [AUTO_MIN_BUCKET_BYTES,
-# AUTO_MAX_BUCKET_BYTES] (DDP's 25 MiB bucket is the ceiling: larger models get more buckets,
-# not larger ones), and a first bucket a quarter of that, so that the first reduce-scatter
-# starts early in backward (DDP's small first bucket). Eight buckets overlap backward well and
-# keep stage 2's reduce buffers (two buckets, ``policy.num_reduce_buffers``) at about Ψ/4 of
-# reduce dtype, so stage 2 never holds more than stage 1 (whose full gradients are Ψ of
-# the param dtype) and stays within its formula plus two buckets; more buckets would pay one
-# more collective latency each (twice: reduce-scatter and all-gather) for little memory.
+# ``bucket_bytes=None`` (the default) sizes buckets from the model, by what a bucket costs:
+# - Where gradients go through pooled reduce buffers (stage 2; stage 1 when it must cast or
+#   pre-divide: ``StagePolicy.uses_reduce_pool``), a bucket costs memory: two of them are held
+#   (``policy.num_reduce_buffers``). The model's reduce bytes (Ψ · reduce dtype size) are cut
+#   into AUTO_NUM_BUCKETS buckets, within [AUTO_MIN_BUCKET_BYTES, AUTO_MAX_BUCKET_BYTES]
+#   (larger models get more buckets, not larger ones), with a first bucket a quarter of that
+#   so the first reduce-scatter starts early in backward (DDP's small first bucket). Six
+#   buckets keep the two buffers at about Ψ/3 of reduce dtype: stage 2 then holds less than
+#   stage 1 (whose full gradients are Ψ of the param dtype) and stays within its formula plus
+#   two buckets, while backward overlaps the reductions; more buckets would save little memory
+#   and pay one more collective latency each (twice: reduce-scatter and all-gather).
+# - Where stage 1 reduce-scatters its flat gradient in place, a bucket costs no memory, only
+#   a collective latency per reduce-scatter and per all-gather, so it takes DDP's sizes: a
+#   1 MiB first bucket, then 25 MiB (``torch.nn.parallel.DistributedDataParallel``'s
+#   defaults), the fewest collectives that still start the first one early.
 # ``estimate_memory`` applies the same rule (:func:`auto_bucket_bytes`), so estimates and
 # ``stats()`` agree.
-AUTO_NUM_BUCKETS = 8
+AUTO_NUM_BUCKETS = 6
 AUTO_MIN_BUCKET_BYTES = 2 ** 16
 AUTO_MAX_BUCKET_BYTES = 25 * 2 ** 20
 AUTO_FIRST_BUCKET_FRACTION = 4
+DDP_FIRST_BUCKET_BYTES = 2 ** 20
+DDP_BUCKET_BYTES = 25 * 2 ** 20
 
 
 def align_numel(*dtypes: torch.dtype) -> int:
@@ -37,9 +45,13 @@ def align_numel(*dtypes: torch.dtype) -> int:
     return ALIGN_BYTES // min(torch.empty((), dtype=d).element_size() for d in dtypes)
 
 
-def auto_bucket_bytes(num_params: int, reduce_dtype: torch.dtype) -> Tuple[int, int]:
+def auto_bucket_bytes(num_params: int, reduce_dtype: torch.dtype,
+                      pooled: bool = True) -> Tuple[int, int]:
     """``(first bucket bytes, bucket bytes)`` for ``num_params`` trainable parameters reduced in
-    ``reduce_dtype`` (see [Note: buckets sized from the model])."""
+    ``reduce_dtype``, through pooled reduce buffers or not (see [Note: buckets sized from the
+    model])."""
+    if not pooled:
+        return DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES
     elem = torch.empty((), dtype=reduce_dtype).element_size()
     total = int(num_params) * elem
     size = min(max(total // AUTO_NUM_BUCKETS, AUTO_MIN_BUCKET_BYTES), AUTO_MAX_BUCKET_BYTES)
@@ -47,12 +59,12 @@ def auto_bucket_bytes(num_params: int, reduce_dtype: torch.dtype) -> Tuple[int, 
 
 
 def bucket_capacities(bucket_bytes: Optional[int], num_params: int, reduce_dtype: torch.dtype,
-                      world_size: int, align: int) -> Tuple[int, int]:
+                      world_size: int, align: int, pooled: bool) -> Tuple[int, int]:
     """``(first bucket capacity, capacity)`` in elements: ``bucket_bytes`` for every bucket,
     or, with None, sized from the model (:func:`auto_bucket_bytes`; never below one aligned
     element per rank)."""
     if bucket_bytes is None:
-        first, size = auto_bucket_bytes(num_params, reduce_dtype)
+        first, size = auto_bucket_bytes(num_params, reduce_dtype, pooled)
         elem = torch.empty((), dtype=reduce_dtype).element_size()
         minimum = world_size * align * elem
         return (bucket_capacity(max(first, minimum), reduce_dtype, world_size, align),
@@ -95,8 +107,8 @@ def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, wor
     Args:
         ordered: ``(group_index, param)`` in the model's registration order.
         capacity, world_size, align: bucket size in elements, ranks, element alignment.
-        first_capacity: size of the buckets filled before the first one closes (default
-            ``capacity``): a small first bucket starts the first reduction early.
+        first_capacity: the first bucket to close closes once it holds this many elements
+            (default ``capacity``): a small first bucket starts the first reduction early.
 
     Returns:
         ``(group_index, params, layout)`` per bucket, in launch order.
@@ -113,7 +125,10 @@ def plan_buckets(ordered: Sequence[Tuple[int, torch.Tensor]], capacity: int, wor
     for gi, p in reversed(list(ordered)):
         params, used = open_.get(gi, ([], 0))
         start = -(-used // align) * align
-        if params and start + p.numel() > (capacity if plans else first):
+        # The first bucket closes once it holds ``first`` elements (DDP's rule for its small
+        # first bucket: the tensor that crosses the line stays in); every bucket, the first
+        # too, closes before it would exceed ``capacity``.
+        if params and (start + p.numel() > capacity or (not plans and used >= first)):
             close(gi)
             params, start = [], 0
         params.append(p)

@@ -229,7 +229,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
     n_psi, big_n = num_params, world_size
     if bucket_bytes is None:
-        bucket_bytes = auto_bucket_bytes(n_psi, rdt)[1]
+        bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
     mixed = pdt != torch.float32
 
     if max_unit_numel is None:

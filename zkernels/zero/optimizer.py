@@ -79,8 +79,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_dtype: dtype of the gradient reduction (default fp32).
         offload, offload_dir: must be None (offload comes with a later issue).
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket.
-            None (default): sized from the model, a small first bucket then buckets of about
-            1/8 of the model (see [Note: buckets sized from the model] in ``buckets.py``).
+            None (default): sized from the model: where buckets cost reduce buffers (stage 2),
+            a small first bucket then buckets of about 1/6 of the model; where they do not
+            (stage 1 reducing in place), DDP's 1 MiB then 25 MiB (see [Note: buckets sized
+            from the model] in ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank).
@@ -163,7 +165,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         num_trainable = sum(p.numel() for p in {id(p): p for g in groups
                                                 for p in g["params"]}.values())
         first_capacity, capacity = bucket_capacities(
-            bucket_bytes, num_trainable, self.precision.reduce_dtype, n, align)
+            bucket_bytes, num_trainable, self.precision.reduce_dtype, n, align,
+            pooled=self.policy.uses_reduce_pool(self.precision.param_dtype,
+                                                self.precision.reduce_dtype))
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
