@@ -58,7 +58,9 @@ def run_workers(args, out_dir: str) -> dict:
            "--out", out_dir, "--device", device,
            "--timeout-s", str(min(args.timeout_s, 300.0))]
     for flag, _typ, _default, _doc in WORKER_OPTS:
-        cmd += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:   # None: the worker's own default (e.g. buckets sized "auto")
+            cmd += [flag, str(value)]
     env = dict(os.environ)
     # The ranks must import this same zkernels, installed or not.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,6 +6,10 @@ from typing import Tuple
 KINDS = ("params", "grads", "master", "optimizer_states", "buffers")
 
 
+def _short(rung: dict) -> str:
+    return "DP" if rung["name"] == "data parallel" else rung["name"].replace("stage ", "S")
+
+
 def _kb(num_bytes: float) -> str:
     return f"{num_bytes / 1024:,.1f}"
 
@@ -14,15 +18,17 @@ def render_table(results: dict) -> Tuple[str, dict]:
     """The comparison table (text) and a summary dict: max loss difference across rungs over
     all steps, max parameter difference from the first rung, measured/estimated ratios."""
     meta, rungs = results["meta"], results["rungs"]
-    cols = ["rung", f"loss@{meta['args']['steps']}", "step ms", "sent/step KB",
+    cols = ["rung", f"loss@{meta['args']['steps']}", "step ms", "x" + _short(rungs[0]),
+            "sent/step KB",
             "est KB", "mem/rank KB", "est KB", "meas/est",
             "params", "grads", "master", "optim", "buffers"]
     rows = []
     for r in rungs:
         mem, est = r["memory_bytes"], r["estimate"]
         ratio = mem["total"] / est["total"] if est["total"] else float("nan")
+        paired = r.get("step_time_ratio_paired")
         rows.append([r["name"], f"{r['final_loss']:.6f}", f"{1e3 * r['step_time_s']:.1f}",
-                     _kb(r["comm_bytes"]), _kb(est["comm_bytes"]), _kb(mem["total"]),
+                     "-" if paired is None else f"{paired:.3f}", _kb(r["comm_bytes"]), _kb(est["comm_bytes"]), _kb(mem["total"]),
                      _kb(est["total"]), f"{ratio:.3f}"] + [_kb(mem.get(k, 0)) for k in KINDS])
     widths = [max(len(x[i]) for x in rows + [cols]) for i in range(len(cols))]
 
@@ -34,6 +40,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
                          zip(r["losses"], rungs[0]["losses"])), default=0.0)
     max_param_diff = max((r["max_param_diff"] for r in rungs), default=0.0)
     summary = dict(max_loss_diff=max_loss_diff, max_param_diff=max_param_diff,
+                   step_time_ratio_paired={r["name"]: r.get("step_time_ratio_paired")
+                                           for r in rungs},
                    memory_ratio={r["name"]: r["memory_bytes"]["total"] / r["estimate"]["total"]
                                  for r in rungs})
     text = [f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
@@ -44,6 +52,10 @@ def render_table(results: dict) -> Tuple[str, dict]:
     text.append(f"max |loss difference| from {rungs[0]['name']} over all {steps} steps: "
                 f"{max_loss_diff:.3g}; max |parameter difference| after the last step: "
                 f"{max_param_diff:.3g} (fp32: equal up to round-off)")
+    if "step_time_ratio_paired" in rungs[0]:
+        text.append(f"x{_short(rungs[0])}: step time as the median of per-step ratios to "
+                    f"{rungs[0]['name']} (the rungs take their steps in turn, so a change in "
+                    f"the machine's load lands on all of them)")
     return "\n".join(text), summary
 
 
