@@ -90,7 +90,7 @@ def _fmt(value: float, unit: int) -> str:
 
 
 def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shard_dtype,
-                 bucket_bytes: int,
+                 bucket_bytes: Optional[int],
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`."""
@@ -146,7 +146,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "kept at stages 2-3 (fp32, as ZeroOptimizer keeps it)")
     ap.add_argument("--paper", action="store_true", help="the ZeRO paper's recipe: fp16 "
                     "params, gradients reduced and sharded in fp16 (overrides the dtypes)")
-    ap.add_argument("--bucket-bytes", default="25MiB", help="gradient bucket size (25MiB)")
+    ap.add_argument("--bucket-bytes", default="auto", help="gradient bucket size, e.g. 25MiB, "
+                    "or auto (default: sized from the model, as ZeroOptimizer does)")
     ap.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB, "
                     "24GiB: marks the lowest rung that fits")
     ap.add_argument("--headroom", type=float, default=0.10, help="fraction of "
@@ -168,7 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         size = lambda s, n: None if s is None else parse_bytes(s, n)  # noqa: E731
         rows, choice = ladder_table(
             model, args.world_size, param_dtype=pdt, reduce_dtype=rdt, grad_shard_dtype=gdt,
-            bucket_bytes=size(args.bucket_bytes, "--bucket-bytes"),
+            bucket_bytes=None if args.bucket_bytes == "auto" else
+            size(args.bucket_bytes, "--bucket-bytes"),
             device_bytes=size(args.device_memory, "--device-memory"), headroom=args.headroom,
             host_bytes=size(args.host_memory, "--host-memory"), disk_bytes=size(args.disk,
                                                                                "--disk"))
