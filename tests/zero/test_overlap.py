@@ -179,3 +179,18 @@ def test_auto_buckets(param_dtype, world_size):
     formula = 4 * num + 12 * num / world_size if param_dtype is None else \
         2 * num + 16 * num / world_size
     assert s2 <= 1.05 * formula + 2 * size, (s2, formula, size)
+
+
+def test_plan_buckets_first_bucket():
+    """A first capacity: the first bucket closes once it reaches it (the tensor crossing it
+    stays in, DDP's rule), later buckets fill up to the capacity; without one, the plan is
+    the greedy one of explicit bucket_bytes."""
+    from zkernels.zero.buckets import plan_buckets
+    ps = [torch.zeros(n) for n in (40, 30, 20, 10, 10)]   # reversed: 10, 10, 20, 30, 40
+    sizes = lambda plans: [[p.numel() for p in ps_] for _, ps_, _ in plans]  # noqa: E731
+    ordered = [(0, p) for p in ps]
+    assert sizes(plan_buckets(ordered, 60, 1, 1, first_capacity=15)) == [[10, 10], [20, 30],
+                                                                         [40]]
+    assert sizes(plan_buckets(ordered, 60, 1, 1)) == [[10, 10, 20], [30], [40]]
+    assert sizes(plan_buckets(ordered, 60, 1, 1, first_capacity=60)) == \
+        sizes(plan_buckets(ordered, 60, 1, 1))
