@@ -5,7 +5,8 @@ schedule (``LambdaLR``), gradient accumulation (``opt.no_sync()`` on all but the
 micro-step), clipping by the global norm (``max_grad_norm``), and checkpoint save / resume.
 
 Checkpoints in this release are per rank: every rank writes its own ``opt.state_dict()`` (its
-shard of the optimizer states) and the model, atomically (a temp file, then ``os.replace``), and
+shard of the optimizer states) and the model, atomically (a temp file, then ``os.replace``), into
+``--ckpt-dir`` (default ``runs/train_gpt/``, which the repository's .gitignore ignores), and
 ``--resume`` must run with the same world size. The sharded checkpoint that loads at any world
 size (``zkernels.checkpoint.save/load``) comes with a later release.
 
@@ -72,7 +73,9 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master (GPU)")
-    ap.add_argument("--ckpt-dir", default="checkpoints")
+    ap.add_argument("--ckpt-dir", default=os.path.join("runs", "train_gpt"),
+                    help="checkpoint folder (runs/train_gpt, ignored by the repository's "
+                    ".gitignore)")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this "
@@ -84,8 +87,18 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # zkernels is imported above, before the group exists: that is what lets
+    # destroy_process_group() below end it ([Note: process group teardown] in
+    # zkernels/comm/select.py).
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(minutes=5))
+    try:
+        train(args, device)
+    finally:
+        dist.destroy_process_group()   # every rank, also when training raised
+
+
+def train(args, device) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)        # the same initial weights on every rank
@@ -132,7 +145,7 @@ def main() -> None:
             save_checkpoint(ckpt, model, opt, sched, step + 1)
     if rank == 0:
         print(f"done: {stop} of {args.steps} steps; stats of the last step: {opt.stats()}")
-    dist.destroy_process_group()
+
 
 
 if __name__ == "__main__":

@@ -78,3 +78,44 @@ def test_ranks_agree_on_the_smallest_budget():
     s1, s2 = _need(model, 2, 1), _need(model, 2, 2)
     # Rank 0 could afford stage 1, rank 1 only stage 2: both must take stage 2.
     assert run_ranks(_auto_on_ranks, 2, [s1, s2]) == [2, 2]
+
+
+@pytest.fixture
+def zkernels_log_level():
+    """Restores the "zkernels" logger's level after a test changes it."""
+    logger = logging.getLogger("zkernels")
+    level = logger.level
+    yield logger
+    logger.setLevel(level)
+
+
+def test_auto_choice_is_shown_by_default_and_quiet_on_request(capsys, caplog,
+                                                              zkernels_log_level):
+    # [Note: auto announcement] Logging not set up for INFO: one line on stderr.
+    model = _model()
+    budget = _need(model, 4, 2)
+    kw = dict(world_size=4, bucket_bytes=BUCKET, memory_budget_bytes=budget)
+    assert resolve_auto_stage(model.parameters(), **kw) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zkernels: stage='auto' chose stage 2")
+    # Quiet on request: the zkernels logger above INFO; nothing printed, nothing logged.
+    zkernels_log_level.setLevel(logging.WARNING)
+    with caplog.at_level(logging.INFO):     # root at INFO: only the zkernels level decides
+        assert resolve_auto_stage(model.parameters(), **kw) == 2
+    assert capsys.readouterr().err == "" and "chose stage" not in caplog.text
+
+
+def _auto_on_ranks_stderr(rank, world_size, budget):
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        resolve_auto_stage(_model().parameters(), world_size=world_size, bucket_bytes=BUCKET,
+                           memory_budget_bytes=budget)
+    return err.getvalue()
+
+
+def test_auto_choice_is_shown_once_on_rank_0():
+    budget = _need(_model(), 2, 1)
+    err0, err1 = run_ranks(_auto_on_ranks_stderr, 2, budget)
+    assert "chose stage 1" in err0 and err1 == ""

@@ -1,5 +1,6 @@
 """``python -m zkernels plan``: the ZeRO paper's example in the right rows, the marked choice,
-config.json counting, and the dispatcher's errors."""
+rungs compared at one reduce dtype, config.json counting (against transformers' own models),
+bad options refused before any work, and the dispatcher's errors."""
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 
+from zkernels import hf_params
 from zkernels.__main__ import main as zk_main
 from zkernels.plan import params_from_hf_config, parse_bytes
 
@@ -64,12 +66,70 @@ def test_plan_nothing_fits(capsys):
     assert "nothing fits" in capsys.readouterr().out
 
 
+def _usage_error(capsys, *argv):
+    """argparse's refusal: exit status 2 and one 'error:' line naming the option."""
+    with pytest.raises(SystemExit) as exc:
+        zk_main(list(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    return err.strip().splitlines()[-1]
+
+
 def test_plan_bad_input(capsys):
-    assert zk_main(["plan", "--params", "1e6", "--world-size", "2", "--device-memory",
-                    "lots"]) == 2
-    assert "--device-memory" in capsys.readouterr().err
+    err = _usage_error(capsys, "plan", "--params", "1e6", "--world-size", "2",
+                       "--device-memory", "lots")
+    assert "argument --device-memory" in err
     assert zk_main(["plan", "--model", "nosuchfile", "--world-size", "2"]) == 2
     assert "--model" in capsys.readouterr().err
+    # A bare number is refused (16 what?), naming the flag and the units it takes.
+    err = _usage_error(capsys, "plan", "--params", "1e6", "--world-size", "2",
+                       "--device-memory", "16")
+    assert "argument --device-memory: needs a unit" in err and "16GB or 16GiB" in err
+    for bad in ("-5", "0", "1.5", "nan", "inf", "many"):
+        err = _usage_error(capsys, "plan", "--params", bad, "--world-size", "2")
+        assert "argument --params" in err and "model_or_num_params" not in err
+    assert "argument --world-size" in _usage_error(capsys, "plan", "--params", "1e6",
+                                                   "--world-size", "0")
+    assert "argument --headroom" in _usage_error(capsys, "plan", "--params", "1e6",
+                                                 "--world-size", "2", "--headroom", "1")
+
+
+def test_plan_help_says_sizes_need_a_unit(capsys):
+    with pytest.raises(SystemExit):
+        zk_main(["plan", "-h"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a bare number is refused" in out and "24GiB" in out
+
+
+def test_plan_json_into_a_missing_folder_is_refused_first(capsys, tmp_path, monkeypatch):
+    import zkernels.plan as plan
+    monkeypatch.setattr(plan, "ladder_table", lambda *a, **k: pytest.fail("did the work"))
+    err = _usage_error(capsys, "plan", "--params", "1e6", "--world-size", "2", "--json",
+                       str(tmp_path / "missing" / "plan.json"))
+    assert "argument --json" in err and "does not exist" in err
+    assert not (tmp_path / "missing").exists()
+    assert "is a folder" in _usage_error(capsys, "plan", "--params", "1e6", "--world-size",
+                                         "2", "--json", str(tmp_path))
+
+
+def _comm(out):
+    rows, _ = _rows(out)
+    return {name: (float(cols[10]), cols[11]) for name, cols in rows.items()}
+
+
+def test_plan_compares_rungs_at_one_reduce_dtype(capsys):
+    # The same reduce dtype as the compute dtype: data parallel's all-reduce and stages 1-2's
+    # reduce-scatter + all-gather send the same bytes (the paper's 2Ψ); the table says which.
+    assert zk_main(["plan", "--params", "1.5e9", "--world-size", "8", "--reduce-dtype",
+                    "bf16"]) == 0
+    comm = _comm(capsys.readouterr().out)
+    assert comm["data parallel"] == comm["stage 1"] == comm["stage 2"] == (5.2, "bf16")
+    # ZeroOptimizer's default fp32 reduction: data parallel reduces in fp32 too (2·4Ψ·7/8 =
+    # 10.5 GB), stages 1-2 reduce-scatter fp32 and all-gather bf16 ((4 + 2)Ψ·7/8 = 7.9 GB).
+    assert zk_main(["plan", "--params", "1.5e9", "--world-size", "8"]) == 0
+    comm = _comm(capsys.readouterr().out)
+    assert comm["data parallel"] == (10.5, "fp32")
+    assert comm["stage 1"] == comm["stage 2"] == (7.9, "fp32")
 
 
 def test_plan_model_factory_and_hf_config(capsys, tmp_path):
@@ -77,19 +137,88 @@ def test_plan_model_factory_and_hf_config(capsys, tmp_path):
     from zkernels.plan import load_model_spec
     num = sum(p.numel() for p in tiny_gpt().parameters())
     assert f"{num:,} params" in capsys.readouterr().out
-    assert load_model_spec("tests.test_cli:tiny_gpt").cfg.n_layer == 1
-    # Llama-2-7B and GPT-2 (124M): known totals (GPT-2's biases, 0.1M, are not counted).
-    llama = dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
-                 num_attention_heads=32, intermediate_size=11008, tie_word_embeddings=False,
-                 rope_theta=10000.0)
-    assert params_from_hf_config(llama) == 6_738_415_616
-    gpt2 = dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
-                n_positions=1024)
-    assert abs(params_from_hf_config(gpt2) - 124_439_808) < 0.001 * 124_439_808
+    assert load_model_spec("tests.test_cli:tiny_gpt")[0].cfg.n_layer == 1
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(llama))
+    cfg.write_text(json.dumps(LLAMA2_7B))
     assert zk_main(["plan", "--model", str(cfg), "--world-size", "8"]) == 0
     assert "6,738,415,616 params" in capsys.readouterr().out
+
+
+# The sizes of published models as their config.json files give them (keys left out take
+# transformers' defaults), and the parameter counts of the real models.
+LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                 num_attention_heads=32, intermediate_size=11008, tie_word_embeddings=False,
+                 rope_theta=10000.0)
+GPT2_SMALL = dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
+                  n_positions=1024, n_ctx=1024, activation_function="gelu_new")
+MISTRAL_7B = dict(model_type="mistral", vocab_size=32000, hidden_size=4096,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=14336, tie_word_embeddings=False, rope_theta=10000.0)
+MIXTRAL_8X7B = dict(MISTRAL_7B, model_type="mixtral", num_local_experts=8,
+                    num_experts_per_tok=2, rope_theta=1e6)
+
+
+@pytest.mark.parametrize("cfg, expected", [(GPT2_SMALL, 124_439_808),
+                                           (LLAMA2_7B, 6_738_415_616),
+                                           (MISTRAL_7B, 7_241_732_096),
+                                           (MIXTRAL_8X7B, 46_702_792_704)])
+def test_hf_config_formula_known_models(cfg, expected, capsys, tmp_path, monkeypatch):
+    assert params_from_hf_config(cfg) == expected
+    # Without transformers, plan counts with the formula and says so.
+    monkeypatch.setattr(hf_params, "params_from_transformers",
+                        lambda cfg: (None, "transformers is not installed"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert zk_main(["plan", "--model", str(path), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"{expected:,} params" in out and "config.json formula" in out
+
+
+def _small(kind):
+    """transformers' default config of ``kind``, shrunk (odd sizes, GQA, a head_dim that is
+    not hidden/heads), as a config.json dict."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model(kind).to_dict()
+    small = dict(hidden_size=64, n_embd=64, num_hidden_layers=3, n_layer=3,
+                 num_attention_heads=4, n_head=4, num_key_value_heads=2, intermediate_size=96,
+                 vocab_size=101, max_position_embeddings=128, n_positions=128,
+                 moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=4,
+                 num_local_experts=4, head_dim=24, decoder_sparse_step=1)
+    cfg.update((k, v) for k, v in small.items() if k in cfg)
+    for k in ("layer_types", "transformers_version", "architectures"):
+        cfg.pop(k, None)
+    return dict(cfg, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+@pytest.mark.parametrize("kind", hf_params.CHECKED_MODEL_TYPES)
+def test_hf_config_formula_matches_transformers(kind):
+    # transformers' own model, built from the config (random init, meta device: nothing
+    # downloaded, no memory), has exactly the parameters the formula counts.
+    pytest.importorskip("transformers")
+    for cfg in (_small(kind), _full(kind)):
+        real, how = hf_params.params_from_transformers(cfg)
+        assert real is not None, how
+        assert params_from_hf_config(cfg) == real, (kind, cfg)
+    if kind == "qwen2_moe":    # dense layers between the sparse ones
+        cfg = dict(_small(kind), decoder_sparse_step=2, mlp_only_layers=[1])
+        assert params_from_hf_config(cfg) == hf_params.params_from_transformers(cfg)[0]
+
+
+def _full(kind):
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model(kind).to_dict()
+    for k in ("transformers_version", "architectures"):
+        cfg.pop(k, None)
+    return cfg
+
+
+def test_plan_counts_gpt2_as_transformers_does(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2_SMALL))
+    assert zk_main(["plan", "--model", str(path), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808 params" in out and "GPT2LMHeadModel" in out
 
 
 def tiny_gpt():
@@ -100,9 +229,12 @@ def tiny_gpt():
 def test_parse_bytes():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("24GiB") == 24 * 2**30
-    assert parse_bytes("1.5e9") == 1_500_000_000
+    assert parse_bytes("1.5e9B") == 1_500_000_000
+    assert parse_bytes("1.5e9", "--bucket-bytes", bare_unit="B") == 1_500_000_000
     with pytest.raises(ValueError, match="--device-memory"):
         parse_bytes("12 parsecs")
+    with pytest.raises(ValueError, match="--device-memory needs a unit"):
+        parse_bytes("16")
 
 
 def test_dispatcher(capsys):

@@ -69,8 +69,39 @@ def test_demo_bad_option(tmp_path):
 def test_demo_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "demo.png"
-    _, data = _demo(tmp_path, "--rungs", "ddp", "--plot", str(png))
+    _, data = _demo(tmp_path, "--rungs", "ddp,2", "--plot", str(png))
     assert png.stat().st_size > 1000 and data["rungs"][0]["name"] == "data parallel"
+    assert len(data["rungs"][1]["step_times_s"]) == 2      # the steps after the first
+
+
+def test_demo_output_paths_are_checked_before_training(tmp_path):
+    # A missing folder is one usage line (exit 2) at once, not a traceback after training.
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for flag in ("--plot", "--json"):
+        target = tmp_path / "missing" / "out.png"
+        proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", *TINY, flag,
+                               str(target)], capture_output=True, text=True, env=env,
+                              timeout=60, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"argument {flag}" in proc.stderr and "does not exist" in proc.stderr
+        assert "loss@" not in proc.stdout and "Traceback" not in proc.stderr
+        assert not target.parent.exists()
+
+
+def test_demo_table_says_what_the_losses_show():
+    from zkernels.demo.report import render_table
+    rung = dict(final_loss=1.0, step_time_s=0.1, comm_bytes=0, max_param_diff=0.0,
+                num_params=10, memory_bytes=dict(total=1024), estimate=dict(total=1024,
+                                                                             comm_bytes=0))
+    results = dict(meta=dict(args=dict(steps=4), world_size=2, device="cpu"), rungs=[
+        dict(rung, rung="ddp", name="data parallel", losses=[3.0, 2.0, 1.5, 1.25]),
+        dict(rung, rung="1", name="stage 1", losses=[3.0, 2.0, 1.5, 1.2505]),
+        dict(rung, rung="2", name="stage 2", losses=[3.0, 2.0, 1.5, 1.2505])])
+    text, summary = render_table(results)
+    assert "sent/step KiB" in text and " KB" not in text
+    assert "stage 1 identical for 3 steps, then within 0.0005 (vs data parallel)" in text
+    assert "stage 2 identical at every step (vs stage 1)" in text
+    assert summary["max_loss_diff"] == pytest.approx(0.0005)
 
 
 def test_corpus_tokenizer_and_batches():

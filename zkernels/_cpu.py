@@ -4,11 +4,39 @@ Importing this module never fails: ``AVAILABLE`` says whether the extension load
 implemented natively are defined here (the dispatcher checks ``hasattr``). ``ZKERNELS_CPU_ISA``
 (``auto``/``scalar``/``avx2``/``avx512``) forces a SIMD path; it is read at call time, here at
 the binding boundary, never deeper.
+
+[Note: which CPU ops are native]
+Every fused op runs natively on CPU tensors, because none of them can beat its PyTorch peer as
+a composition of torch calls, which is all the reference can be while it stays the oracle:
+
+- flatten / unflatten / bucket_pack / bucket_unpack: the peers are ``torch.cat`` and
+  ``torch._foreach_copy_`` (+ ``_foreach_mul``), each already one C++ loop over the tensors;
+  a reference built from the same calls can only add Python work on top, and the bucket peers
+  make an fp32 temporary that the fused copy-scale-cast never writes (6 bytes per element
+  instead of 14). Native: one pass, per-tensor cost ~0.25 us (see [Note: per-tensor cost of
+  the multi-tensor bindings] in python/src/cpu_ops.cpp). flatten's copy runs at the speed of
+  ``torch.cat``'s (both are plain copies at the machine's copy bandwidth), so the per-tensor
+  reads decide it: ``torch.cat`` spends ~0.2 us per tensor in C++ in all, while from Python
+  each attribute read (dtype, device, contiguity, numel, data_ptr) costs ~0.1 us; with 32
+  tensors of 8K elements (the bench at 256K, 1 thread) that is ~10 us of checks and reads
+  against a ~25 us copy, and flatten stays below ``torch.cat`` there (at 2M and with 2
+  threads the copy dominates, or its tiling across threads wins).
+- cast: ``out.copy_(x)`` is the peer and the reference; only a leaner call can be faster.
+- unscale_and_check_: the reference is two passes plus an fp32 temporary (``isfinite().all()``,
+  ``x.float().mul``), the peer one fused pass; native does the fused pass.
+- sum_squares: the reference is one torch reduction per tensor; native is one pass over all of
+  them, in an fp64 order that is the same on every path and thread count ([Note: sum_squares
+  order] in csrc/cpu_ops/kernel.h), so it equals the reference exactly where fp32 is exact
+  and is within the tolerance table elsewhere.
+- adamw_step: native (csrc/cpu_adam), bit-exact with the reference.
+
+The reference stays the plain oracle the tests compare every path with, bit for bit for every
+copy and cast (tests/ops with ``ZKERNELS_BACKEND=cpp``, tests/native/test_cpu_ops.py per ISA).
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -32,6 +60,12 @@ def _value(x: Scalar) -> float:
 
 def _isa() -> str:
     return os.environ.get("ZKERNELS_CPU_ISA", "auto").strip().lower() or "auto"
+
+
+# The list and copy ops pass ``isa=None``: their binding reads ZKERNELS_CPU_ISA itself with
+# getenv (which sees every os.environ change: Python mirrors them with putenv), the same value
+# at the same moment, ~1 us cheaper per call than os.environ (see [Note: cheap checks]).
+_ENV_ISA = None
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -63,3 +97,99 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         grad_scale=1.0 if grad_scale is None else _value(grad_scale),
         found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
     return param
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _need_ext() -> None:
+    if _C is None:
+        raise RuntimeError(f"zkernels._C is not built: {IMPORT_ERROR}")
+
+
+def _back_to_back(numels: Sequence[int]) -> List[int]:
+    out, pos = [], 0
+    for n in numels:
+        out.append(pos)
+        pos += int(n)
+    return out
+
+
+def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = None,
+            dtype: Optional[torch.dtype] = None,
+            offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """:func:`zkernels.reference.flatten` natively: one pass, cast to ``out.dtype``.
+
+    Arguments as checked by :func:`zkernels.ops.flatten` (CPU, contiguous, one dtype)."""
+    _need_ext()
+    if offsets is None or out is None:
+        numels = [t.numel() for t in tensors]
+        offsets = _back_to_back(numels) if offsets is None else offsets
+    if out is None:
+        total = max((int(o) + n for o, n in zip(offsets, numels)), default=0)
+        out = torch.zeros(total, dtype=dtype or (tensors[0].dtype if tensors else torch.float32))
+    _C.cpu_copy_segments(tensors, out, offsets, True, 1.0, False, _ENV_ISA, _threads())
+    return out
+
+
+def unflatten(flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = None, *,
+              out: Optional[Sequence[torch.Tensor]] = None,
+              offsets: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+    """:func:`zkernels.reference.unflatten` natively (``out=``: one pass, cast to the outputs'
+    dtype; ``shapes=``: views, no copy)."""
+    if (shapes is None) == (out is None):
+        raise ValueError("unflatten: give exactly one of shapes= or out=")
+    if shapes is not None:
+        numels = [int(torch.Size(s).numel()) for s in shapes]
+        offs = list(offsets) if offsets is not None else _back_to_back(numels)
+        return [flat[o:o + n].view(tuple(s)) for s, o, n in zip(shapes, offs, numels)]
+    _need_ext()
+    if offsets is None:
+        offsets = _back_to_back([t.numel() for t in out])
+    _C.cpu_copy_segments(out, flat, offsets, False, 1.0, False, _ENV_ISA, _threads())
+    return list(out)
+
+
+def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int], *,
+                scale: float = 1.0) -> torch.Tensor:
+    """:func:`zkernels.reference.bucket_pack` natively: scale and cast in the one copy."""
+    _need_ext()
+    _C.cpu_copy_segments(tensors, bucket, offsets, True, scale, True, _ENV_ISA, _threads())
+    return bucket
+
+
+def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: Sequence[int], *,
+                  scale: float = 1.0) -> Sequence[torch.Tensor]:
+    """:func:`zkernels.reference.bucket_unpack` natively: scale and cast in the one copy."""
+    _need_ext()
+    _C.cpu_copy_segments(outs, bucket, offsets, False, scale, True, _ENV_ISA, _threads())
+    return outs
+
+
+def cast(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`zkernels.reference.cast` natively (``x.to(dtype)`` bit for bit)."""
+    _need_ext()
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype)
+    _C.cpu_copy_segments((x,), out, (0,), True, 1.0, False, _ENV_ISA, _threads())
+    return out
+
+
+def unscale_and_check_(x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
+                       found_inf: torch.Tensor) -> torch.Tensor:
+    """:func:`zkernels.reference.unscale_and_check_` natively: check and multiply in one pass
+    (``inv_scale`` as a tensor is read on the host: CPU tensors need no device sync)."""
+    _need_ext()
+    _C.cpu_unscale_and_check(x, inv_scale, found_inf, _ENV_ISA, _threads())
+    return found_inf
+
+
+def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`zkernels.reference.sum_squares` natively: one pass over all tensors, fp64
+    accumulation in a fixed order, rounded once to the fp32 result."""
+    _need_ext()
+    out = torch.zeros((), dtype=torch.float32)
+    _C.cpu_sum_squares(tensors, out, _ENV_ISA, _threads())
+    return out

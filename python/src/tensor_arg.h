@@ -26,10 +26,12 @@ struct TensorArg {
   bool contiguous = false;
 };
 
-// torch.Tensor and the float dtypes, looked up once per process (the dtype of every argument
-// is then an identity comparison instead of a string conversion).
+// torch.Tensor, the float dtypes and the attribute names the bindings read, looked up (and
+// interned) once per process: the dtype of every argument is then an identity comparison, and
+// each attribute read a dictionary hit instead of a string conversion plus lookup.
 struct TorchTypes {
   py::object tensor, float32, bfloat16, float16;
+  py::str data_ptr, numel, dtype, device, type, index, is_contiguous, is_cpu;
 };
 
 inline const TorchTypes& torch_types() {
@@ -37,8 +39,13 @@ inline const TorchTypes& torch_types() {
   return storage
       .call_once_and_store_result([] {
         const py::module_ torch = py::module_::import("torch");
+        auto name = [](const char* s) {
+          return py::reinterpret_steal<py::str>(PyUnicode_InternFromString(s));
+        };
         return TorchTypes{torch.attr("Tensor"), torch.attr("float32"), torch.attr("bfloat16"),
-                          torch.attr("float16")};
+                          torch.attr("float16"),   name("data_ptr"),    name("numel"),
+                          name("dtype"),           name("device"),      name("type"),
+                          name("index"),           name("is_contiguous"), name("is_cpu")};
       })
       .get_stored();
 }
@@ -52,22 +59,36 @@ inline std::string dtype_str(const py::object& dtype) {
   return s.rfind("torch.", 0) == 0 ? s.substr(6) : s;
 }
 
+// obj.name() for a method without arguments (vectorcall: no argument tuple is built).
+inline py::object call_method(const py::handle& obj, const py::str& name) {
+  PyObject* args[1] = {obj.ptr()};
+  PyObject* r = PyObject_VectorcallMethod(name.ptr(), args,
+                                          1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
 // Reads `obj` as a tensor; TypeError naming `name` when it is not a torch.Tensor.
 inline TensorArg tensor_arg(const py::handle& obj, const char* name) {
-  if (!py::isinstance(obj, torch_types().tensor)) {
+  const TorchTypes& tt = torch_types();
+  if (!py::isinstance(obj, tt.tensor)) {
     throw py::type_error(std::string(name) + " must be a torch.Tensor, got " +
                          py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
   }
   TensorArg t;
   t.name = name;
-  t.data_ptr = obj.attr("data_ptr")().cast<uintptr_t>();
-  t.numel = obj.attr("numel")().cast<int64_t>();
-  t.dtype = dtype_str(obj.attr("dtype"));
-  const py::object device = obj.attr("device");
-  t.device_type = device.attr("type").cast<std::string>();
-  const py::object index = device.attr("index");
-  t.device_index = index.is_none() ? -1 : index.cast<int>();
-  t.contiguous = obj.attr("is_contiguous")().cast<bool>();
+  t.data_ptr = call_method(obj, tt.data_ptr).cast<uintptr_t>();
+  t.numel = call_method(obj, tt.numel).cast<int64_t>();
+  t.dtype = dtype_str(obj.attr(tt.dtype));
+  if (obj.attr(tt.is_cpu).ptr() == Py_True) {  // no torch.device object built for CPU tensors
+    t.device_type = "cpu";
+  } else {
+    const py::object device = obj.attr(tt.device);
+    t.device_type = device.attr(tt.type).cast<std::string>();
+    const py::object index = device.attr(tt.index);
+    t.device_index = index.is_none() ? -1 : index.cast<int>();
+  }
+  t.contiguous = call_method(obj, tt.is_contiguous).ptr() == Py_True;
   return t;
 }
 

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .._cli import output_file
 from ._common import SectionUnavailable, format_table, metadata, write_json
 
 SECTIONS = ["kernels", "cpu_adam"]
@@ -33,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", nargs="+", type=int, default=None,
                     help="element counts (default: each section's own, sized to the device)")
     ap.add_argument("--ops", nargs="+", default=None, help="ops to run (default: all)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write all rows here")
+    ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
+                    help="write all rows to this file (its folder must exist)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: 1 when the device is the CPU, where "
                          "oversubscribed OpenMP threads make timings meaningless; torch's own "
@@ -44,18 +46,46 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
-    args = parser().parse_args(argv)
+def _check(ap: argparse.ArgumentParser, args) -> torch.device:
+    """Refuse what cannot run, before any of it runs (argparse's one line, exit status 2)."""
     if args.repeat < 1:
-        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
+        ap.error(f"argument --repeat: must be >= 1, got {args.repeat}")
+    if args.warmup < 0:
+        ap.error(f"argument --warmup: must be >= 0, got {args.warmup}")
     if any(n < 1 for n in args.sizes or []):
-        raise SystemExit(f"--sizes must all be >= 1, got {args.sizes}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        ap.error(f"argument --sizes: must all be >= 1, got {args.sizes}")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"argument --threads: must be >= 1, got {args.threads}")
+    if args.ops is not None:
+        from .kernels import OPS    # the one section that takes --ops
+        unknown = [o for o in args.ops if o not in OPS]
+        if unknown:
+            ap.error(f"argument --ops: unknown {', '.join(unknown)} (choose from "
+                     f"{', '.join(OPS)})")
+    if args.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"argument --device: cpu or cuda, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"argument --device: cpu or cuda, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("argument --device: cuda, but torch sees no CUDA device here (a CPU-only "
+                 "torch, or no GPU): use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        ap.error(f"argument --device: {args.device}, but this machine has "
+                 f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
+    ap = parser()
+    args = ap.parse_args(argv)
+    device = _check(ap, args)
     if args.threads is None and device.type == "cpu":
         args.threads = 1
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     meta = metadata(device)
     print(", ".join(f"{k}={v}" for k, v in meta.items() if k != "kind"))

@@ -120,7 +120,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 
 def write_json(path: str, rows: Sequence[dict]) -> None:
-    """Write ``rows`` (the metadata row first) as a JSON list to ``path``."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(list(rows), indent=1) + "\n")
+    """Write ``rows`` (the metadata row first) as a JSON list to ``path``, whose folder must
+    exist (the command line checks it before running: a mistyped folder is an error, not a new
+    folder somewhere)."""
+    Path(path).write_text(json.dumps(list(rows), indent=1) + "\n")

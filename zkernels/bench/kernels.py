@@ -2,9 +2,14 @@
 doing the same thing, measured in the same run, plus the device's plain copy bandwidth.
 
 On CUDA the Triton kernels run; on CPU the reference path (and the ``cpp`` backend where
-``zkernels.ops.available("cpp")`` and it implements the op). GB/s counts the bytes an op must
-read and write at least (see each case); ``frac_copy`` is that as a fraction of a large
-``dst.copy_(src)`` measured the same way, the practical ceiling of a memory-bound op.
+``zkernels.ops.available("cpp")`` and it implements the op). ``default`` marks the row of the
+backend ``zkernels.ops`` picks on its own for the device (the implementation users run; a
+reference row beside a native one is the test oracle, shown for scale). GB/s counts the bytes
+an op must read and write at least (``num_bytes``, see each case); ``peer_bytes`` is what the
+peer moves (more where it writes an fp32 temporary); ``frac_copy`` is the op's GB/s as a
+fraction of a ``dst.copy_(src)`` of the same size measured the same way in the same run, the
+practical ceiling of a memory-bound op; ``bound`` says "memory" from 0.6 of it up (the op runs
+at copy speed), "overhead" below (its time is fixed per-call cost or arithmetic).
 """
 from __future__ import annotations
 
@@ -37,11 +42,13 @@ OPS = tuple(PEERS)
 
 
 class Case(NamedTuple):
-    """One op at one size: the zkernels call, its PyTorch peer, and the bytes each moves."""
+    """One op at one size: the zkernels call, its PyTorch peer, the bytes the op must move and
+    the bytes the peer moves (its temporaries included)."""
 
     zkernels: Callable[[], object]
     peer: Callable[[], object]
     num_bytes: int
+    peer_bytes: Optional[int] = None
 
 
 def split_numels(numel: int, num_tensors: int = NUM_TENSORS) -> List[int]:
@@ -72,15 +79,17 @@ def _build(op: str, numel: int, device: torch.device) -> Case:
         bucket = torch.zeros(layout.padded_numel, dtype=bf16, device=device)
         views = [bucket[o:o + n] for o, n in zip(layout.offsets, numels)]
         if op == "bucket_pack":
+            # peer: read grads, write and re-read the fp32 product, write the bucket
             return Case(lambda: ops.bucket_pack(grads, bucket, layout.offsets, scale=0.125),
                         lambda: torch._foreach_copy_(views, torch._foreach_mul(grads, 0.125)),
-                        6 * numel)
+                        6 * numel, 14 * numel)
 
         def unpack_peer():
             torch._foreach_copy_(grads, views)
             torch._foreach_mul_(grads, 8.0)
+        # peer: read the bucket, write the grads, then read and write them again to scale
         return Case(lambda: ops.bucket_unpack(bucket, grads, layout.offsets, scale=8.0),
-                    unpack_peer, 6 * numel)
+                    unpack_peer, 6 * numel, 14 * numel)
     if op == "cast":
         x, out = rand(numel), torch.empty(numel, dtype=bf16, device=device)
         return Case(lambda: ops.cast(x, out=out), lambda: out.copy_(x), 6 * numel)
@@ -119,7 +128,8 @@ def _adamw_case(numel: int, device: torch.device) -> Case:
     def peer():
         opt.step()
         out.copy_(param.detach())
-    return Case(mine, peer, 30 * numel)
+    # peer: the fused step (28 B) then a second pass reading the params for the copy (6 B)
+    return Case(mine, peer, 30 * numel, 34 * numel)
 
 
 @contextlib.contextmanager
@@ -188,6 +198,9 @@ def _measure(op: str, numel: int, device: torch.device, repeat: int, warmup: int
              copy_gbps: float) -> List[dict]:
     case = _build(op, numel, device)
     peer = timeit(case.peer, device, repeat, warmup)
+    peer_bytes = case.peer_bytes or case.num_bytes
+    default = ops.choose(_OP_NAMES.get(op, op), device) if "ZKERNELS_BACKEND" not in os.environ \
+        else None
     rows = []
     for backend in backends(device):
         try:
@@ -200,9 +213,11 @@ def _measure(op: str, numel: int, device: torch.device, repeat: int, warmup: int
             continue
         rate = gbps(case.num_bytes, t["median_ms"])
         rows.append(dict(section="kernels", op=op, numel=numel, backend=backend,
+                         default="yes" if backend == default else "",
                          num_bytes=case.num_bytes, gbps=rate, frac_copy=rate / copy_gbps,
+                         bound="memory" if rate / copy_gbps >= MEMORY_BOUND else "overhead",
                          peer=PEERS[op], peer_median_ms=peer["median_ms"],
-                         peer_gbps=gbps(case.num_bytes, peer["median_ms"]),
+                         peer_bytes=peer_bytes, peer_gbps=gbps(peer_bytes, peer["median_ms"]),
                          speedup=peer["median_ms"] / t["median_ms"], **t))
     return rows
 
@@ -213,11 +228,24 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-COLUMNS = ["op", "numel", "backend", "median_ms", "min_ms", "max_ms", "gbps", "frac_copy",
-           "peer_median_ms", "peer_gbps", "speedup"]
+# An op at this fraction of the same-size plain copy's GB/s, or above, is memory-bound.
+MEMORY_BOUND = 0.6
+
+COLUMNS = ["op", "numel", "backend", "default", "median_ms", "min_ms", "max_ms", "num_bytes",
+           "gbps", "frac_copy", "bound", "peer_median_ms", "peer_bytes", "peer_gbps", "speedup"]
 
 
 def legend(rows: Sequence[dict]) -> Optional[str]:
-    """What each op's peer is (the table's 'peer_*' and 'speedup' columns)."""
+    """What each op's peer is (the table's 'peer_*' and 'speedup' columns), the copy ceiling
+    per size, and which default rows are memory-bound at what fraction of it."""
     used = [op for op in OPS if any(r.get("op") == op for r in rows)]
-    return "\n".join(f"  {op:>13}: {PEERS[op]}" for op in used) or None
+    lines = [f"  {op:>13}: {PEERS[op]}" for op in used]
+    copies = [r for r in rows if r.get("op") == "copy_"]
+    if copies:
+        lines.append("copy ceiling (dst.copy_(src), fp32, read + write): " + ", ".join(
+            f"{r['numel']}: {r['gbps']:.3g} GB/s" for r in copies))
+    mem = [r for r in rows if r.get("default") == "yes" and r.get("bound") == "memory"]
+    if mem:
+        lines.append("memory-bound (default rows at >= %.1f of that copy): " % MEMORY_BOUND +
+                     ", ".join(f"{r['op']}@{r['numel']} {r['frac_copy']:.2f}" for r in mem))
+    return "\n".join(lines) or None

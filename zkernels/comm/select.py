@@ -1,10 +1,33 @@
-"""The one place where a communication backend is chosen."""
+"""The one place where a communication backend is chosen.
+
+[Note: process group teardown]
+``dist.destroy_process_group()`` frees a gloo group (joining its ``pt_gloo_runloop`` worker
+threads) only if nothing else refers to it. ``torch.distributed.nn.functional`` binds
+``group.WORLD`` as the default argument of its functions when it is imported, and it is imported
+lazily, through ``torch._dynamo``, by the first ``torch.optim.Optimizer`` constructed (every
+optimizer, ``ZeroOptimizer`` and ``torch.optim.AdamW`` alike). Imported after
+``init_process_group``, it keeps the world group, and its worker threads, alive until the
+interpreter tears itself down. A worker still releasing the last collective's work then drops
+tensors whose Python objects finalization has already collected; dropping them needs the GIL,
+a thread taking the GIL during finalization is ended by ``pthread_exit``, and its forced unwind
+through a ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active
+exception" (SIGABRT) after all the work is done, in a few runs out of a hundred on a busy
+machine (a core dump shows ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+``pthread_exit`` inside ``Py_FinalizeEx``). Importing ``torch.distributed.nn`` here, when
+zkernels is imported, before the process group exists, makes those defaults None, so that
+``destroy_process_group()`` really ends the group. Programs must still call it, with no
+model, DDP wrapper or collective handle holding the group (tests/_dist.py checks that no gloo
+worker thread survives it).
+"""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+if dist.is_available():
+    import torch.distributed.nn  # noqa: F401 - see [Note: process group teardown]
 
 from .base import Comm
 from .local import LocalComm

@@ -1,9 +1,10 @@
 """``python -m zkernels demo``: train the small GPT on N ranks at every rung and compare.
 
 Launches ``python -m torch.distributed.run --nproc-per-node N -m zkernels.demo.worker`` (gloo
-on CPU, NCCL on GPU) on a free local port, then prints one table: the loss after K steps (equal
-across rungs in fp32, up to round-off), the median step time, bytes sent per step and bytes
-held per rank, measured beside :func:`zkernels.estimate_memory`'s estimate.
+on CPU, NCCL on GPU) on a free local port, then prints one table: the loss after K steps (see
+[Note: what the demo's losses show] in report.py for how equal), the median step time, bytes
+sent per step and bytes held per rank, measured beside :func:`zkernels.estimate_memory`'s
+estimate. Output paths (--json, --plot) are checked before any rank starts.
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import sys
 import tempfile
 from typing import List, Optional
 
+from .._cli import output_file
 from .report import plot, render_table
 from .worker import WORKER_OPTS
+
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m zkernels demo", description=__doc__.split(
@@ -27,9 +30,11 @@ def parse_args(argv):
         ap.add_argument(flag, type=typ, default=default, help=f"{doc} ({default})")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: cuda when there is a GPU per rank, else cpu")
-    ap.add_argument("--json", default=None, help="write the results table as JSON here")
-    ap.add_argument("--plot", default=None, help="draw measured vs estimated memory and "
-                                                 "traffic to this PNG (needs matplotlib)")
+    ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
+                    help="write the results as JSON to this file (its folder must exist)")
+    ap.add_argument("--plot", type=output_file, default=None, metavar="PNG",
+                    help="draw the loss curves, step times and memory per rank (measured "
+                         "by kind beside the estimate) to this file (needs matplotlib)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="kill the ranks after this")
     return ap.parse_args(argv)
 

@@ -17,6 +17,7 @@ the convention ``ZeroOptimizer.stats()`` uses for its reduce-scatters and all-ga
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -67,31 +68,41 @@ def _tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+class _SentBytes:
+    """The comm hook's state: bytes sent this step. It holds nothing else, so DDP's reducer
+    (which keeps the hook and its state) and this rung form no reference cycle, and the DDP
+    wrapper, which holds the process group, is freed with the rung (see [Note: process group
+    teardown] in zkernels/comm/select.py)."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.total = world_size, 0
+
+
+def _counting_allreduce_hook(state: _SentBytes, bucket):
+    buf = bucket.buffer()
+    n = state.world_size
+    state.total += 2 * buf.numel() * buf.element_size() * (n - 1) // n
+    buf.div_(n)
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
 class _DDPRung:
     """DDP + torch.optim.AdamW with a byte-counting comm hook (see [Note: measuring data
     parallel])."""
 
     def __init__(self, model, args, device):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        self.world_size = dist.get_world_size()
         cap = {} if args.bucket_bytes is None else {"bucket_cap_mb": args.bucket_bytes / 2**20}
         self.model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
                          gradient_as_bucket_view=True, **cap)
         self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      eps=1e-8, weight_decay=args.weight_decay)
-        self.sent_bytes = 0
-        self.model.register_comm_hook(None, self._hook)
-
-    def _hook(self, _state, bucket):
-        buf = bucket.buffer()
-        n = self.world_size
-        self.sent_bytes += 2 * buf.numel() * buf.element_size() * (n - 1) // n
-        buf.div_(n)
-        fut = dist.all_reduce(buf, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+        self.sent = _SentBytes(dist.get_world_size())
+        self.model.register_comm_hook(self.sent, _counting_allreduce_hook)
 
     def step(self, x, y):
-        self.sent_bytes = 0
+        self.sent.total = 0
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
@@ -106,7 +117,7 @@ class _DDPRung:
         mem = dict(params=_tensor_bytes(params), grads=_tensor_bytes(p.grad for p in params),
                    master=0, optimizer_states=_tensor_bytes(states), buffers=0)
         mem["total"] = sum(mem.values())
-        return {"comm_bytes": {"total": self.sent_bytes}, "memory_bytes": mem}
+        return {"comm_bytes": {"total": self.sent.total}, "memory_bytes": mem}
 
 
 class _ZeroRung:
@@ -181,7 +192,7 @@ def run_rungs(rungs, args, tokens, device, rank: int, world_size: int):
         paired = statistics.median(t / b for t, b in zip(times[i][skip:], times[0][skip:]))
         out.append((dict(
             rung=rung, name=_name(rung), losses=losses[i], final_loss=losses[i][-1],
-            step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i],
+            step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i][skip:],
             step_time_ratio_paired=paired, ratio_to=_name(rungs[0]),
             comm_bytes=int(stats[i]["comm_bytes"]["total"]),
             memory_bytes=stats[i]["memory_bytes"],
@@ -236,6 +247,10 @@ def main(argv=None) -> int:
             os.replace(tmp, os.path.join(args.out, "results.json"))
         dist.barrier()
     finally:
+        # Nothing may hold the group when it is destroyed, or its gloo threads live into
+        # interpreter teardown ([Note: process group teardown] in zkernels/comm/select.py):
+        # the rungs' DDP wrappers and optimizers are gone by now, cycles included.
+        gc.collect()
         dist.destroy_process_group()
     return 0
 

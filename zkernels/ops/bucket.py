@@ -26,14 +26,13 @@ def _bucket_pack(resolve: Resolve,
                  tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int], *,
                  scale: float = 1.0) -> torch.Tensor:
     _checks.tensor("bucket", bucket, one_dim=True)
-    _checks.tensor_list("tensors", tensors, device=bucket.device)
-    _checks.offsets("offsets", list(offsets), [t.numel() for t in tensors], bucket.numel(),
-                    "bucket")
+    numels = _checks.tensor_list("tensors", tensors, device=bucket.device)
+    offsets = list(offsets)
+    _checks.offsets("offsets", offsets, numels, bucket.numel(), "bucket")
     scale = _scale(scale)
     if not tensors:
         return bucket
-    return resolve("bucket_pack", bucket.device)(tensors, bucket, list(offsets),
-                                                        scale=scale)
+    return resolve("bucket_pack", bucket.device)(tensors, bucket, offsets, scale=scale)
 
 
 def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: Sequence[int], *,
@@ -47,11 +46,10 @@ def _bucket_unpack(resolve: Resolve,
                    bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: Sequence[int], *,
                    scale: float = 1.0) -> Sequence[torch.Tensor]:
     _checks.tensor("bucket", bucket, one_dim=True)
-    _checks.tensor_list("outs", outs, device=bucket.device)
-    _checks.offsets("offsets", list(offsets), [t.numel() for t in outs], bucket.numel(),
-                    "bucket")
+    numels = _checks.tensor_list("outs", outs, device=bucket.device)
+    offsets = list(offsets)
+    _checks.offsets("offsets", offsets, numels, bucket.numel(), "bucket")
     scale = _scale(scale)
     if not outs:
         return outs
-    return resolve("bucket_unpack", bucket.device)(bucket, outs, list(offsets),
-                                                          scale=scale)
+    return resolve("bucket_unpack", bucket.device)(bucket, outs, offsets, scale=scale)

@@ -22,8 +22,7 @@ def _flatten(resolve: Resolve,
              tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = None,
              dtype: Optional[torch.dtype] = None,
              offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
-    _checks.tensor_list("tensors", tensors)
-    numels = [t.numel() for t in tensors]
+    numels = _checks.tensor_list("tensors", tensors)
     offs = list(offsets) if offsets is not None else packed_offsets(numels)
     device = tensors[0].device if tensors else (out.device if out is not None
                                                  else torch.device("cpu"))
@@ -63,8 +62,7 @@ def _unflatten(resolve: Resolve,
         offs = list(offsets) if offsets is not None else packed_offsets(numels)
         _checks.offsets("offsets", offs, numels, flat.numel(), "flat")
         return [flat[o:o + n].view(tuple(s)) for s, o, n in zip(shapes, offs, numels)]
-    _checks.tensor_list("out", out, device=flat.device)
-    numels = [t.numel() for t in out]
+    numels = _checks.tensor_list("out", out, device=flat.device)
     offs = list(offsets) if offsets is not None else packed_offsets(numels)
     _checks.offsets("offsets", offs, numels, flat.numel(), "flat")
     if not out:

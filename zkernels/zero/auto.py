@@ -13,11 +13,22 @@ ranks on that host, which share it. 10% of a measured budget is kept as headroom
 activations, fragmentation and workspace; a budget the user gives is taken as is. Activations
 are the user's business either way. Every rank must take the same rung (they run the same
 collectives), so the budget is the minimum over ranks.
+
+[Note: auto announcement]
+The choice is a decision the user did not make, so it is shown by default: rank 0 (of the
+optimizer's group) writes one line, "zkernels: stage='auto' chose stage N ...", as an INFO record
+of the "zkernels.zero" logger. Where the application's logging would show that record (INFO
+enabled and a handler on the way up) it goes through logging only; where it would be dropped
+(logging not configured: Python shows WARNING and above), it is printed to stderr instead.
+Quiet on request: give the "zkernels" logger (or "zkernels.zero") a level above INFO,
+``logging.getLogger("zkernels").setLevel(logging.WARNING)``; then nothing is written. Other
+ranks log it at DEBUG.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import sys
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -87,6 +98,30 @@ def _min_over_ranks(value: int, group, device: torch.device) -> int:
     return int(t.item())
 
 
+def _explicit_level(logger: logging.Logger) -> Optional[int]:
+    """The level set on ``logger`` or its zkernels ancestors (not inherited from root)."""
+    while isinstance(logger, logging.Logger) and logger.name != "root":
+        if logger.level != logging.NOTSET:
+            return logger.level
+        logger = logger.parent
+    return None
+
+
+def announce(message: str, group=None) -> None:
+    """Show ``message`` once, on rank 0 of ``group`` (see [Note: auto announcement])."""
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0:
+        log.debug("%s", message)
+        return
+    level = _explicit_level(log)
+    if level is not None and level > logging.INFO:
+        return                                      # quiet on request
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", message)
+    else:
+        print(f"zkernels: {message}", file=sys.stderr, flush=True)
+
+
 def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
                        param_dtype=None, reduce_dtype=None,
                        bucket_bytes: Optional[int] = None,
@@ -104,8 +139,8 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
         num_param_groups: the optimizer's param groups (they size the reduce buffers).
 
     Returns:
-        The stage (implemented: see ``policy.rung_implemented``). Logs at INFO which rung and
-        why.
+        The stage (implemented: see ``policy.rung_implemented``). Rank 0 says which rung
+        and why, in one line (see [Note: auto announcement]).
 
     Raises:
         NoRungFitsError: not even the last rung fits.
@@ -140,5 +175,5 @@ def resolve_auto_stage(params: Iterable[torch.Tensor], *, world_size: int,
             f"not available in this version of zkernels (implemented stages: "
             f"{', '.join(map(str, implemented_stages()))}). Use more ranks, a narrower "
             f"param_dtype, or a larger memory budget")
-    log.info("stage='auto' chose stage %d (budget from %s): %s", stage, source, reason)
+    announce(f"stage='auto' chose stage {stage} (budget from {source}): {reason}", group)
     return stage

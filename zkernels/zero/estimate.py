@@ -16,7 +16,7 @@ G = number of param groups.
     grads             pΨ              pΨ             gΨ/N           gΨ/N
     master            4Ψ (mixed)      4Ψ/N           4Ψ/N           4Ψ/N
     optimizer_states  8Ψ              8Ψ/N           8Ψ/N           8Ψ/N
-    buffers           0               2rB (pooled)   (1 + G)rB      (1 + G)rB
+    buffers           0 (2rB if r≠p)  2rB (pooled)   (1 + G)rB      (1 + G)rB
     transient         0               rΨ/N           0              2p·(largest unit)
 
 Which kind is sharded at which stage, the transient memory and the number of reduce buffers
@@ -34,7 +34,9 @@ place. ``transient`` memory lives only inside a step: stage 1's reduced gradient
 ``step()``, stage 3's gathered units (the layer computing and the one prefetched).
 ``device_bytes`` counts both (the peak that must fit); ``held_device_bytes`` counts what is held
 between steps (what ``ZeroOptimizer.stats()`` measures). Data parallel means DDP with
-``gradient_as_bucket_view=True``: its buckets are the gradients, so no buffer is counted.
+``gradient_as_bucket_view=True``: its buckets are the gradients, so no buffer is counted, unless
+an explicit ``reduce_dtype`` differs from the gradients' (a comm hook casting each bucket: two
+bucket buffers, as at stage 1).
 
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity): with ``"cpu"`` the
 master, optimizer states and the gradient shard live in host RAM (and at stage 3 the parameter
@@ -43,9 +45,11 @@ the gradient shard and one staging bucket in host RAM.
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
-B·(N−1)/N; an all-reduce sends twice that): stage 0 all-reduces the gradients (2·pΨ·(N−1)/N),
-stages 1-2 reduce-scatter the gradients and all-gather the parameters ((r + p)·Ψ·(N−1)/N: the
-paper's 2Ψ), stage 3 gathers the parameters twice, once per direction ((r + 2p)·Ψ·(N−1)/N: 3Ψ).
+B·(N−1)/N; an all-reduce sends twice that): stages 1-2 reduce-scatter the gradients and
+all-gather the parameters ((r + p)·Ψ·(N−1)/N: the paper's 2Ψ), stage 3 gathers the parameters
+twice, once per direction ((r + 2p)·Ψ·(N−1)/N: 3Ψ). Stage 0 all-reduces the gradients in
+``reduce_dtype`` when one is given (2·r·Ψ·(N−1)/N: the like-for-like row ``plan`` shows), else
+in their own dtype, as DDP does by default (2·p·Ψ·(N−1)/N).
 Offload adds host<->device copies (gradient shard down, updated shard up) and, for nvme, the
 read and write of master and states.
 """
@@ -195,7 +199,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         world_size: N, ranks sharing the states (>= 1).
         stage: 0 (plain data parallel: DDP + AdamW), 1, 2 or 3.
         param_dtype: compute dtype of the parameters (None: fp32, no master copy).
-        reduce_dtype: dtype gradients are reduced in (None: fp32).
+        reduce_dtype: dtype gradients are reduced in (None: fp32; at stage 0, the
+            gradients' own dtype, as DDP reduces them).
         offload: None, "cpu" or "nvme" (stages 2-3 only).
         bucket_bytes: reduce bucket size (0: count no buffers, model states only; None, the
             optimizer's default: sized from the model, see [Note: buckets sized from the
@@ -252,7 +257,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if stage == 0:
         kinds = dict(params=p * n_psi, grads=p * n_psi,
                      master=MASTER_BYTES * n_psi if mixed else 0,
-                     optimizer_states=ADAM_STATE_BYTES * n_psi, buffers=0, transient=0)
+                     optimizer_states=ADAM_STATE_BYTES * n_psi, transient=0,
+                     # a reduction in another dtype casts each bucket into a buffer first
+                     buffers=pool if reduce_dtype is not None and rdt != pdt else 0)
     else:
         transient = {"none": 0, "reduced_grad_shard": r * shard,
                      "gathered_units": 2 * p * max_unit_numel}[policy.transient]
@@ -275,8 +282,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         host["staging"] = r * bucket_numel      # one bucket between disk and the update
 
     frac = (big_n - 1) / big_n
-    if stage == 0:      # DDP all-reduces the gradients in their own dtype
-        comm = 2 * p * n_psi * frac
+    if stage == 0:      # DDP all-reduces in reduce_dtype if given, else in the grads' dtype
+        comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
     else:               # one reduce-scatter, one or two all-gathers
         comm = (r + policy.gathers_per_step * p) * n_psi * frac
     h2d = 0 if offload is None else g * shard + p * shard

@@ -1,0 +1,301 @@
+"""Stage 2's per-gradient hook path on CPU against DDP's own bucket copy, from a profile of
+the same training steps of the demo GPT on 2 gloo ranks (one thread each).
+
+    python benchmarks/hook_path.py                 # small config (0.83 M params), 5 steps
+    python benchmarks/hook_path.py --steps 3 --config tiny
+
+Two measurements:
+
+1. The primitives, in one process, same instrument (``timeit`` median), same data, summed
+   over the model's parameters = per step. DDP copies every gradient twice a step: into the
+   bucket before the all-reduce (its reducer runs ``torch.mul(g, 1/N, out=bucket_view)`` per
+   gradient) and back afterwards (``g.copy_(bucket_view)``). Stage 2 copies it once: the hook's
+   ``zkernels.ops.bucket_pack([g], bucket, [offset], scale=1/N)``, then one copy per bucket of
+   the reduced 1/N shard into the fp32 gradient shard (``shard.copy_(reduced)``).
+2. A real step on 2 ranks:
+
+- DDP: its reducer's per-gradient copy into the bucket (``torch::distributed::reducer::mul_out``,
+  the grad times 1/N into the bucket view) and, after the all-reduce, the copy back
+  (``copy_bucket_to_grad``).
+  (``torch.profiler``: its C++ ranges cost ~1 us each).
+- zkernels stage 2, in unprofiled steps (a Python ``record_function`` costs ~8 us per range
+  here, more than the pack itself, so the profiler would mostly measure itself): wall time
+  (``perf_counter``) of ``ops.bucket_pack`` inside the post-accumulate-grad hook, of ``_pack``
+  (buffer acquire + pack + ``grad = None``), of the whole hook (bookkeeping, pack, starting a
+  ready bucket's reduce-scatter), and of ``_accumulate`` (stage 2 has no copy back: the reduced
+  shard is added into the fp32 gradient shard).
+
+Prints a table (milliseconds per step, median over steps, rank 0) and writes JSON
+(``--json``, default ``bench_results/hook_path.json``). The issue's bar: the stage-2 pack
+costs no more per step than DDP's bucket copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "small": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64), "batch_size": 8},
+    "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=32), "batch_size": 4},
+}
+DDP_EVENTS = {"ddp_pack": "torch::distributed::reducer::mul_out",
+              "ddp_copy_back": "torch.distributed.ddp.reducer::copy_bucket_to_grad"}
+ZK_EVENTS = {"zk_pack": "zkernels::bucket_pack", "zk_pack_path": "zkernels::stage2_pack",
+             "zk_acquire": "zkernels::stage2_acquire", "zk_launch": "zkernels::stage2_launch",
+             "zk_hook": "zkernels::stage2_hook",
+             "zk_accumulate": "zkernels::stage2_accumulate"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_TIMES: dict = {}
+
+
+def _instrument_stage2() -> None:
+    """Wrap the stage-2 reducer's methods in wall-clock accumulators (this process only)."""
+    import time
+
+    import zkernels.ops
+    from zkernels.zero import grad_reducers as gr
+
+    def ranged(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total, calls = _TIMES.get(name, (0.0, 0))
+                _TIMES[name] = (total + time.perf_counter() - t0, calls + 1)
+        return wrapper
+    cls = gr.ShardedGradReducer
+    zkernels.ops.bucket_pack = ranged(ZK_EVENTS["zk_pack"], zkernels.ops.bucket_pack)
+    gr.ReducePool.acquire = ranged(ZK_EVENTS["zk_acquire"], gr.ReducePool.acquire)
+    gr.ReducePool.launch = ranged(ZK_EVENTS["zk_launch"], gr.ReducePool.launch)
+    cls._pack = ranged(ZK_EVENTS["zk_pack_path"], cls._pack)
+    cls._hook = ranged(ZK_EVENTS["zk_hook"], cls._hook)
+    cls._accumulate = ranged(ZK_EVENTS["zk_accumulate"], cls._accumulate)
+
+
+def _per_step_ms(prof, names: dict) -> dict:
+    """Total CPU time (ms) of each named range in one profiled step, and its call count."""
+    out = {k: 0.0 for k in names}
+    calls = {k: 0 for k in names}
+    for e in prof.events():
+        for key, name in names.items():
+            if e.name == name:
+                out[key] += e.cpu_time_total / 1e3
+                calls[key] += 1
+    return {**out, **{f"{k}_calls": v for k, v in calls.items()}}
+
+
+def _steps(method: str, model, cfg, batch: int, steps: int, rank: int) -> list:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen)
+    if method == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+        def step():
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        names = DDP_EVENTS
+    else:
+        import zkernels
+        opt = zkernels.ZeroOptimizer(model, stage=2, lr=1e-3)
+
+        def step():
+            opt.backward(model(x, y))
+            opt.step()
+            opt.zero_grad()
+        names = ZK_EVENTS
+    for _ in range(2):  # warm-up: buffers, pools, first-touch
+        step()
+    rows = []
+    for _ in range(steps):
+        if method == "ddp":
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            rows.append(_per_step_ms(prof, names))
+        else:
+            _TIMES.clear()
+            step()
+            row = {}
+            for key, name in names.items():
+                total, calls = _TIMES.get(name, (0.0, 0))
+                row[key], row[f"{key}_calls"] = 1e3 * total, calls
+            rows.append(row)
+    return rows
+
+
+def primitive(cfg, world_size: int = 2, repeat: int = 7, number: int = 200) -> dict:
+    """Per step (ms): stage 2's pack of every gradient vs DDP's reducer op for it."""
+    import timeit
+
+    import torch
+    import zkernels
+    from zkernels.demo.model import GPT
+    torch.manual_seed(0)
+    params = [p for p in GPT(cfg).parameters()]
+    grads = [torch.randn_like(p) for p in params]
+    layout = zkernels.FlatLayout.build([p.numel() for p in params], world_size=world_size,
+                                       align=8)
+    bucket = torch.zeros(layout.padded_numel)
+    views = [bucket[o:o + g.numel()].view_as(g) for o, g in zip(layout.offsets, grads)]
+    scale = 1.0 / world_size
+
+    def zk():
+        for i, g in enumerate(grads):
+            zkernels.ops.bucket_pack([g], bucket, [layout.offsets[i]], scale=scale)
+
+    def ddp():
+        for g, v in zip(grads, views):
+            torch.mul(g, scale, out=v)
+
+    def ddp_back():
+        for g, v in zip(grads, views):
+            g.copy_(v)
+    shard = torch.zeros(layout.shard_numel)
+    reduced = bucket[:layout.shard_numel]
+
+    def zk_accumulate():
+        shard.copy_(reduced)
+    out = {}
+    for _ in range(2):  # interleaved, twice: the better of two median estimates each
+        for name, fn in (("ddp_mul_out", ddp), ("zk_bucket_pack", zk),
+                         ("ddp_copy_back", ddp_back), ("zk_accumulate", zk_accumulate)):
+            fn()
+            t = statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number
+            out[name] = min(out.get(name, float("inf")), 1e3 * t)
+    out["num_grads"] = len(grads)
+    out["backend"] = zkernels.ops.choose("bucket_pack", torch.device("cpu"))
+    return out
+
+
+def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                init_method=f"tcp://127.0.0.1:{port}")
+        _instrument_stage2()
+        from zkernels.demo.model import GPT, GPTConfig
+        cfg = GPTConfig(**CONFIGS[opts["config"]]["model"])
+        batch = CONFIGS[opts["config"]]["batch_size"]
+        result = {}
+        for method in ("ddp", "zk_stage2"):
+            torch.manual_seed(0)
+            result[method] = _steps(method, GPT(cfg), cfg, batch, opts["steps"], rank)
+            dist.barrier()
+        result["num_param_tensors"] = len(list(GPT(cfg).parameters()))
+        result["num_params"] = sum(p.numel() for p in GPT(cfg).parameters())
+        dist.destroy_process_group()
+        queue.put((rank, result))
+    except BaseException as exc:  # reported by the parent
+        queue.put((rank, {"error": repr(exc)}))
+        raise
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default=str(REPO_ROOT / "bench_results" / "hook_path.json"))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    opts = dict(config=args.config, steps=args.steps)
+    procs = [ctx.Process(target=worker, args=(r, 2, port, opts, queue), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if any("error" in r for r in results.values()):
+        print({k: r["error"] for k, r in results.items() if "error" in r})
+        return 1
+    r0 = results[0]
+
+    def med(rows, key):
+        return statistics.median(row[key] for row in rows)
+    ddp, zk = r0["ddp"], r0["zk_stage2"]
+    table = [("DDP reducer: grad * 1/N into the bucket (mul_out)", med(ddp, "ddp_pack"),
+              med(ddp, "ddp_pack_calls")),
+             ("DDP reducer: bucket back into the grads", med(ddp, "ddp_copy_back"),
+              med(ddp, "ddp_copy_back_calls")),
+             ("zkernels stage 2: pack (ops.bucket_pack: 1/N, cast)*", med(zk, "zk_pack"),
+              med(zk, "zk_pack_calls")),
+             ("zkernels stage 2: _pack (buffer acquire + pack + grad=None)",
+              med(zk, "zk_pack_path"), med(zk, "zk_pack_path_calls")),
+             ("zkernels stage 2: reduce buffer acquire (waits for a free one)",
+              med(zk, "zk_acquire"), med(zk, "zk_acquire_calls")),
+             ("zkernels stage 2: reduce-scatter launch", med(zk, "zk_launch"),
+              med(zk, "zk_launch_calls")),
+             ("zkernels stage 2: whole hook (pack + bookkeeping + launch)", med(zk, "zk_hook"),
+              med(zk, "zk_hook_calls")),
+             ("zkernels stage 2: reduced shard into the fp32 grad shard", med(zk, "zk_accumulate"),
+              med(zk, "zk_accumulate_calls"))]
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(REPO_ROOT))
+    from zkernels.demo.model import GPTConfig
+    prim = primitive(GPTConfig(**CONFIGS[args.config]["model"]))
+    print(f"1. per-gradient primitive, one process, 1 thread, {prim['num_grads']} gradients "
+          f"(backend {prim['backend']}), ms per step (timeit median)")
+    ddp_total = prim["ddp_mul_out"] + prim["ddp_copy_back"]
+    zk_total = prim["zk_bucket_pack"] + prim["zk_accumulate"]
+    print(f"   DDP in:      torch.mul(g, 1/N, out=bucket_view) per grad: {prim['ddp_mul_out']:.3f}")
+    print(f"   DDP back:    g.copy_(bucket_view) per grad:              "
+          f"{prim['ddp_copy_back']:.3f}")
+    print(f"   stage 2 in:  ops.bucket_pack([g], bucket, [o], 1/N):      "
+          f"{prim['zk_bucket_pack']:.3f}  ({prim['zk_bucket_pack'] / prim['ddp_mul_out']:.2f}x "
+          f"DDP in)")
+    print(f"   stage 2:     shard.copy_(reduced) per bucket:            "
+          f"{prim['zk_accumulate']:.3f}")
+    print(f"   per step: DDP {ddp_total:.3f}, stage 2 {zk_total:.3f} "
+          f"({zk_total / ddp_total:.2f}x)")
+    print(f"2. config={args.config} ({r0['num_params']:,} params in {r0['num_param_tensors']} "
+          f"tensors), 2 gloo ranks x 1 thread, {args.steps} steps, rank 0, "
+          "median ms per step (DDP: profiler; * stage 2: wall clock, unprofiled steps)")
+    width = max(len(t[0]) for t in table)
+    print(f"{'what':<{width}}  ms/step  calls/step")
+    for name, ms, calls in table:
+        print(f"{name:<{width}}  {ms:7.3f}  {calls:10.0f}")
+    ratio = med(zk, "zk_pack") / med(ddp, "ddp_pack")
+    both = (med(zk, "zk_pack") + med(zk, "zk_accumulate")) / (
+        med(ddp, "ddp_pack") + med(ddp, "ddp_copy_back"))
+    print(f"in the step: stage-2 pack / DDP copy in {ratio:.2f}x; stage-2 pack + accumulate / "
+          f"DDP copy in + back {both:.2f}x")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(dict(config=args.config, steps=args.steps,
+                                               primitive=prim, ranks=results,
+                                               pack_ratio_to_ddp_in=ratio,
+                                               copies_ratio_to_ddp=both), indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
