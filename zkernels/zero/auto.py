@@ -140,7 +140,8 @@ def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
 
 
 def resolve_auto_rung(params: Iterable[torch.Tensor], *, world_size: int,
-                      param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                      param_dtype=None, reduce_dtype=None,
+                      bucket_bytes: Optional[int] = None,
                       memory_budget_bytes: Optional[int] = None, group=None,
                       num_param_groups: int = 1, model=None, offload=None,
                       offload_dir=None) -> Tuple[int, Optional[str]]:
