@@ -160,7 +160,7 @@ def _yn(flag) -> str:
 def format_table(rows: List[dict]) -> str:
     """Fixed-width table: times in ms, bytes in MiB per rank per step, memory in MiB."""
     head = (f"{'method':<17} {'step ms':>8} {'[min-max]':>15} {'xDDP':>6} {'<=1.05':>6} "
-            f"{'sent MiB':>8} {'AR':>6} {'RS':>6} {'AG':>6} {'BC':>6} {'xDDP':>7} {'=DDP':>5} "
+            f"{'sent MiB':>8} {'AR':>6} {'RS':>6} {'AG':>6} {'BC':>6} {'A2A':>6} {'xDDP':>7} {'=DDP':>5} "
             f"{'mem MiB':>7} {'param':>6} {'grad':>6} {'mast':>6} {'optim':>6} {'buf':>6} "
             f"{'loss':>7}")
     lines = [head, "-" * len(head)]
@@ -180,7 +180,7 @@ def format_table(rows: List[dict]) -> str:
             f"{r.get('step_time_ratio_to_ddp', float('nan')):6.3f} "
             f"{_yn(r.get('within_5pct_of_ddp')):>6} {sent:>8} "
             f"{_mb(c['all_reduce']):>6} {_mb(c['reduce_scatter']):>6} "
-            f"{_mb(c['all_gather']):>6} {_mb(c['broadcast']):>6} "
+            f"{_mb(c['all_gather']):>6} {_mb(c['broadcast']):>6} {_mb(c['other']):>6} "
             f"{traffic:>7} {_yn(r.get('traffic_equal_to_ddp')):>5} "
             f"{_mb(m['total']):>7} {_mb(m['params']):>6} {_mb(m['grads']):>6} "
             f"{_mb(m['master']):>6} {_mb(m['optimizer_states']):>6} {_mb(m['buffers']):>6} "

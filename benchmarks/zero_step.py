@@ -284,7 +284,9 @@ def main(argv=None) -> int:
     meta["load_average_after"] = os.getloadavg()
     rows = runs[-1]
     repeats = repeat_summary(runs)
-    print(f"\nAR/RS/AG/BC: all-reduce / reduce-scatter / all-gather / broadcast MiB sent per "
+    print(f"\nAR/RS/AG/BC/A2A: all-reduce / reduce-scatter / all-gather / broadcast / other "
+          f"(all-to-all: zkernels' reduce-scatter on gloo, see [Note: reduce-scatter over gloo] "
+          f"in zkernels/comm/torch_comm.py) MiB sent per "
           f"rank per step (ring convention; mean over ranks); memory: the fullest rank. "
           f"<=1.05: paired step time at most 1.05x DDP's; =DDP: traffic equal to DDP's (within "
           f"0.1%). "
