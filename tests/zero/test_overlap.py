@@ -159,7 +159,7 @@ def _auto_memory(rank, ws, param_dtype):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_auto_buckets(param_dtype, world_size):
     """bucket_bytes=None on the demo's model: where buckets cost reduce buffers, a small first
-    bucket, then buckets of about 1/6 of the model; stage 1 reducing in place takes DDP's
+    bucket, then buckets of about 1/4 of the model; stage 1 reducing in place takes DDP's
     sizes (two buckets here); stage 2 holds no more than stage 1, and its formula within 5%
     plus two buckets (measured)."""
     num = sum(p.numel() for p in GPT(DEMO).parameters())

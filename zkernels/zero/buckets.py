@@ -21,18 +21,22 @@ ALIGN_BYTES = 16  # every tensor and shard starts 16-byte aligned for vector loa
 #   (``policy.num_reduce_buffers``). The model's reduce bytes (Ψ · reduce dtype size) are cut
 #   into AUTO_NUM_BUCKETS buckets, within [AUTO_MIN_BUCKET_BYTES, AUTO_MAX_BUCKET_BYTES]
 #   (larger models get more buckets, not larger ones), with a first bucket a quarter of that
-#   so the first reduce-scatter starts early in backward (DDP's small first bucket). Six
-#   buckets keep the two buffers at about Ψ/3 of reduce dtype: stage 2 then holds less than
-#   stage 1 (whose full gradients are Ψ of the param dtype) and stays within its formula plus
-#   two buckets, while backward overlaps the reductions; more buckets would save little memory
-#   and pay one more collective latency each (twice: reduce-scatter and all-gather).
+#   so the first reduce-scatter starts early in backward (DDP's small first bucket). Four
+#   buckets' worth (five buckets with the first, as the greedy cut falls at tensor boundaries)
+#   keep the two buffers at most Ψ/2 of reduce dtype: stage 2 then holds at most stage 1
+#   (whose full gradients are Ψ of the param dtype; at two ranks in fp32 the buffers may take
+#   all that stage 2 saves there, Ψ/2 of fp32, and no more) and stays within its formula plus
+#   two buckets, while backward overlaps the reductions. Each further bucket pays one more
+#   collective latency twice (reduce-scatter and all-gather): measured on the demo's GPT at 2
+#   gloo ranks, seven buckets (six's worth) took 2.5-3% more step time than five, paired, in
+#   each of three runs; more memory-frugal settings trade step time for memory no bar asks for.
 # - Where stage 1 reduce-scatters its flat gradient in place, a bucket costs no memory, only
 #   a collective latency per reduce-scatter and per all-gather, so it takes DDP's sizes: a
 #   1 MiB first bucket, then 25 MiB (``torch.nn.parallel.DistributedDataParallel``'s
 #   defaults), the fewest collectives that still start the first one early.
 # ``estimate_memory`` applies the same rule (:func:`auto_bucket_bytes`), so estimates and
 # ``stats()`` agree.
-AUTO_NUM_BUCKETS = 6
+AUTO_NUM_BUCKETS = 4
 AUTO_MIN_BUCKET_BYTES = 2 ** 16
 AUTO_MAX_BUCKET_BYTES = 25 * 2 ** 20
 AUTO_FIRST_BUCKET_FRACTION = 4

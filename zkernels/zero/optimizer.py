@@ -105,7 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
             (stages 1-2; stage 3 reduces one unit at a time). None (default): sized from the
             model: where buckets cost reduce buffers (stage 2), a small first bucket then
-            buckets of about 1/6 of the model; where they do not (stage 1 reducing in place),
+            buckets of about 1/4 of the model; where they do not (stage 1 reducing in place),
             DDP's 1 MiB then 25 MiB (see [Note: buckets sized from the model] in
             ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
