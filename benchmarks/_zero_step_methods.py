@@ -73,13 +73,17 @@ def count_memory(model: nn.Module, opt: torch.optim.Optimizer,
 
 
 class _TorchMethod:
-    """Shared step for the torch peers: plain backward, optimizer step, grads set to None."""
+    """Shared step for the torch peers: plain backward, optimizer step, grads set to None.
+    ``autocast_dtype`` (None: fp32) runs the forward under CPU autocast (the bf16 rows)."""
 
     model: nn.Module
     opt: torch.optim.Optimizer
+    autocast_dtype: Optional[torch.dtype] = None
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
+        with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            loss = self.model(x, y)
         loss.backward()
         return loss.detach()
 
@@ -161,7 +165,7 @@ class FSDP2Method(_TorchMethod):
 class ZkMethod:
     """``zkernels.ZeroOptimizer(model, stage=s)``: its own backward, step and stats."""
 
-    def __init__(self, model: nn.Module, lr: float, stage: int):
+    def __init__(self, model: nn.Module, lr: float, stage: int, **zk_kwargs):
         import zkernels
 
         zero_cls = getattr(zkernels, "ZeroOptimizer", None)
@@ -169,7 +173,7 @@ class ZkMethod:
             raise MethodUnavailable("ZeroOptimizer not available (zkernels has no "
                                     "ZeroOptimizer in this checkout)")
         self.model = model
-        self.opt = zero_cls(model, stage=stage, lr=lr)
+        self.opt = zero_cls(model, stage=stage, lr=lr, **zk_kwargs)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = self.model(x, y)
@@ -318,10 +322,22 @@ class FSDP2CPUOffloadMethod(FSDP2Method):
 
 def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
           on_bucket: Callable[[int], None], offload_dir: Optional[str] = None,
-          batch_size: int = 8):
-    """A fresh model (identical on every rank) wrapped by method ``name``.
+          batch_size: int = 8, param_dtype: Optional[torch.dtype] = None):
+    """A fresh model (identical on every rank) wrapped by method ``name``. ``param_dtype``
+    (None: fp32): the stage 1-2 zkernels rows get ``param_dtype=``, the torch rows run under
+    autocast (the stage-3 and offload rows stay fp32).
 
     Raises MethodUnavailable when the method cannot run here."""
+    method = _build(name, cfg, seed, lr, world_size, on_bucket, offload_dir, batch_size,
+                    param_dtype)
+    if isinstance(method, _TorchMethod):
+        method.autocast_dtype = param_dtype
+    return method
+
+
+def _build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
+           on_bucket: Callable[[int], None], offload_dir: Optional[str], batch_size: int,
+           param_dtype: Optional[torch.dtype]):
     if name == "deepspeed":
         if importlib.util.find_spec("deepspeed") is None:
             raise MethodUnavailable("deepspeed is not importable here (not installed)")
@@ -337,7 +353,7 @@ def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
     if name == "fsdp2":
         return FSDP2Method(model, lr, world_size)
     if name in ("zk_stage1", "zk_stage2"):
-        return ZkMethod(model, lr, stage=int(name[-1]))
+        return ZkMethod(model, lr, stage=int(name[-1]), param_dtype=param_dtype)
     if name in STAGE3_METHODS:
         return build_stage3(name, model, lr, batch_size)
     if name in ("zk_stage2_cpu", "zk_stage2_nvme"):

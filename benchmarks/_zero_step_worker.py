@@ -20,6 +20,12 @@ import torch.distributed as dist
 from _comm_meter import CommMeter
 
 
+def _param_dtype(opts: dict):
+    """None for fp32 rows; torch.bfloat16 for the bf16 rows (``--dtype bfloat16``)."""
+    name = opts.get("dtype", "float32")
+    return None if name == "float32" else getattr(torch, name)
+
+
 def _batch(step: int, rank: int, seed: int, batch_size: int, block_size: int,
            vocab_size: int) -> tuple:
     """Random tokens, the same for every method: one micro-batch per (rank, step)."""
@@ -43,7 +49,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
         try:
             methods[name] = build(name, cfg, opts["seed"], opts["lr"], world_size,
                                   bucket_log.append, offload_dir=opts.get("offload_dir"),
-                                  batch_size=opts["batch_size"])
+                                  batch_size=opts["batch_size"],
+                                  param_dtype=_param_dtype(opts))
         except MethodUnavailable as exc:
             error = str(exc)
         except Exception:  # noqa: BLE001 - reported in the table, the run goes on

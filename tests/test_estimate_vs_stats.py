@@ -36,11 +36,11 @@ def _groups(model):
              "weight_decay": 0.0}]
 
 
-def _train(stage, param_dtype, reduce_dtype, grouped=False, steps=1):
+def _train(stage, param_dtype, reduce_dtype, grouped=False, steps=1, bucket_bytes=BUCKET_BYTES):
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = ZeroOptimizer(model, stage=stage, lr=1e-3, param_dtype=param_dtype,
-                        reduce_dtype=reduce_dtype, bucket_bytes=BUCKET_BYTES,
+                        reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
                         param_groups=_groups(model) if grouped else None)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -55,9 +55,12 @@ def _measure_all(rank, world_size):
     for stage in (1, 2):
         for pdt, rdt in RECIPES:
             model, stats = _train(stage, pdt, rdt)
-            out.append((stage, pdt, rdt, 1, stats))
+            out.append((stage, pdt, rdt, 1, BUCKET_BYTES, stats))
         _, stats = _train(stage, None, None, grouped=True)
-        out.append((stage, None, None, 2, stats))
+        out.append((stage, None, None, 2, BUCKET_BYTES, stats))
+        for pdt, rdt in RECIPES[:2]:    # buckets sized from the model (the default)
+            _, stats = _train(stage, pdt, rdt, bucket_bytes=None)
+            out.append((stage, pdt, rdt, 1, None, stats))
     return out
 
 
@@ -65,14 +68,15 @@ def _measure_all(rank, world_size):
 def test_estimate_matches_stats(world_size):
     results = run_ranks(_measure_all, world_size)[0]
     model = GPT(CFG)    # fp32 module: the estimate counts its parameters and largest tensor
-    for stage, pdt, rdt, num_groups, stats in results:
+    for stage, pdt, rdt, num_groups, bucket_bytes, stats in results:
         est = estimate_memory(model, world_size, stage, param_dtype=pdt, reduce_dtype=rdt,
-                              bucket_bytes=BUCKET_BYTES, num_param_groups=num_groups)
+                              bucket_bytes=bucket_bytes, num_param_groups=num_groups)
         mem = stats["memory_bytes"]
         expected = dict(params=est.params_bytes, grads=est.grads_bytes,
                         master=est.master_bytes, optimizer_states=est.optimizer_states_bytes,
                         buffers=est.buffers_bytes)
-        where = f"stage {stage}, {pdt}/{rdt}, {num_groups} groups, N={world_size}: measured " \
+        where = f"stage {stage}, {pdt}/{rdt}, {num_groups} groups, buckets {bucket_bytes}, " \
+                f"N={world_size}: measured " \
                 f"{mem}, estimated {expected}"
         largest = max(p.numel() for p in model.parameters())
         short = 2 * (rdt or torch.float32).itemsize * largest

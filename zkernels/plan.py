@@ -62,7 +62,7 @@ def _fmt(value: float, unit: int) -> str:
 
 
 def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shard_dtype,
-                 bucket_bytes: int,
+                 bucket_bytes: Optional[int],
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`."""
@@ -121,6 +121,14 @@ def _headroom(text: str) -> float:
     return value
 
 
+_BUCKET_SIZE = byte_size("--bucket-bytes", "B")
+
+
+def _bucket_bytes(text: str):
+    """``--bucket-bytes``: "auto" (None: sized from the model) or a size."""
+    return None if text == "auto" else _BUCKET_SIZE(text)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m zkernels plan", description=(
         "Bytes per rank (by kind and location) and bytes sent per step for each rung of the "
@@ -142,8 +150,9 @@ def parse_args(argv):
                     "kept at stages 2-3 (fp32, as ZeroOptimizer keeps it)")
     ap.add_argument("--paper", action="store_true", help="the ZeRO paper's recipe: fp16 "
                     "params, gradients reduced and sharded in fp16 (overrides the dtypes)")
-    ap.add_argument("--bucket-bytes", type=byte_size("--bucket-bytes", "B"), default="25MiB",
-                    help="gradient bucket size (25MiB; a bare number is bytes)")
+    ap.add_argument("--bucket-bytes", type=_bucket_bytes, default="auto",
+                    help="gradient bucket size (a bare number is bytes), or auto (default: "
+                    "sized from the model, as ZeroOptimizer does)")
     ap.add_argument("--device-memory", type=byte_size("--device-memory"), default=None,
                     metavar="SIZE", help="memory per device with its unit, e.g. 80GB, 24GiB: "
                     "marks the lowest rung that fits")

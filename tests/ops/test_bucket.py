@@ -129,3 +129,24 @@ def test_bucket_bad_arguments(ops):
         ops.bucket_unpack(torch.zeros(8), [torch.empty(4), torch.empty(3).half()], [0, 4])
     with pytest.raises(TypeError, match="bucket"):
         ops.bucket_unpack(torch.zeros(8, dtype=torch.int32), [torch.empty(4)], [0])
+
+
+@pytest.mark.parametrize("src", FLOATS)
+@pytest.mark.parametrize("dst", FLOATS)
+@pytest.mark.parametrize("numel", [1, 4095, 4097, 12_289])
+def test_pack_one_tensor_without_table(impl, device, backend, monkeypatch, src, dst, numel):
+    """One tensor (stage 2's per-gradient hook) packs with no block table, bit for bit as the
+    reference, at an offset that is not 16-byte aligned too."""
+    if backend != "reference":
+        import zkernels.kernels._copy as copy
+
+        def no_table(*args, **kwargs):
+            raise AssertionError("a one-tensor pack must not build a block table")
+        monkeypatch.setattr(copy, "build_table", no_table)
+    for offset, scale in ((8, 0.5), (3, 1.0)):
+        t = awkward_values(numel, device, seed=numel).to(src)
+        bucket = torch.full((offset + numel + 5,), 11.0, dtype=dst, device=device)
+        expected = bucket.clone()
+        reference.bucket_pack([t], expected, [offset], scale=scale)
+        assert impl("bucket_pack")([t], bucket, [offset], scale=scale) is bucket
+        assert_bits_equal(bucket, expected, nan_payload(src, dst, scale))

@@ -48,6 +48,15 @@ def _collectives(rank, ws, timeout):
         gathered[rank * n:(rank + 1) * n] = rank + 1
         mc.all_gather(gathered, gathered[rank * n:(rank + 1) * n]).wait()
         assert torch.equal(gathered, torch.arange(1, ws + 1, dtype=dt).repeat_interleave(n))
+    # Non-integer fp32: on gloo the sum is taken in rank order ([Note: reduce-scatter over
+    # gloo]), bit for bit; every rank rebuilds every rank's input from its seed.
+    inputs = [torch.randn(ws * n, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
+    expected = inputs[0][rank * n:(rank + 1) * n].clone()
+    for r in range(1, ws):
+        expected += inputs[r][rank * n:(rank + 1) * n]
+    out32 = torch.empty(n)
+    comm.reduce_scatter(out32, inputs[rank].clone()).wait()
+    assert torch.equal(out32, expected), (out32, expected)
     t = torch.tensor([float(rank)])
     mc.all_reduce(t, op="max").wait()
     assert t.item() == ws - 1

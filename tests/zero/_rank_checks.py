@@ -101,14 +101,15 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
                 sent = opt.meter.current_step()
                 assert (sent["reduce_scatter"] if stage == 3 else sent["total"]) == 0, \
                     "no_sync must not communicate (stage 3: must not reduce)"
-        if fault == "skip_micro":
-            pass  # the last rank ran no synced backward: nothing overlapped on it
-        elif stage >= 2:
-            assert all(p.grad is None for p in model.parameters()), "stages 2-3 free full grads"
+        if fault != "skip_micro":  # else the last rank ran no synced backward: nothing overlapped
+            if stage >= 2:
+                assert all(p.grad is None for p in model.parameters()), \
+                    "stages 2-3 free full grads"
+            else:
+                assert all(p.grad is not None for p in _trainable(model)), "stage 1 keeps them"
             sent = opt.meter.current_step()["reduce_scatter"]
-            assert ws == 1 or 0 < mid_backward[-1] < sent, "stages 2-3 reduce during backward"
-        else:
-            assert mid_backward[-1] == 0, "stage 1 communicates only in step()"
+            assert ws == 1 or 0 < mid_backward[-1] < sent, \
+                f"stage {stage} reduces during backward"
         opt.step()
         opt.zero_grad()
         rlosses = reference_grads(ref, batch, ws, micro)

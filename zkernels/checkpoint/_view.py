@@ -113,6 +113,11 @@ class OptimizerView:
                             "the model was built with (opt.module)")
         self.opt = opt
         self.module = module
+        # overlap_param_gather: the last step's all-gathers write the full buffers (of which
+        # the fp32 masters are views) until waited for; save and load read and write them.
+        wait = getattr(opt, "wait_params", None)
+        if wait is not None:
+            wait()
         self._states = {st.unit_index: st for st in opt.shard_update.states}
         # (master, exp_avg, exp_avg_sq) per unit, through the update strategy: the live
         # tensors on the device or in host RAM; for NVMe offload, copies read from its files

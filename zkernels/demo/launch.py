@@ -48,7 +48,7 @@ def check_args(args) -> Optional[str]:
     for flag in ("nproc", "steps", "n_layer", "n_head", "n_embd", "block_size", "batch_size",
                  "bucket_bytes"):
         value = getattr(args, flag)
-        if value < 1:
+        if value is not None and value < 1:   # None: --bucket-bytes auto
             return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
     if args.n_embd % args.n_head:
         return (f"--n-embd must be a multiple of --n-head, got --n-embd {args.n_embd} and "
@@ -86,7 +86,9 @@ def run_workers(args, out_dir: str) -> dict:
            "--out", out_dir, "--device", device,
            "--timeout-s", str(min(args.timeout_s, 300.0))]
     for flag, _typ, _default, _doc in WORKER_OPTS:
-        cmd += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:   # None: the worker's own default (e.g. buckets sized "auto")
+            cmd += [flag, str(value)]
     if args.resume:
         cmd.append("--resume")
     env = dict(os.environ)

@@ -15,6 +15,10 @@ from typing import Tuple
 KINDS = ("params", "grads", "master", "optimizer_states", "buffers")
 
 
+def _short(rung: dict) -> str:
+    return "DP" if rung["name"] == "data parallel" else rung["name"].replace("stage ", "S")
+
+
 def _kib(num_bytes: float) -> str:
     return f"{num_bytes / 1024:,.1f}"
 
@@ -35,14 +39,16 @@ def render_table(results: dict) -> Tuple[str, dict]:
     all steps, max parameter difference from the first rung, measured/estimated ratios (see
     [Note: what the demo's losses show])."""
     meta, rungs = results["meta"], results["rungs"]
-    cols = ["rung", f"loss@{meta['args']['steps']}", "step ms", "sent/step KiB",
-            "est KiB", "mem/rank KiB", "est KiB", "meas/est",
+    cols = ["rung", f"loss@{meta['args']['steps']}", "step ms", "x" + _short(rungs[0]),
+            "sent/step KiB", "est KiB", "mem/rank KiB", "est KiB", "meas/est",
             "params", "grads", "master", "optim", "buffers"]
     rows = []
     for r in rungs:
         mem, est = r["memory_bytes"], r["estimate"]
         ratio = mem["total"] / est["total"] if est["total"] else float("nan")
+        paired = r.get("step_time_ratio_paired")
         rows.append([r["name"], f"{r['final_loss']:.6f}", f"{1e3 * r['step_time_s']:.1f}",
+                     "-" if paired is None else f"{paired:.3f}",
                      _kib(r["comm_bytes"]), _kib(est["comm_bytes"]), _kib(mem["total"]),
                      _kib(est["total"]), f"{ratio:.3f}"] + [_kib(mem.get(k, 0)) for k in KINDS])
     widths = [max(len(x[i]) for x in rows + [cols]) for i in range(len(cols))]
@@ -55,6 +61,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
                          zip(r["losses"], rungs[0]["losses"])), default=0.0)
     max_param_diff = max((r["max_param_diff"] for r in rungs), default=0.0)
     summary = dict(max_loss_diff=max_loss_diff, max_param_diff=max_param_diff,
+                   step_time_ratio_paired={r["name"]: r.get("step_time_ratio_paired")
+                                           for r in rungs},
                    memory_ratio={r["name"]: r["memory_bytes"]["total"] / r["estimate"]["total"]
                                  for r in rungs})
     text = [f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
@@ -74,6 +82,10 @@ def render_table(results: dict) -> Tuple[str, dict]:
                     ". fp32 round-off, amplified by training where the AdamW arithmetic "
                     "differs (see [Note: what the demo's losses show] in "
                     "zkernels/demo/report.py)")
+    if "step_time_ratio_paired" in rungs[0]:
+        text.append(f"x{_short(rungs[0])}: step time as the median of per-step ratios to "
+                    f"{rungs[0]['name']} (the rungs take their steps in turn, so a change in "
+                    f"the machine's load lands on all of them)")
     return "\n".join(text), summary
 
 
@@ -127,7 +139,9 @@ def plot(results: dict, path: str) -> None:
     ax_time.bar(xs, medians, 0.6, color=[colors[i % len(colors)] for i in xs], alpha=0.8,
                 yerr=list(zip(*quartiles)), capsize=4)
     for i, med in enumerate(medians):
-        ax_time.annotate(f"{med:.1f} ms\n{med / medians[0]:.2f}x", (i, med + quartiles[i][1]),
+        # the paired ratio where the rungs took their steps in turn (see worker.py)
+        ratio = rungs[i].get("step_time_ratio_paired") or med / medians[0]
+        ax_time.annotate(f"{med:.1f} ms\n{ratio:.2f}x", (i, med + quartiles[i][1]),
                          xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                          fontsize=8)
     ax_time.set_xticks(list(xs))

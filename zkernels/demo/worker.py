@@ -1,9 +1,12 @@
 """One rank of ``python -m zkernels demo`` (started by ``torch.distributed.run``).
 
-Trains the small GPT for each rung in turn (data parallel = DDP + torch.optim.AdamW, then
+Trains the small GPT on every rung (data parallel = DDP + torch.optim.AdamW, then
 ``ZeroOptimizer`` stage 1, 2, ...) from the same seed on the same batches, and measures the
-loss, step time, bytes sent per step and bytes held per kind. Rank 0 writes the results as
-JSON to ``--out`` for the launcher to print.
+loss, step time, bytes sent per step and bytes held per kind. The rungs take their steps in
+turn (step i of every rung, then step i + 1, the order rotated each step), so that a change in
+the machine's load lands on every rung alike; each rung's step time is also given as the
+median of its per-step ratios to data parallel's (paired). Rank 0 writes the results as JSON
+to ``--out`` for the launcher to print.
 
 [Note: measuring data parallel]
 DDP runs with ``gradient_as_bucket_view=True``: its buckets are the gradients, so a rank holds
@@ -31,6 +34,17 @@ from .model import GPT, GPTConfig
 from .progress import progress
 
 
+def _bucket_bytes(text: str):
+    """``--bucket-bytes``: "auto" (None: each method's own default) or a number of bytes."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of bytes, got "
+                                         f"{text!r}") from None
+
+
 # Demo defaults (about a minute on a 2-core CPU for three rungs); tests pass tiny ones.
 WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"),
                ("--steps", int, 100, "training steps per rung (K)"),
@@ -39,10 +53,10 @@ WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"
                ("--batch-size", int, 8, "sequences per rank per step"),
                ("--lr", float, 1e-3, "AdamW learning rate"),
                ("--weight-decay", float, 0.1, "AdamW weight decay"),
-               # 256 KiB: about a dozen buckets for the default 0.8M-param model, so stage 2's
-               # two reduce buffers stay well under the gradients it no longer holds, while
-               # stage 1 (whose reduce-scatters wait for step()) pays few collective latencies.
-               ("--bucket-bytes", int, 2**18, "gradient bucket size (DDP and ZeRO)"),
+               # auto: ZeroOptimizer sizes its buckets from the model (see [Note: buckets sized
+               # from the model] in zkernels/zero/buckets.py), DDP takes its own default.
+               ("--bucket-bytes", _bucket_bytes, "auto",
+                "gradient bucket size in bytes (DDP and ZeRO), or auto"),
                ("--seed", int, 0, "seed of the init and of the batches"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
                                        "zkernels.checkpoint per rung (stage1, stage2, ...)")]
@@ -81,9 +95,9 @@ class _DDPRung:
 
     def __init__(self, model, args, device):
         from torch.nn.parallel import DistributedDataParallel as DDP
+        cap = {} if args.bucket_bytes is None else {"bucket_cap_mb": args.bucket_bytes / 2**20}
         self.model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
-                         bucket_cap_mb=args.bucket_bytes / 2**20,
-                         gradient_as_bucket_view=True)
+                         gradient_as_bucket_view=True, **cap)
         self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      eps=1e-8, weight_decay=args.weight_decay)
         self.sent = _SentBytes(dist.get_world_size())
@@ -132,57 +146,87 @@ def checkpoint_path(args, rung: str) -> str:
     return os.path.join(args.ckpt_dir, f"stage{rung}")
 
 
-def run_rung(rung: str, args, tokens, device, rank: int, world_size: int):
-    """Train ``args.steps`` steps on one rung; returns this rank's measurements. With
-    ``--resume``, a ZeRO rung first loads its checkpoint from ``--ckpt-dir`` (saved at any
-    world size) and continues from its step; with ``--ckpt-dir``, it saves there at the end."""
+def _build_rung(rung: str, args, device):
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(device)
     trainer = _DDPRung(model, args, device) if rung == "ddp" else \
         _ZeroRung(model, args, int(rung))
-    start = 0
-    if args.resume and rung != "ddp":
+    return model, trainer
+
+
+def run_rungs(rungs, args, tokens, device, rank: int, world_size: int):
+    """Train ``args.steps`` steps on every rung, in turn step by step; returns this rank's
+    measurements and final parameters per rung, in ``rungs`` order. With ``--resume``, each
+    (ZeRO) rung first loads its checkpoint from ``--ckpt-dir`` (saved at any world size) and
+    continues from its step; with ``--ckpt-dir``, each saves there at the end."""
+    built = [_build_rung(r, args, device) for r in rungs]
+    starts = [0] * len(rungs)
+    if args.resume:
         from .. import checkpoint
-        start = checkpoint.load(trainer.opt, checkpoint_path(args, rung))["step"]
-    losses, times, stats = [], [], None
-    bar = progress(args.steps, f"{'data parallel' if rung == 'ddp' else 'stage ' + rung}",
-                   enabled=rank == 0)
-    for step in range(start, start + args.steps):
-        x, y = (t.to(device) for t in get_batch(
-            tokens, seed=args.seed, step=step, rank=rank, world_size=world_size,
-            batch_size=args.batch_size, block_size=args.block_size))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        loss, stats = trainer.step(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        mean_loss = loss.detach().float().clone()
-        dist.all_reduce(mean_loss)      # the global batch's loss, as one process would see it
-        losses.append(mean_loss.item() / world_size)
-        bar.update(1, loss=losses[-1])
+        starts = [checkpoint.load(trainer.opt, checkpoint_path(args, r))["step"]
+                  for r, (_model, trainer) in zip(rungs, built)]
+    losses = [[] for _ in rungs]
+    times = [[] for _ in rungs]
+    stats = [None] * len(rungs)
+    bar = progress(args.steps, f"{', '.join(_name(r) for r in rungs)}", enabled=rank == 0)
+    for step in range(args.steps):
+        shift = step % len(rungs)
+        for i in list(range(len(rungs)))[shift:] + list(range(len(rungs)))[:shift]:
+            x, y = (t.to(device) for t in get_batch(
+                tokens, seed=args.seed, step=starts[i] + step, rank=rank,
+                world_size=world_size, batch_size=args.batch_size,
+                block_size=args.block_size))
+            trainer = built[i][1]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()      # every rank starts the step together (as in the benchmark)
+            t0 = time.perf_counter()
+            loss, stats[i] = trainer.step(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[i].append(time.perf_counter() - t0)
+            mean_loss = loss.detach().float().clone()
+            dist.all_reduce(mean_loss)  # the global batch's loss, as one process would see it
+            losses[i].append(mean_loss.item() / world_size)
+        bar.update(1, loss=losses[0][-1])
     bar.close()
-    if args.ckpt_dir and rung != "ddp":
+    if args.ckpt_dir:
         from .. import checkpoint
-        checkpoint.save(trainer.opt, checkpoint_path(args, rung),
-                        model_extra={"step": start + args.steps})
-    params = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
-    est = estimate_memory(model, world_size, 0 if rung == "ddp" else int(rung),
-                          bucket_bytes=args.bucket_bytes)
-    return dict(
-        rung=rung, name="data parallel" if rung == "ddp" else f"stage {rung}",
-        first_step=start, losses=losses, final_loss=losses[-1],
-        step_time_s=statistics.median(times[1:] if len(times) > 1 else times),
-        step_times_s=times[1:] if len(times) > 1 else times,
-        comm_bytes=int(stats["comm_bytes"]["total"]), memory_bytes=stats["memory_bytes"],
-        estimate=dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
-                      optimizer_states=est.optimizer_states_bytes,
-                      buffers=est.buffers_bytes, total=est.held_device_bytes,
-                      peak=est.device_bytes, comm_bytes=est.comm_bytes),
-        num_params=est.num_params), params
+        for i, rung in enumerate(rungs):
+            if rung != "ddp":
+                checkpoint.save(built[i][1].opt, checkpoint_path(args, rung),
+                                model_extra={"step": starts[i] + args.steps})
+    # The slowest rank's time per step, and each rung's per-step ratio to the first rung's.
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    times = slowest.tolist()
+    skip = 1 if args.steps > 1 else 0   # the first step pays one-off allocations
+    out = []
+    for i, rung in enumerate(rungs):
+        model = built[i][0]
+        params = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
+        est = estimate_memory(model, world_size, 0 if rung == "ddp" else int(rung),
+                              bucket_bytes=args.bucket_bytes)
+        paired = statistics.median(t / b for t, b in zip(times[i][skip:], times[0][skip:]))
+        out.append((dict(
+            rung=rung, name=_name(rung), first_step=starts[i], losses=losses[i],
+            final_loss=losses[i][-1],
+            step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i][skip:],
+            step_time_ratio_paired=paired, ratio_to=_name(rungs[0]),
+            comm_bytes=int(stats[i]["comm_bytes"]["total"]),
+            memory_bytes=stats[i]["memory_bytes"],
+            estimate=dict(params=est.params_bytes, grads=est.grads_bytes,
+                          master=est.master_bytes, optimizer_states=est.optimizer_states_bytes,
+                          buffers=est.buffers_bytes, total=est.held_device_bytes,
+                          peak=est.device_bytes, comm_bytes=est.comm_bytes),
+            num_params=est.num_params), params))
+    return out
+
+
+def _name(rung: str) -> str:
+    return "data parallel" if rung == "ddp" else f"stage {rung}"
 
 
 def parse_args(argv=None):
@@ -210,8 +254,8 @@ def main(argv=None) -> int:
     try:
         tokens = load_corpus()
         results, reference = [], None
-        for rung in args.rungs.split(","):
-            res, params = run_rung(rung.strip(), args, tokens, device, rank, world_size)
+        for res, params in run_rungs([r.strip() for r in args.rungs.split(",")], args, tokens,
+                                     device, rank, world_size):
             # Every rung ends with full parameters on every rank: compare with the first.
             reference = params if reference is None else reference
             res["max_param_diff"] = (params - reference).abs().max().item()

@@ -77,6 +77,43 @@ def _scaled_copy_kernel(meta, scale, num_tensors, num_blocks, SRC: tl.constexpr,
                     NATIVE_NAN)
 
 
+# [Note: one tensor, no table]
+# ZeRO stage 2's gradient hook packs ONE gradient per call, thousands of times per step.
+# Building a block table for it (host tensors, a pinned copy, a host-to-device transfer) would
+# cost more host time than the copy itself, and the table cannot be cached: autograd hands
+# each step a fresh gradient tensor. A single tensor needs no table: its source and
+# destination are kernel arguments, block ``pid`` copies elements [pid * BLOCK, +BLOCK), and
+# Triton's own specialization of pointer arguments on 16-byte alignment gives full blocks
+# their vector loads. Same ``_copy_block``, so the same bits as the table kernel.
+@triton.jit(do_not_specialize=["numel"])
+def _scaled_copy_one_kernel(src, dst, numel, scale, DST: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            FP32_ROUTE: tl.constexpr, NATIVE_NAN: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Block ``pid``: ``dst[i] = round(src[i] * scale)`` for its BLOCK elements."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        _copy_block(src + offs, dst + offs, offs, numel, scale, DST, HAS_SCALE, FP32_ROUTE,
+                    False, NATIVE_NAN)
+    else:
+        _copy_block(src + offs, dst + offs, offs, numel, scale, DST, HAS_SCALE, FP32_ROUTE,
+                    True, NATIVE_NAN)
+
+
+def scaled_copy_one(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0,
+                    fp32_route: bool = False) -> None:
+    """:func:`scaled_copy` of one tensor with no block table (see [Note: one tensor, no
+    table]): ``dst = round(src * scale)``, both contiguous with the same number of elements."""
+    numel = src.numel()
+    if numel == 0:
+        return
+    scale = float(scale)
+    _scaled_copy_one_kernel[(triton.cdiv(numel, COPY_BLOCK),)](
+        src, dst, numel, scale, DST=tl_dtype(dst.dtype), HAS_SCALE=scale != 1.0,
+        FP32_ROUTE=fp32_route, NATIVE_NAN=native_nan(dst.device), BLOCK=COPY_BLOCK,
+        num_warps=COPY_WARPS)
+
+
 def scaled_copy(src_addrs: Sequence[int], dst_addrs: Sequence[int], numels: Sequence[int],
                 src_dtype: torch.dtype, dst_dtype: torch.dtype, device: torch.device,
                 scale: float = 1.0, fp32_route: bool = False) -> None:

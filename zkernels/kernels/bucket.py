@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ._copy import scaled_copy
+from ._copy import scaled_copy, scaled_copy_one
 
 
 def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: Sequence[int], *,
@@ -23,6 +23,10 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
         ``bucket``; elements outside the tensors (padding) are untouched.
     """
     if not tensors:
+        return bucket
+    if len(tensors) == 1:   # stage 2's per-gradient hook: no table (see _copy.py)
+        t, o = tensors[0], int(offsets[0])
+        scaled_copy_one(t, bucket[o:o + t.numel()], scale, fp32_route=True)
         return bucket
     esize, base = bucket.element_size(), bucket.data_ptr()
     scaled_copy([t.data_ptr() for t in tensors], [base + int(o) * esize for o in offsets],

@@ -145,7 +145,7 @@ def resolve_auto_rung(params: Iterable[torch.Tensor], **kwargs) -> Tuple[int, Op
 
 
 def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
-                           param_dtype=None, reduce_dtype=None, bucket_bytes: int = 25 * 2**20,
+                           param_dtype=None, reduce_dtype=None, bucket_bytes: Optional[int] = None,
                            memory_budget_bytes: Optional[int] = None, group=None,
                            num_param_groups: int = 1, model=None, offload=None,
                            offload_dir=None, offload_params: Optional[bool] = None

@@ -7,9 +7,10 @@ gradient shard (``grad_shard_dtype``: fp32 when None, as ``ZeroOptimizer`` accum
 gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a ``param_dtype``
 narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
 is its own master (DESIGN.md's table). B = elements of the largest bucket
-(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model), G = number
-of param groups, U = elements of stage 3's largest unit (a block; see ``unit_plan.py``), root
-= elements of its root unit (embeddings, final norm, head).
+(``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model; with
+``bucket_bytes=None`` the optimizer's default, sized from Ψ by ``buckets.auto_bucket_bytes``),
+G = number of param groups, U = elements of stage 3's largest unit (a block; see
+``unit_plan.py``), root = elements of its root unit (embeddings, final norm, head).
 
     kind              stage 0 (DDP)   stage 1        stage 2        stage 3
     params            pΨ              pΨ             pΨ             pΨ/N
@@ -67,6 +68,7 @@ from typing import Optional, Union
 
 import torch
 
+from .buckets import auto_bucket_bytes
 from .offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
 from .policy import NUM_REDUCE_BUFFERS, STAGES, offload_policy, stage_policy
 from .unit_plan import gathered_peak_numel, plan_units
@@ -193,7 +195,7 @@ def _largest_tensor_numel(model) -> int:
 
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
                     stage: int, param_dtype=None, reduce_dtype=None,
-                    offload: Optional[str] = None, bucket_bytes: int = 25 * 2**20,
+                    offload: Optional[str] = None, bucket_bytes: Optional[int] = None,
                     max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
                     max_tensor_numel: Optional[int] = None,
                     num_param_groups: int = 1,
@@ -211,7 +213,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         reduce_dtype: dtype gradients are reduced in (None: fp32; at stage 0, the
             gradients' own dtype, as DDP reduces them).
         offload: None, "cpu" or "nvme" (stages 2-3 only).
-        bucket_bytes: reduce bucket size (0: count no buffers, model states only).
+        bucket_bytes: reduce bucket size (0: count no buffers, model states only; None, the
+            optimizer's default: sized from the model, see [Note: buckets sized from the
+            model] in ``buckets.py``).
         max_unit_numel: parameters of the largest unit gathered at stage 3 (two are counted
             gathered at once); default, when a module is given: its stage-3 units
             (``unit_plan.py``), counted as ``ZeroOptimizer`` gathers them: the root unit plus
@@ -244,13 +248,16 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if offload_params and (not policy.shards_params or offload is None):
         raise ValueError(f"offload_params=True needs stage 3 with offload='cpu' or 'nvme', "
                          f"got stage={stage}, offload={offload!r}")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
+                                     not isinstance(bucket_bytes, int) or bucket_bytes < 0):
+        raise ValueError(f"bucket_bytes must be None or an int >= 0, got {bucket_bytes!r}")
     pdt = parse_dtype(param_dtype, "param_dtype") or torch.float32
     rdt = parse_dtype(reduce_dtype, "reduce_dtype") or torch.float32
     gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
     p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
     n_psi, big_n = num_params, world_size
+    if bucket_bytes is None:
+        bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
     mixed = pdt != torch.float32
 
     # Stage 3 with a model: its units (unit_plan.py) say what is gathered at once (the root

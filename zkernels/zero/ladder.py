@@ -26,7 +26,7 @@ def _gb(num_bytes: float) -> str:
 
 def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
                 param_dtype=None, reduce_dtype=None, grad_shard_dtype=None,
-                bucket_bytes: int = 25 * 2**20, max_unit_numel: Optional[int] = None,
+                bucket_bytes: Optional[int] = None, max_unit_numel: Optional[int] = None,
                 max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
                 host_budget_bytes: Optional[int] = None,
                 disk_budget_bytes: Optional[int] = None,

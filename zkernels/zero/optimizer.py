@@ -22,10 +22,11 @@ from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
 from . import state as _state
 from .auto import resolve_auto_placement
-from .buckets import align_numel, bucket_capacity, plan_buckets
+from .buckets import align_numel, bucket_capacities, plan_buckets
 from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
 from .nonfinite import NonFiniteGradientError, check_policy, locate
+from .param_wait import ParamGatherWaiter
 from .params import resolve_param_groups
 from .policy import STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
@@ -103,7 +104,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_config: an :class:`~zkernels.zero.offload_config.OffloadConfig` (pinning,
             sub-group size, the NVMe host budget, ...); default ``OffloadConfig()``.
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
-            (stages 1-2; stage 3 reduces one unit at a time).
+            (stages 1-2; stage 3 reduces one unit at a time). None (default): sized from the
+            model: where buckets cost reduce buffers (stage 2), a small first bucket then
+            buckets of about 1/4 of the model; where they do not (stage 1 reducing in place),
+            DDP's 1 MiB then 25 MiB (see [Note: buckets sized from the model] in
+            ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank).
@@ -138,6 +143,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with offload; left False, the ladder may still take it for a stage-3 offload rung
             that does not fit without it (see ``ladder.choose_rung``; ``opt.offload_params``
             says what was chosen).
+        overlap_param_gather: False (default): ``step()`` returns with the parameters
+            all-gathered, a complete step. True (stages 1-2): ``step()`` returns with the
+            all-gathers in flight and the next forward waits for each unit's gather when the
+            first module owning its parameters runs; code that reads parameters between steps
+            outside a module's forward or ``state_dict()`` calls :meth:`wait_params` first
+            (see [Note: lazy parameter gathers] in ``param_wait.py``).
 
     Attributes:
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
@@ -156,14 +167,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0, param_groups: Optional[Sequence[dict]] = None,
                  param_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
-                 bucket_bytes: int = 25 * 2 ** 20, max_grad_norm: Optional[float] = None,
+                 bucket_bytes: Optional[int] = None, max_grad_norm: Optional[float] = None,
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, timeout=None,
                  nonfinite: str = "skip", units=None,
                  reshard_after_forward: bool = True, check_paths: bool = True,
                  offload_config: Optional[OffloadConfig] = None,
-                 offload_params: bool = False) -> None:
+                 offload_params: bool = False,
+                 overlap_param_gather: bool = False) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
         # strategy of the kind asked for.
         auto = isinstance(stage, str) and stage == "auto"
@@ -227,8 +239,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "and regathered in between)")
         align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
                             torch.float32)
-        capacity = bucket_capacity(bucket_bytes, self.precision.reduce_dtype, n, align)
+        num_trainable = sum(p.numel() for p in {id(p): p for g in groups
+                                                for p in g["params"]}.values())
+        first_capacity, capacity = bucket_capacities(
+            bucket_bytes, num_trainable, self.precision.reduce_dtype, n, align,
+            pooled=self.policy.uses_reduce_pool(self.precision.param_dtype,
+                                                self.precision.reduce_dtype))
         self.nonfinite = check_policy(nonfinite)
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got "
+                            f"{type(overlap_param_gather).__name__}")
+        if overlap_param_gather and self.policy.shards_params:
+            raise ValueError(f"overlap_param_gather applies to stages 1-2 (stage "
+                             f"{self.stage} gathers each unit before its forward anyway)")
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
@@ -248,7 +271,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     model, units, group_of, names, n, self.comm.rank, align,
                     self.precision.param_dtype, self.ops, self.shard_update)
             else:
-                for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align)):
+                for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align,
+                                                               first_capacity)):
                     unit, initial_master = build_replicated_unit(
                         i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype,
                         self.ops)
@@ -276,6 +300,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # (count, free), see [Note: stage-3 gather schedule].
             self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward,
                                            check_paths=check_paths)
+        self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
+            else None
         self._model = model
         self.scaler = (LossScaler(loss_scale or LossScaleConfig())
                        if self.precision.needs_loss_scaling else None)
@@ -331,6 +357,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "opt.backward(loss) instead of loss.backward() before step()")
         if self.schedule is not None:
             self.schedule.check_step()
+        self.wait_params()  # the update writes the shards a gather may still be reading
         shards, divisor = self.reducer.finish()
         try:
             grad_scale, skip = grad_scale_and_overflow(
@@ -356,11 +383,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update(self, shards, grad_scale) -> None:
+        # Forward order (units are in backward order), so the gathers land in the order the
+        # next forward needs them (see [Note: lazy parameter gathers] in param_wait.py); NVMe
+        # offload streams the units' states from disk in index order (it prefetches unit i+1
+        # while unit i updates), so it keeps that order.
+        order = self.units if self.offload == "nvme" else reversed(self.units)
         handles = []
-        for u, g in zip(self.units, shards):
-            self.shard_update.update(u, g, self.param_groups[u.group_index], grad_scale)
+        for u in order:
+            self.shard_update.update(u, shards[u.index], self.param_groups[u.group_index],
+                                     grad_scale)
             # Gather this unit while the next one updates.
-            handles.append(u.gather.publish(self.comm))
+            h = u.gather.publish(self.comm)
+            if self._param_waiter is not None:
+                self._param_waiter.add(u.index, h)
+            else:
+                handles.append(h)
         self.shard_update.finish_step()
         for h in handles:
             h.wait()
@@ -380,6 +417,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"gathered(module=...): the {type(module).__name__} given is not "
                              f"a submodule of the optimizer's model")
         if self.schedule is None:
+            self.wait_params()  # overlap_param_gather: the last step's gathers land first
             yield
             return
         ids = None if module is None else {id(p) for p in module.parameters()}
@@ -387,6 +425,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  if u.flats and (ids is None or u.param_ids & ids)]
         with self.schedule.gathered(units):
             yield
+
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gathers still in flight (``overlap_param_gather=True``;
+        a no-op otherwise or when none is): afterwards every parameter holds the last step's
+        values."""
+        if self._param_waiter is not None:
+            self._param_waiter.wait_all()
 
     def close(self, keep_files: bool = False):
         """Release what the update strategy holds outside the device: the copy thread or
@@ -409,10 +454,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
+        self.wait_params()
         return _state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state from :meth:`state_dict` (same world size). Collective."""
+        self.wait_params()
         _state.load_state_dict(self, state_dict)
 
     def stats(self) -> dict:
