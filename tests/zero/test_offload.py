@@ -332,38 +332,46 @@ def test_two_backwards_without_zero_grad_add_like_the_device(kind, folder, one_t
     opts[1].close()
 
 
-@pytest.mark.parametrize("src", ["device", "cpu", "nvme"])
-@pytest.mark.parametrize("dst", ["device", "cpu", "nvme"])
-def test_checkpoint_across_placements(src, dst, folder, one_thread):
-    """zkernels.checkpoint saves an offloaded state (NVMe: read from its files) and loads it
-    into any placement; training continues bit-identically to the uninterrupted run."""
+def _continues_across(folder, src_kw, dst_kw, **opt_kw):
+    """Train 3 steps with ``src_kw``, save a zkernels.checkpoint, load it into a fresh model
+    and optimizer built with ``dst_kw`` (another seed), train both 2 more steps: the
+    parameters must be bit-identical (read inside gathered(): stage 3 holds shards)."""
     import zkernels.checkpoint as ck
-    kinds = {"device": {}, "cpu": {"offload": "cpu"},
-             "nvme": {"offload": "nvme", "offload_dir": folder,
-                      "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
 
     def build(kw, seed):
         m = make_model(seed)
-        return m, ZeroOptimizer(m, stage=2, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
-                                bucket_bytes=3000, **kw)
+        return m, ZeroOptimizer(m, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16, **opt_kw,
+                                **kw)
     batches = make_batches(5, MICRO_BATCH)
-    m1, o1 = build(kinds[src], 0)
+    m1, o1 = build(src_kw, 0)
     for b in batches[:3]:
         o1.backward(m1(*chunk(b, 0)))
         o1.step()
         o1.zero_grad()
     path = os.path.join(folder, "ckpt")
     ck.save(o1, path)
-    m2, o2 = build(kinds[dst], 7)
+    m2, o2 = build(dst_kw, 7)
     ck.load(o2, path)
     for b in batches[3:]:
         for m, o in ((m1, o1), (m2, o2)):
             o.backward(m(*chunk(b, 0)))
             o.step()
             o.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    with o1.gathered(), o2.gathered():
+        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
     o1.close()
     o2.close()
+
+
+@pytest.mark.parametrize("src", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize("dst", ["device", "cpu", "nvme"])
+def test_checkpoint_across_placements(src, dst, folder, one_thread):
+    """zkernels.checkpoint saves an offloaded state (NVMe: read from its files) and loads it
+    into any placement; training continues bit-identically to the uninterrupted run."""
+    kinds = {"device": {}, "cpu": {"offload": "cpu"},
+             "nvme": {"offload": "nvme", "offload_dir": folder,
+                      "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
+    _continues_across(folder, kinds[src], kinds[dst], stage=2, bucket_bytes=3000)
 
 
 # -- stage 3 offload_params ([Note: parameter offload]) -------------------------------------
@@ -439,35 +447,12 @@ def test_auto_offers_offload_params(caplog, capsys):
 def test_stage3_checkpoint_with_offload_params(src, dst, folder, one_thread):
     """Stage 3 checkpoints save from and load into offload_params runs (the shards in host
     RAM); training continues bit-identically to the uninterrupted run."""
-    import zkernels.checkpoint as ck
     kinds = {"device": {}, "cpu": {"offload": "cpu"},
              "cpu_params": {"offload": "cpu", "offload_params": True},
              "nvme_params": {"offload": "nvme", "offload_dir": folder, "offload_params": True,
                              "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
 
-    def build(kw, seed):
-        m = make_model(seed)
-        return m, ZeroOptimizer(m, stage=3, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
-                                **kw)
-    batches = make_batches(5, MICRO_BATCH)
-    m1, o1 = build(kinds[src], 0)
-    for b in batches[:3]:
-        o1.backward(m1(*chunk(b, 0)))
-        o1.step()
-        o1.zero_grad()
-    path = os.path.join(folder, "ckpt")
-    ck.save(o1, path)
-    m2, o2 = build(kinds[dst], 7)
-    ck.load(o2, path)
-    for b in batches[3:]:
-        for m, o in ((m1, o1), (m2, o2)):
-            o.backward(m(*chunk(b, 0)))
-            o.step()
-            o.zero_grad()
-    with o1.gathered(), o2.gathered():
-        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
-    o1.close()
-    o2.close()
+    _continues_across(folder, kinds[src], kinds[dst], stage=3)
 
 
 def test_offload_params_nvme_survives_close_and_reopen(folder, one_thread):
