@@ -29,6 +29,31 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+def _train_like_adamw(model, ref, compiled, opt, what, after_step=None):
+    """STEPS steps of ``compiled`` under ``opt`` against torch.optim.AdamW on ``ref`` (a copy
+    of the model's initial weights, taken before the optimizer sharded them): every loss to
+    LOSS_RTOL, every parameter at the end (read inside ``opt.gathered()``: stage 3 holds
+    shards) to rtol 1e-4, atol 1e-5."""
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
+    for step, batch in enumerate(make_batches(STEPS, MICRO_BATCH)):
+        loss = compiled(*chunk(batch, 0))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        rloss = ref(*chunk(batch, 0))
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        torch.testing.assert_close(loss.item(), rloss.item(), rtol=LOSS_RTOL, atol=0.0,
+                                   msg=lambda m: f"{what}, step {step} loss: {m}")
+        if after_step is not None:
+            after_step()
+    with opt.gathered():  # stage 3: the full parameters (a no-op at stages 1-2)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name: f"{what}, {n}: {m}")
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", STAGES)
 def test_compiled_model_trains_like_adamw(stage):
@@ -42,22 +67,7 @@ def test_compiled_model_trains_like_adamw(stage):
     # under torch.compile] in zkernels/zero/optimizer.py; the other mode is refused below).
     extra = {"reshard_after_forward": False} if stage == 3 else {"bucket_bytes": 3000}
     opt = zk.ZeroOptimizer(compiled, stage=stage, lr=LR, eps=EPS, weight_decay=0.1, **extra)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
-    for step, batch in enumerate(make_batches(STEPS, MICRO_BATCH)):
-        loss = compiled(*chunk(batch, 0))
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        rloss = ref(*chunk(batch, 0))
-        rloss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        torch.testing.assert_close(loss.item(), rloss.item(), rtol=LOSS_RTOL, atol=0.0,
-                                   msg=lambda m: f"stage {stage}, step {step} loss: {m}")
-    with opt.gathered():  # stage 3: the full parameters (a no-op at stages 1-2)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=name: f"stage {stage}, {n}: {m}")
+    _train_like_adamw(model, ref, compiled, opt, f"stage {stage}")
     breaks = sum(counters["graph_break"].values())
     # Stages 1-2 hook only backward: no break. Stage 3's per-unit forward hooks (gather,
     # prefetch, the divergent-path check) break the graph around each unit: measured 8 on this
@@ -88,22 +98,8 @@ def test_compiled_stage3_with_offload_params():
         zk.ZeroOptimizer(compiled, stage=3, lr=LR, offload="cpu", offload_params=True)
     opt = zk.ZeroOptimizer(compiled, stage=3, lr=LR, eps=EPS, weight_decay=0.1,
                            offload="cpu", offload_params=True, reshard_after_forward=False)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
-    for step, batch in enumerate(make_batches(STEPS, MICRO_BATCH)):
-        loss = compiled(*chunk(batch, 0))
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        rloss = ref(*chunk(batch, 0))
-        rloss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        torch.testing.assert_close(loss.item(), rloss.item(), rtol=LOSS_RTOL, atol=0.0,
-                                   msg=lambda m: f"step {step} loss: {m}")
-        # between steps no parameter bytes stay on the device
+
+    def no_parameter_bytes_on_device():  # between steps
         assert not any(t.untyped_storage().nbytes() for u in opt.units for t in u.gather.held())
-    with opt.gathered():
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+    _train_like_adamw(model, ref, compiled, opt, "offload_params", no_parameter_bytes_on_device)
     opt.close()
