@@ -32,7 +32,7 @@ import time
 import torch
 
 import zkernels  # noqa: F401 - imported before any group exists, as the programs do
-from tests._dist import gloo_threads
+from tests._dist import TEARDOWN_GRACE_S, gloo_threads_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n-layer", "1", "--n-embd", "32", "--block-size", "16", "--batch-size", "2"]
@@ -66,7 +66,7 @@ def _rank(run: int, rank: int, port: int, out: str, example, worker) -> None:
     else:
         worker.main([*TINY, "--steps", "2", "--rungs", "ddp,2", "--bucket-bytes", "16384",
                      "--out", folder, "--timeout-s", "60"])
-    alive = gloo_threads()
+    alive = gloo_threads_after(TEARDOWN_GRACE_S)
     if alive:
         print(f"run {run} rank {rank}: gloo threads {alive} outlived main()", flush=True)
         raise SystemExit(LEAKED_THREADS)

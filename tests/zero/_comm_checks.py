@@ -97,3 +97,15 @@ def dead_peer(rank, ws, mode, timeout=None, linger_s=7.0):
         assert exc.tag == "unit blocks.7" and isinstance(exc.__cause__, RuntimeError)
         return time.time() - start, str(exc)
     raise AssertionError("all_gather with a missing peer returned")
+
+
+_HELD = []
+
+
+def holds_group(rank, ws):
+    """Keeps a reference to the world group past the end of the rank (what a forgotten DDP
+    wrapper or handle does): tests/_dist.py must report it, not pass."""
+    import torch.distributed as dist
+    _HELD.append(dist.group.WORLD)
+    torch.ones(1)  # no collective needed: the group's threads exist from init on
+    return True

@@ -6,7 +6,7 @@ import torch
 
 from zkernels.comm import LocalComm, MeteredComm, VolumeMeter, make_comm
 from tests._dist import run_ranks
-from tests.zero._comm_checks import collectives, dead_peer
+from tests.zero._comm_checks import collectives, dead_peer, holds_group
 
 
 def test_meter_counts_ring_volume_per_step():
@@ -58,6 +58,13 @@ def test_auto_is_torch_distributed_even_on_cuda(monkeypatch):
 
 def test_collectives_on_three_gloo_ranks():
     assert run_ranks(collectives, 3) == [True] * 3
+
+
+def test_a_rank_that_keeps_the_group_fails_the_teardown_check():
+    """The teardown check of tests/_dist.py (gloo threads gone within its grace after
+    destroy_process_group()) fails a rank that still holds the group, instead of passing."""
+    with pytest.raises(AssertionError, match="outlived destroy_process_group"):
+        run_ranks(holds_group, 2, timeout=60.0)
 
 
 @pytest.mark.parametrize("mode", ["exit", "silent"])
