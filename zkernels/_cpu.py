@@ -15,12 +15,13 @@ a composition of torch calls, which is all the reference can be while it stays t
   make an fp32 temporary that the fused copy-scale-cast never writes (6 bytes per element
   instead of 14). Native: one pass. The public ops and OpSet first offer each call to a
   checked native fast path (``CHECKED_COPY``, [Note: checked fast path of the copy ops] in
-  python/src/cpu_ops.cpp), which reads each tensor with five torch calls from C (~0.19 us a
-  tensor) instead of the Python checks plus binding (~0.6 us a tensor and ~4 us a call).
+  python/src/cpu_ops.cpp), which reads each tensor through torch's stable C shim (~0.06 us a
+  tensor; torch's getters, ~0.17 us, where the shim is missing or a torch-function mode is
+  active) instead of the Python checks plus binding (~0.6 us a tensor and ~4 us a call).
   flatten's copy runs at the speed of ``torch.cat``'s (both are plain copies at the machine's
   copy bandwidth), so the per-tensor reads decide it: ``torch.cat`` spends ~0.11 us per tensor
-  in C++, so with 32 tensors of 8K elements (the bench at 256K, 1 thread) flatten is ~1.5 us
-  behind a ~29 us ``torch.cat`` (0.93-0.97x); at 2M, and with 2 threads, it is ahead.
+  in C++, the shim reads half that, so flatten is ahead of it at every size (with the getters
+  it was 0.93-0.97x at 256K in 32 tensors on 1 thread).
 - cast: ``out.copy_(x)`` is the peer and the reference; only a leaner call can be faster.
 - unscale_and_check_: the reference is two passes plus an fp32 temporary (``isfinite().all()``,
   ``x.float().mul``), the peer one fused pass; native does the fused pass (its checks in C

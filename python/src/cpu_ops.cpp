@@ -180,21 +180,20 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 // spends ~4.5 us on everything else (~0.11 us a tensor in C++). The checked Python path
 // (zkernels.ops: list and offset checks, backend choice, then the binding above) cost ~20 us
 // of that kind, so the public ops and OpSet first offer every call to cpu_copy_checked: it
-// checks in C everything the Python path checks, with torch's own getter and method functions
-// called straight through their C pointers (tensor_fast.h: ~30 ns a read instead of ~50 by
-// attribute lookup, ~100 from Python; five reads, ~0.19 us a tensor in all), and runs the
-// copy when all of it holds. When anything does not hold (a non-exact tensor type, another
-// device or dtype, a non-contiguous tensor, an offset that is not an int in range, a forced
-// backend or ISA it does not take, an empty list) it copies nothing and returns False, and the
-// caller runs the checked Python path, which raises the error that names the argument, or runs
-// the backend chosen there. So the fast path changes no result and no message; it only skips
-// the Python work when the call is valid. The cast (one tensor into an `out` of its numel,
-// whole_flat) and the unscale (cpu_unscale_checked, below) take the same kind of path.
-// What is left against torch.cat is those five reads: each is a torch binding function with
-// its own torch-function-mode and warning-handler thread-local checks (~30 ns), against cat's
-// C++ access to the TensorImpl. Reading TensorImpl fields ourselves would need torch's headers
-// and ABI ([Note: no torch headers]); caching what was read is unsound (`t.data = other`
-// changes a tensor's dtype, device, size and strides in place without bumping its version).
+// checks in C everything the Python path checks, reading each tensor through torch's stable
+// C shim (tensor_fast.h, [Note: tensor fields through the stable C shim]: ~60 ns a tensor),
+// or, where that is not available or a torch-function mode is active, through torch's own
+// getter and method functions called straight through their C pointers (five reads, ~0.17 us
+// a tensor), and runs the copy when all of it holds. When anything does not hold (a non-exact
+// tensor type, another device or dtype, a non-contiguous tensor, an offset that is not an int
+// in range, a forced backend or ISA it does not take, an empty list) it copies nothing and
+// returns False, and the caller runs the checked Python path, which raises the error that
+// names the argument, or runs the backend chosen there. So the fast path changes no result
+// and no message; it only skips the Python work when the call is valid. The cast (one tensor
+// into an `out` of its numel, whole_flat) and the unscale (cpu_unscale_checked, below) take
+// the same kind of path. Nothing read is kept between calls: caching it would be unsound
+// (`t.data = other` changes a tensor's dtype, device, size and strides in place without
+// bumping its version).
 bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_flat,
                   double scale, bool fp32_route, int num_threads, bool obey_env,
                   bool whole_flat) {
@@ -207,6 +206,7 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
   const Py_ssize_t count = PySequence_Fast_GET_SIZE(tensors);
   PyObject** items = PySequence_Fast_ITEMS(tensors);
   if (count == 0) return false;
+  const bool shim = zk::py_binding::use_shim(ft);
   PyObject** offs = nullptr;
   if (offsets != Py_None) {
     if (!PyList_CheckExact(offsets) && !PyTuple_CheckExact(offsets)) return false;
@@ -215,7 +215,7 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
   }
   zk::py_binding::FastFields f;
   if (!zk::py_binding::exact_tensor(ft, flat) ||
-      !zk::py_binding::read_fast(ft, flat, /*want_dim=*/!whole_flat, &f) ||
+      !zk::py_binding::read_fast(ft, flat, /*want_dim=*/!whole_flat, &f, shim) ||
       (!whole_flat && f.dim != 1) || (whole_flat && offsets != Py_None)) {
     return false;
   }
@@ -227,7 +227,7 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
     PyObject* t = items[i];
     zk::py_binding::FastFields g;
     if (!zk::py_binding::exact_tensor(ft, t) ||
-        !zk::py_binding::read_fast(ft, t, /*want_dim=*/false, &g)) {
+        !zk::py_binding::read_fast(ft, t, /*want_dim=*/false, &g, shim)) {
       return false;
     }
     if (i == 0) list_dtype = g.dtype;
@@ -272,13 +272,15 @@ bool unscale_checked(PyObject* x, PyObject* inv_scale, PyObject* found_inf, int 
   if (obey_env && !env_allows_cpp()) return false;
   zk::cpu::Isa wanted;
   if (!env_isa(&wanted)) return false;
+  const bool shim = zk::py_binding::use_shim(ft);
   zk::py_binding::FastFields t, f, s;
-  if (!zk::py_binding::exact_tensor(ft, x) || !zk::py_binding::read_fast(ft, x, false, &t) ||
+  if (!zk::py_binding::exact_tensor(ft, x) ||
+      !zk::py_binding::read_fast(ft, x, false, &t, shim) ||
       t.numel == 0) {
     return false;
   }
   if (!zk::py_binding::exact_tensor(ft, found_inf) ||
-      !zk::py_binding::read_fast(ft, found_inf, false, &f) || f.dtype != DType::kFloat32 ||
+      !zk::py_binding::read_fast(ft, found_inf, false, &f, shim) || f.dtype != DType::kFloat32 ||
       f.numel != 1) {
     return false;
   }
@@ -291,7 +293,7 @@ bool unscale_checked(PyObject* x, PyObject* inv_scale, PyObject* found_inf, int 
     }
     inv = static_cast<float>(v);
   } else if (zk::py_binding::exact_tensor(ft, inv_scale) &&
-             zk::py_binding::read_fast(ft, inv_scale, false, &s) &&
+             zk::py_binding::read_fast(ft, inv_scale, false, &s, shim) &&
              s.dtype == DType::kFloat32 && s.numel == 1) {
     std::memcpy(&inv, reinterpret_cast<const void*>(s.data_ptr), sizeof inv);
   } else {
@@ -487,7 +489,20 @@ PyObject* sum_squares_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   });
 }
 
+PyObject* fast_reads_entry(PyObject*, PyObject*) {
+  return guarded([&] {
+    const zk::py_binding::FastTensor& ft = zk::py_binding::fast_tensor();
+    return PyUnicode_FromString(!ft.ok ? "none" : ft.shim_ok ? "shim" : "getters");
+  });
+}
+
 PyMethodDef g_methods[] = {
+    {"cpu_fast_reads", fast_reads_entry, METH_NOARGS,
+     "cpu_fast_reads()\n--\n\n"
+     "How the checked fast paths read tensors in this process: 'shim' (torch's stable C shim,\n"
+     "checked against the getters; see [Note: tensor fields through the stable C shim]),\n"
+     "'getters' (torch's getter and method functions), or 'none' (the fast paths decline\n"
+     "every call)."},
     {"cpu_copy_segments", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
                               copy_segments_entry)),
      METH_FASTCALL,

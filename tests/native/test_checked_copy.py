@@ -4,9 +4,16 @@ copy ops] in python/src/cpu_ops.cpp).
 
 It must (1) give the reference's bits on every forced SIMD path, through the public ops and an
 OpSet, (2) decline, writing nothing, every call the checked Python path would refuse or route
-elsewhere, so that the public ops still raise their messages and honour ZKERNELS_BACKEND."""
+elsewhere, so that the public ops still raise their messages and honour ZKERNELS_BACKEND.
+Both ways of reading the tensors run (the ``reads`` fixture): the stable C shim, and torch's
+getters, which the fast paths use while a torch-function mode is active ([Note: tensor fields
+through the stable C shim] in python/src/tensor_fast.h)."""
+import ctypes
+import os
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from zkernels import ops, reference
 from zkernels.layout import FlatLayout
@@ -14,6 +21,33 @@ from tests.ops._util import assert_bits_equal, awkward_values
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 NUMELS = [0, 1, 17, 4097, 16_385, 40_009]
+
+
+class _Seen(TorchFunctionMode):
+    """Passes every call through, remembering the names of what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        owner = getattr(func, "__self__", None)  # a getter: the descriptor's __get__
+        self.names.add(getattr(owner, "__name__", None) if getattr(func, "__name__", "") ==
+                       "__get__" else getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(params=["shim", "getters"])
+def reads(request, native_C):
+    """How the fast paths read the tensors in the test: through the shim, or (inside a
+    pass-through torch-function mode) through torch's getters."""
+    if request.param == "shim":
+        if native_C.cpu_fast_reads() != "shim":
+            pytest.skip("this torch does not export the shim functions (see the test below)")
+        yield request.param
+        return
+    with _Seen():
+        yield request.param
 
 
 def _values(numels, dtype, seed=0):
@@ -28,7 +62,7 @@ def _checked(native_C, tensors, flat, offsets=None, to_flat=True, scale=1.0, fp3
 
 @pytest.mark.parametrize("src", FLOATS)
 @pytest.mark.parametrize("dst", FLOATS)
-def test_public_copy_ops_bit_exact_on_every_path(isa, native_C, src, dst):
+def test_public_copy_ops_bit_exact_on_every_path(isa, native_C, reads, src, dst):
     """ops.flatten / unflatten / bucket_pack / bucket_unpack (fast path taken: checked by
     calling it directly first) against the reference, NaN payloads as tests/native."""
     ts = _values(NUMELS, src)
@@ -124,7 +158,7 @@ def _declined_cases():
 
 
 @pytest.mark.parametrize("case", sorted(_declined_cases()))
-def test_declines_and_writes_nothing(native_C, case):
+def test_declines_and_writes_nothing(native_C, reads, case):
     tensors, flat, offsets = _declined_cases()[case]
     before = flat.clone() if flat.device.type == "cpu" else None
     assert _checked(native_C, tensors, flat, offsets) is False
@@ -188,7 +222,7 @@ def test_cast_declines_what_is_not_one_whole_copy(native_C):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_unscale_bit_exact_on_every_path(isa, native_C, dtype):
+def test_unscale_bit_exact_on_every_path(isa, native_C, reads, dtype):
     x = awkward_values(40_009, "cpu", seed=6).to(dtype)
     for inv in (0.5, torch.tensor([0.125]), 3):
         mine, ref = x.clone(), x.clone()
@@ -201,7 +235,7 @@ def test_unscale_bit_exact_on_every_path(isa, native_C, dtype):
         assert found.item() == 1.0  # awkward_values holds inf and NaN
 
 
-def test_unscale_declines_and_touches_nothing(native_C, monkeypatch):
+def test_unscale_declines_and_touches_nothing(native_C, reads, monkeypatch):
     x = torch.full((5,), 2.0)
     f = torch.zeros(1)
     cases = [
@@ -227,3 +261,42 @@ def test_unscale_declines_and_touches_nothing(native_C, monkeypatch):
     assert x.eq(1.0).all() and f.item() == 0.0
     with pytest.raises(TypeError, match="found_inf"):
         ops.unscale_and_check_(x, 1.0, torch.zeros(1, dtype=torch.float16))
+
+
+_SHIM = ("aoti_torch_get_data_ptr", "aoti_torch_get_numel", "aoti_torch_get_dim",
+         "aoti_torch_get_dtype", "aoti_torch_get_device_type", "aoti_torch_is_contiguous")
+
+
+def test_reads_through_the_shim_where_torch_exports_it(native_C):
+    """Where this torch's libtorch_cpu exports the six shim functions, the fast paths use them
+    (their check against the getters passed); a torch without them keeps the getters."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    exported = all(hasattr(lib, name) for name in _SHIM)
+    assert native_C.cpu_fast_reads() == ("shim" if exported else "getters")
+
+
+def test_a_torch_function_mode_sees_the_getters_it_always_saw(native_C):
+    """Under a torch-function mode the reads go through torch's getters, which the mode sees,
+    and never through _cdata (the shim's one binding read, which a mode could answer)."""
+    ts, flat = [torch.arange(4.0), torch.arange(3.0)], torch.zeros(8)
+    with _Seen() as seen:
+        assert _checked(native_C, ts, flat, None) is True
+    assert torch.equal(flat, torch.tensor([0., 1, 2, 3, 0, 1, 2, 0]))
+    assert "_cdata" not in seen.names and {"dtype", "is_cpu", "data_ptr"} <= seen.names, \
+        seen.names
+
+
+def test_reads_follow_a_tensor_changed_in_place(native_C, reads):
+    """Nothing read is kept between calls: ``t.data = other`` changes a tensor's dtype, size,
+    storage and contiguity without a version bump, and the next call sees each change."""
+    t, flat = torch.ones(4), torch.zeros(8)
+    assert _checked(native_C, [t], flat, [2]) and flat.tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    t.data = torch.full((3,), 7.0)                       # another size and storage
+    assert _checked(native_C, [t], flat, [5]) and flat[5:].tolist() == [7, 7, 7]
+    t.data = torch.full((2,), 3.0, dtype=torch.bfloat16)  # another dtype: cast on the way
+    assert _checked(native_C, [t], flat, [0]) and flat[:2].tolist() == [3, 3]
+    t.data = torch.full((8,), 9.0)[::2]                  # not contiguous: declined
+    before = flat.clone()
+    assert _checked(native_C, [t], flat, [0]) is False and torch.equal(flat, before)
+    t.data = torch.full((9,), 1.0)                       # too long for flat: declined
+    assert _checked(native_C, [t], flat, [0]) is False and torch.equal(flat, before)
