@@ -43,7 +43,8 @@ struct FastTensor {
   PyObject* bfloat16 = nullptr;
   PyObject* float16 = nullptr;
   PyObject* no_args = nullptr;  // ()
-  // The stable C shim (ShimFns below); shim_ok false where any part of it is missing here.
+  // The stable C shim ([Note: tensor fields through the stable C shim] below); shim_ok is
+  // false where any part of it is missing here or its check against the getters failed.
   bool shim_ok = false;
   PyGetSetDef* cdata = nullptr;            // TensorBase._cdata: the TensorImpl's address
   PyObject* mode_enabled = nullptr;        // torch._C._is_torch_function_mode_enabled
@@ -177,7 +178,7 @@ inline int read_shim(const FastTensor& ft, PyObject* obj, bool want_dim, FastFie
     PyErr_Clear();
     return -1;
   }
-  void* tensor = &impl;  // an at::Tensor: one pointer to its TensorImpl (see the note above)
+  void* tensor = &impl;  // an at::Tensor: one pointer to its TensorImpl (see the note below)
   int32_t device = -1, dtype = -1;
   bool contiguous = false;
   if (ft.shim_device_type(tensor, &device) != 0) return -1;
@@ -196,7 +197,7 @@ inline int read_shim(const FastTensor& ft, PyObject* obj, bool want_dim, FastFie
 }
 
 // Whether this call may read through the shim: it is there and checked, and no torch-function
-// mode is active (a mode would see the getters' reads; see the note above). Once per call.
+// mode is active (a mode would see the getters' reads; see the note below). Once per call.
 inline bool use_shim(const FastTensor& ft) {
   if (!ft.shim_ok) return false;
   PyObject* r = PyObject_CallNoArgs(ft.mode_enabled);
