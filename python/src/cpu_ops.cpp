@@ -175,6 +175,18 @@ std::string copy_segments(const py::object& tensors, const py::object& flat,
 }
 
 
+// What every checked fast path asks first: the tensor reader resolved, ZKERNELS_BACKEND
+// allowing cpp (with obey_env) and ZKERNELS_CPU_ISA valid. Fills the ISA asked for and whether
+// this call reads through the shim (tensor_fast.h's use_shim); false: decline the call.
+bool fast_call_open(const zk::py_binding::FastTensor& ft, bool obey_env, zk::cpu::Isa* wanted,
+                    bool* shim) {
+  if (!ft.ok) return false;
+  if (obey_env && !env_allows_cpp()) return false;
+  if (!env_isa(wanted)) return false;
+  *shim = zk::py_binding::use_shim(ft);
+  return true;
+}
+
 // [Note: checked fast path of the copy ops]
 // On one thread at 256K elements in 32 tensors, flatten's copy takes ~23 us and torch.cat
 // spends ~4.5 us on everything else (~0.11 us a tensor in C++). The checked Python path
@@ -198,15 +210,13 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
                   double scale, bool fp32_route, int num_threads, bool obey_env,
                   bool whole_flat) {
   const zk::py_binding::FastTensor& ft = zk::py_binding::fast_tensor();
-  if (!ft.ok) return false;
-  if (obey_env && !env_allows_cpp()) return false;
   zk::cpu::Isa wanted;
-  if (!env_isa(&wanted)) return false;
+  bool shim = false;
+  if (!fast_call_open(ft, obey_env, &wanted, &shim)) return false;
   if (!PyList_CheckExact(tensors) && !PyTuple_CheckExact(tensors)) return false;
   const Py_ssize_t count = PySequence_Fast_GET_SIZE(tensors);
   PyObject** items = PySequence_Fast_ITEMS(tensors);
   if (count == 0) return false;
-  const bool shim = zk::py_binding::use_shim(ft);
   PyObject** offs = nullptr;
   if (offsets != Py_None) {
     if (!PyList_CheckExact(offsets) && !PyTuple_CheckExact(offsets)) return false;
@@ -268,11 +278,9 @@ bool copy_checked(PyObject* tensors, PyObject* flat, PyObject* offsets, bool to_
 bool unscale_checked(PyObject* x, PyObject* inv_scale, PyObject* found_inf, int num_threads,
                      bool obey_env) {
   const zk::py_binding::FastTensor& ft = zk::py_binding::fast_tensor();
-  if (!ft.ok) return false;
-  if (obey_env && !env_allows_cpp()) return false;
   zk::cpu::Isa wanted;
-  if (!env_isa(&wanted)) return false;
-  const bool shim = zk::py_binding::use_shim(ft);
+  bool shim = false;
+  if (!fast_call_open(ft, obey_env, &wanted, &shim)) return false;
   zk::py_binding::FastFields t, f, s;
   if (!zk::py_binding::exact_tensor(ft, x) ||
       !zk::py_binding::read_fast(ft, x, false, &t, shim) ||

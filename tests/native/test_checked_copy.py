@@ -17,9 +17,10 @@ from torch.overrides import TorchFunctionMode
 
 from zkernels import ops, reference
 from zkernels.layout import FlatLayout
+from tests.native._copy_checks import (FLOATS, bucket_pack_unpack_bit_exact,
+                                       flatten_unflatten_bit_exact, values)
 from tests.ops._util import assert_bits_equal, awkward_values
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 NUMELS = [0, 1, 17, 4097, 16_385, 40_009]
 
 
@@ -50,10 +51,6 @@ def reads(request, native_C):
         yield request.param
 
 
-def _values(numels, dtype, seed=0):
-    return [awkward_values(n, "cpu", seed=seed + i).to(dtype) for i, n in enumerate(numels)]
-
-
 def _checked(native_C, tensors, flat, offsets=None, to_flat=True, scale=1.0, fp32_route=False,
              threads=1, obey_env=True, whole_flat=False):
     return native_C.cpu_copy_checked(tensors, flat, offsets, to_flat, scale, fp32_route, threads,
@@ -65,39 +62,19 @@ def _checked(native_C, tensors, flat, offsets=None, to_flat=True, scale=1.0, fp3
 def test_public_copy_ops_bit_exact_on_every_path(isa, native_C, reads, src, dst):
     """ops.flatten / unflatten / bucket_pack / bucket_unpack (fast path taken: checked by
     calling it directly first) against the reference, NaN payloads as tests/native."""
-    ts = _values(NUMELS, src)
+    ts = values(NUMELS, src)
     layout = FlatLayout.build(NUMELS, world_size=3, align=8)
     flat = torch.full((layout.padded_numel,), 5.0, dtype=dst)
-    assert _checked(native_C, ts, flat.clone(), list(layout.offsets))
-    expected = flat.clone()
-    reference.flatten(ts, out=expected, offsets=layout.offsets)
-    assert ops.flatten(ts, out=flat, offsets=layout.offsets) is flat
-    assert_bits_equal(flat, expected, nan_payload=src in (torch.float32, dst))
-    outs = [torch.full((n,), 3.0, dtype=src) for n in NUMELS]
-    exp_outs = [o.clone() for o in outs]
-    reference.unflatten(flat, out=exp_outs, offsets=layout.offsets)
-    ops.unflatten(flat, out=outs, offsets=layout.offsets)
-    for o, e in zip(outs, exp_outs):
-        assert_bits_equal(o, e, nan_payload=dst in (torch.float32, src))
+    assert _checked(native_C, ts, flat, list(layout.offsets))
+    flatten_unflatten_bit_exact(ops, ts, layout, dst)
     for scale in (1.0, 0.125):
-        bucket = torch.full((layout.padded_numel,), 11.0, dtype=dst)
-        expected = bucket.clone()
-        reference.bucket_pack(ts, expected, layout.offsets, scale=scale)
-        assert ops.bucket_pack(ts, bucket, layout.offsets, scale=scale) is bucket
-        nan_bits = src == torch.float32 and (scale != 1.0 or dst != src)
-        assert_bits_equal(bucket, expected, nan_bits)
-        outs = [torch.full((n,), 2.0, dtype=src) for n in NUMELS]
-        exp_outs = [o.clone() for o in outs]
-        reference.bucket_unpack(bucket, exp_outs, layout.offsets, scale=scale)
-        assert ops.bucket_unpack(bucket, outs, layout.offsets, scale=scale) is outs
-        for o, e in zip(outs, exp_outs):
-            assert_bits_equal(o, e, dst == torch.float32 and (scale != 1.0 or dst != src))
+        bucket_pack_unpack_bit_exact(ops, ts, layout, dst, scale)
 
 
 def test_back_to_back_and_threads(native_C):
     """offsets=None places tensors back to back; 1 and 2 threads (600K elements: really two)
     give the same bits."""
-    ts = _values([560_001, 5, 40_000], torch.float32, seed=4)
+    ts = values([560_001, 5, 40_000], torch.float32, seed=4)
     results = []
     for threads in (1, 2):
         flat = torch.zeros(600_006, dtype=torch.bfloat16)
@@ -110,7 +87,7 @@ def test_back_to_back_and_threads(native_C):
 
 
 def test_opset_takes_the_fast_path_only_where_it_chose_cpp(native_C, monkeypatch):
-    ts = _values([33, 4097], torch.float32, seed=9)
+    ts = values([33, 4097], torch.float32, seed=9)
     cpp = ops.for_device("cpu", "cpp")
     ref = ops.for_device("cpu", "reference")
     assert cpp._fast["bucket_pack"] and not any(ref._fast.values())

@@ -8,61 +8,27 @@ import torch
 
 from zkernels import _cpu, reference
 from zkernels.layout import FlatLayout
+from tests.native._copy_checks import (FLOATS, bucket_pack_unpack_bit_exact,
+                                       flatten_unflatten_bit_exact, values)
 from tests.ops._util import assert_bits_equal, awkward_values, integer_values, special_values
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Not multiples of any vector width or of the 16K-element OpenMP tile; empty ones too.
 NUMELS = [0, 1, 7, 15, 17, 33, 4097, 16_383, 16_385, 0, 40_009]
-
-
-def _values(numels, dtype, seed=0):
-    return [awkward_values(n, "cpu", seed=seed + i).to(dtype) for i, n in enumerate(numels)]
-
-
-def _nan_bits_defined(src, dst, scale, fp32_route):
-    # As tests/ops: NaN bits are defined for fp32 sources that are scaled or cast (PyTorch's
-    # own upcasts of bf16/fp16 NaN differ between its vector body and scalar tail); a same-dtype
-    # bucket copy at scale 1 keeps NaN bits where the reference's .mul(1.0) quiets sNaN.
-    if src != torch.float32:
-        return False
-    return scale != 1.0 or dst != src or not fp32_route
 
 
 @pytest.mark.parametrize("src", FLOATS)
 @pytest.mark.parametrize("dst", FLOATS)
 def test_flatten_unflatten_bit_exact(isa, src, dst):
-    ts = _values(NUMELS, src)
-    layout = FlatLayout.build(NUMELS, world_size=3, align=8)
-    flat = torch.full((layout.padded_numel,), 5.0, dtype=dst)
-    expected = flat.clone()
-    reference.flatten(ts, out=expected, offsets=layout.offsets)
-    assert _cpu.flatten(ts, out=flat, offsets=layout.offsets) is flat
-    assert_bits_equal(flat, expected, nan_payload=src in (torch.float32, dst))
-    outs = [torch.full((n,), 3.0, dtype=src) for n in NUMELS]
-    exp_outs = [o.clone() for o in outs]
-    reference.unflatten(flat, out=exp_outs, offsets=layout.offsets)
-    _cpu.unflatten(flat, out=outs, offsets=layout.offsets)
-    for o, e in zip(outs, exp_outs):
-        assert_bits_equal(o, e, nan_payload=dst in (torch.float32, src))
+    flatten_unflatten_bit_exact(_cpu, values(NUMELS, src),
+                                FlatLayout.build(NUMELS, world_size=3, align=8), dst)
 
 
 @pytest.mark.parametrize("src", FLOATS)
 @pytest.mark.parametrize("dst", FLOATS)
 @pytest.mark.parametrize("scale", [1.0, 0.125, 3.0])
 def test_bucket_pack_unpack_bit_exact(isa, src, dst, scale):
-    ts = _values(NUMELS, src, seed=3)
-    layout = FlatLayout.build(NUMELS, world_size=4, align=8)
-    bucket = torch.full((layout.padded_numel,), 11.0, dtype=dst)
-    expected = bucket.clone()
-    reference.bucket_pack(ts, expected, layout.offsets, scale=scale)
-    assert _cpu.bucket_pack(ts, bucket, layout.offsets, scale=scale) is bucket
-    assert_bits_equal(bucket, expected, _nan_bits_defined(src, dst, scale, True))
-    outs = [torch.full((n,), 2.0, dtype=src) for n in NUMELS]
-    exp_outs = [o.clone() for o in outs]
-    reference.bucket_unpack(bucket, exp_outs, layout.offsets, scale=scale)
-    assert _cpu.bucket_unpack(bucket, outs, layout.offsets, scale=scale) is outs
-    for o, e in zip(outs, exp_outs):
-        assert_bits_equal(o, e, _nan_bits_defined(dst, src, scale, True))
+    bucket_pack_unpack_bit_exact(_cpu, values(NUMELS, src, seed=3),
+                                 FlatLayout.build(NUMELS, world_size=4, align=8), dst, scale)
 
 
 @pytest.mark.parametrize("src", FLOATS)
@@ -143,7 +109,7 @@ def test_paths_and_threads_agree_bit_for_bit(native_C):
     # 670K elements: two threads really split the copies (one per 256K elements, see
     # [Note: when the list ops go parallel] in csrc/cpu_ops/cpu_ops.cpp).
     numels = [600_007, 5, 70_001]
-    ts = _values(numels, torch.float32, seed=8)
+    ts = values(numels, torch.float32, seed=8)
     layout = FlatLayout.build(numels, world_size=2, align=8)
     results = []
     for isa in ("scalar", "avx2", "avx512"):

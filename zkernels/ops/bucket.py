@@ -9,10 +9,6 @@ from . import _checks, _fast
 from ._backend import Resolve, implementation
 
 
-# Scales the fast path takes as they are (anything else goes through _scale's check).
-_PLAIN_SCALE = (float, int)
-
-
 def _scale(scale) -> float:
     if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
@@ -23,8 +19,7 @@ def bucket_pack(tensors: Sequence[torch.Tensor], bucket: torch.Tensor, offsets: 
                 scale: float = 1.0) -> torch.Tensor:
     """Place gradients into a rank-aligned bucket, cast and scaled, in one launch. See
     :func:`zkernels.reference.bucket_pack`."""
-    if type(scale) in _PLAIN_SCALE and _fast.copy(tensors, bucket, offsets, True, scale, True,
-                                                  True):
+    if _fast.bucket_pack(tensors, bucket, offsets, scale, True):
         return bucket
     return _bucket_pack(implementation, tensors, bucket, offsets, scale=scale)
 
@@ -46,8 +41,7 @@ def bucket_unpack(bucket: torch.Tensor, outs: Sequence[torch.Tensor], offsets: S
                   scale: float = 1.0) -> Sequence[torch.Tensor]:
     """Copy slices of a bucket back into tensors, scaled and cast, in one launch. See
     :func:`zkernels.reference.bucket_unpack`."""
-    if type(scale) in _PLAIN_SCALE and _fast.copy(outs, bucket, offsets, False, scale, True,
-                                                  True):
+    if _fast.bucket_unpack(bucket, outs, offsets, scale, True):
         return outs
     return _bucket_unpack(implementation, bucket, outs, offsets, scale=scale)
 

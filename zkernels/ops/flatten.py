@@ -15,8 +15,7 @@ def flatten(tensors: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = No
             offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Copy ``tensors`` into one flat buffer in one launch. See
     :func:`zkernels.reference.flatten` for the arguments."""
-    if out is not None and dtype is None and _fast.copy(tensors, out, offsets, True, 1.0, False,
-                                                        True):
+    if _fast.flatten(tensors, out, dtype, offsets, True):
         return out
     return _flatten(implementation, tensors, out=out, dtype=dtype, offsets=offsets)
 
@@ -49,8 +48,7 @@ def unflatten(flat: torch.Tensor, shapes: Optional[Sequence[Sequence[int]]] = No
               offsets: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     """Views of ``flat`` (``shapes=``), or a one-launch copy into existing tensors (``out=``).
     See :func:`zkernels.reference.unflatten`."""
-    if shapes is None and out is not None and _fast.copy(out, flat, offsets, False, 1.0, False,
-                                                         True):
+    if _fast.unflatten(flat, shapes, out, offsets, True):
         return list(out)
     return _unflatten(implementation, flat, shapes, out=out, offsets=offsets)
 

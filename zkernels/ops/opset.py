@@ -19,7 +19,7 @@ import torch
 
 from . import _fast
 from .adamw import _adamw_step, _sum_squares
-from .bucket import _PLAIN_SCALE, _bucket_pack, _bucket_unpack
+from .bucket import _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
 from ._backend import BACKENDS, _module, _say_once, forced_backend, resolve_backend
@@ -59,32 +59,29 @@ class OpSet:
         return self._fns[op]
 
     def flatten(self, tensors, *, out=None, dtype=None, offsets=None):
-        if out is not None and dtype is None and self._fast["flatten"] and \
-                _fast.copy(tensors, out, offsets, True, 1.0, False, False):
+        if self._fast["flatten"] and _fast.flatten(tensors, out, dtype, offsets, False):
             return out
         return _flatten(self._resolve, tensors, out=out, dtype=dtype, offsets=offsets)
 
     def unflatten(self, flat, shapes=None, *, out=None, offsets=None):
-        if shapes is None and out is not None and self._fast["unflatten"] and \
-                _fast.copy(out, flat, offsets, False, 1.0, False, False):
+        if self._fast["unflatten"] and _fast.unflatten(flat, shapes, out, offsets, False):
             return list(out)
         return _unflatten(self._resolve, flat, shapes, out=out, offsets=offsets)
 
     def bucket_pack(self, tensors, bucket, offsets, *, scale=1.0):
-        if type(scale) in _PLAIN_SCALE and self._fast["bucket_pack"] and \
-                _fast.copy(tensors, bucket, offsets, True, scale, True, False):
+        if self._fast["bucket_pack"] and _fast.bucket_pack(tensors, bucket, offsets, scale,
+                                                           False):
             return bucket
         return _bucket_pack(self._resolve, tensors, bucket, offsets, scale=scale)
 
     def bucket_unpack(self, bucket, outs, offsets, *, scale=1.0):
-        if type(scale) in _PLAIN_SCALE and self._fast["bucket_unpack"] and \
-                _fast.copy(outs, bucket, offsets, False, scale, True, False):
+        if self._fast["bucket_unpack"] and _fast.bucket_unpack(bucket, outs, offsets, scale,
+                                                               False):
             return outs
         return _bucket_unpack(self._resolve, bucket, outs, offsets, scale=scale)
 
     def cast(self, x, dtype=None, *, out=None):
-        if out is not None and dtype is None and self._fast["cast"] and \
-                _fast.copy((x,), out, None, True, 1.0, False, False, True):
+        if self._fast["cast"] and _fast.cast(x, dtype, out, False):
             return out
         return _cast(self._resolve, x, dtype, out=out)
 

@@ -154,15 +154,7 @@ class FullGradReducer:
         self._handles: List = []
         self._reset_round()
         self._attach(zero_foreign=True)
-        this = weakref.ref(self)
-
-        def hook(p: torch.Tensor) -> None:
-            reducer = this()
-            if reducer is not None:
-                reducer._hook(p)
-
-        handles = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
-        weakref.finalize(self, _remove_all, handles)
+        _hook_params(self, buckets)
 
     def _reset_round(self) -> None:
         self._seen = [set() for _ in self._buckets]
@@ -307,14 +299,7 @@ class ShardedGradReducer:
             comm, [b.layout.padded_numel for b in buckets], [b.shard_slice for b in buckets],
             [len(b.params) for b in buckets], precision.reduce_dtype, dev,
             policy.num_reduce_buffers(len(buckets), num_groups), on_reduced)
-
-        def hook(p: torch.Tensor) -> None:
-            reducer = this()
-            if reducer is not None:
-                reducer._hook(p)
-
-        handles = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
-        weakref.finalize(self, _remove_all, handles)
+        _hook_params(self, buckets)
 
     def _hook(self, p: torch.Tensor) -> None:
         if not self.sync or p.grad is None:
@@ -376,6 +361,21 @@ class ShardedGradReducer:
 
     def held_buffers(self) -> List[torch.Tensor]:
         return self._rs.buffers
+
+
+def _hook_params(reducer, buckets: Sequence[FlatParamUnit]) -> None:
+    """A post-accumulate-grad hook on every parameter of ``buckets`` that calls
+    ``reducer._hook(p)``. The hooks hold the reducer weakly and are removed when it is
+    collected, so a dropped optimizer leaves no hooks behind on the model."""
+    this = weakref.ref(reducer)
+
+    def hook(p: torch.Tensor) -> None:
+        alive = this()
+        if alive is not None:
+            alive._hook(p)
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
+    weakref.finalize(reducer, _remove_all, handles)
 
 
 def _remove_all(handles) -> None:
