@@ -17,7 +17,8 @@ from torch.optim.lr_scheduler import LambdaLR
 import zkernels as zk
 from zkernels.zero import LossScaleConfig
 from tests.conftest import tol
-from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, chunk, clone_model,
+from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, assert_step_close,
+                                 chunk, clone_model,
                                  make_batches, make_model, run_checks, reference_grads,
                                  split_groups, world_mean)
 
@@ -125,7 +126,7 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
         torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
                                    **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
         with opt.gathered():  # stage 3: full parameters only inside
-            assert_params_close(model, ref, step, **tol(torch.float32))
+            assert_step_close(model, ref, step, **tol(torch.float32))
     assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
     if clip is not None:
         assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
