@@ -110,6 +110,9 @@ def test_model_input_counts_tied_weights_once_and_units():
     assert e3.gathered_peak_bytes == 2 * (root + 2 * blk)   # the root and two blocks
     # One reduce buffer per unit in flight (two), each the largest unit, fp32.
     assert e3.buffers_bytes == 2 * 4 * max(blk, root)
+    # ... held only while gradients are in flight: between steps stage 3 holds its formula
+    assert e3.held_buffers_bytes == 0
+    assert e3.held_device_bytes == e3.device_bytes - e3.transient_bytes - e3.buffers_bytes
 
 
 @pytest.mark.parametrize("kwargs, match", [

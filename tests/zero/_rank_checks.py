@@ -127,7 +127,13 @@ def fp32_parity(rank, ws, *, stage, steps=10, micro=1, clip=None, groups=False, 
                                    **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
         with opt.gathered():  # stage 3: full parameters only inside
             assert_step_close(model, ref, step, **tol(torch.float32))
-    assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
+    if stage == 3:  # reduce buffers only while gradients are in flight, never more than the rule
+        rule = opt.policy.num_reduce_buffers(len(opt.units), len(opt.param_groups))
+        limit = rule * max(u.layout.padded_numel for u in opt.units) * 4
+        peak = opt.stats()["step_peak_bytes"]["buffers"]
+        assert opt.reducer.held_buffers() == [] and 0 < peak <= limit, (peak, limit)
+    else:
+        assert len(opt.reducer.held_buffers()) == num_buffers, "the reduce pool must not grow"
     if clip is not None:
         assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
     if frozen:

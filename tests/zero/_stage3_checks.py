@@ -213,15 +213,21 @@ def traffic_and_memory(rank, ws, *, reshard, param_dtype=None):
     else:
         assert g["peak_gathered_bytes"] == padded * pel, g
     mem = st["memory_bytes"]
+    # Between steps: the shards and nothing else (the reduce buffers live only while
+    # gradients are in flight: [Note: transient reduce buffers]).
     expected = {"params": shard * pel, "grads": shard * 4,
                 "master": shard * 4 if param_dtype is not None else 0,
-                "optimizer_states": shard * 8,
-                "buffers": 2 * max(u.layout.padded_numel for u in opt.units) * rel}
+                "optimizer_states": shard * 8, "buffers": 0}
     expected["total"] = sum(expected.values())
     assert mem == expected, (mem, expected)
+    assert opt.reducer.held_buffers() == []
     design = psi * (16 if param_dtype is None else 18) / ws  # bf16: 2 + 4 (grad fp32) + 12
-    held = mem["total"] - mem["buffers"]
-    assert abs(held - design) <= 0.02 * design, (held, design)
+    assert abs(mem["total"] - design) <= 0.02 * design, (mem["total"], design)
+    # The step's peak: the two unit-sized reduce buffers and the gathered units beside it.
+    peak = st["step_peak_bytes"]
+    buffers = 2 * max(u.layout.padded_numel for u in opt.units) * rel
+    assert peak == {"buffers": buffers, "gathered_params": g["peak_gathered_bytes"],
+                    "total": mem["total"] + buffers + g["peak_gathered_bytes"]}, peak
     return {"comm": comm, "memory": mem, "psi": psi, "gather": g}
 
 

@@ -111,8 +111,10 @@ def test_weight_shared_across_units_is_hoisted_to_the_root():
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
 def test_estimate_matches_stats_stage3(param_dtype):
-    """estimate_memory(model, stage=3) against stats(): every kind within 2% (padding), the
-    gathered peak under the estimate's transient (the prefetch bound)."""
+    """estimate_memory(model, stage=3) against stats(): every kind held between steps within
+    2% (padding; no reduce buffer is held then), the step's peak buffers against the
+    estimate's buffers, the gathered peak under the estimate's transient (the prefetch bound),
+    the measured peak total under the estimate's device_bytes."""
     torch.set_num_threads(1)
     model = make_model()
     est = zk.estimate_memory(make_model(), 1, 3, param_dtype=param_dtype)
@@ -122,11 +124,16 @@ def test_estimate_matches_stats_stage3(param_dtype):
     opt.step()
     st = opt.stats()
     mem = st["memory_bytes"]
-    for kind in ("params", "grads", "master", "optimizer_states", "buffers"):
+    for kind in ("params", "grads", "master", "optimizer_states", "held_buffers"):
         want = getattr(est, f"{kind}_bytes")
-        assert abs(mem[kind] - want) <= 0.02 * max(want, 1), (kind, mem, est)
+        got = mem[kind.replace("held_", "")]
+        assert abs(got - want) <= 0.02 * max(want, 1), (kind, mem, est)
+    assert mem["buffers"] == est.held_buffers_bytes == 0
+    peak = st["step_peak_bytes"]
+    assert abs(peak["buffers"] - est.buffers_bytes) <= 0.02 * est.buffers_bytes, (peak, est)
     assert st["gather"]["limit_bytes"] <= 1.02 * est.transient_bytes
     assert abs(mem["total"] - est.held_device_bytes) <= 0.02 * est.held_device_bytes
+    assert mem["total"] < peak["total"] <= 1.02 * est.device_bytes, (peak, est.device_bytes)
 
 
 def test_a_backward_that_raises_leaves_nothing_gathered():

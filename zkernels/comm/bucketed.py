@@ -32,6 +32,8 @@ class BucketedReduceScatter:
         num_members: members each bucket waits for before it may launch.
         dtype, device: of the reduce buffers.
         num_buffers: buffers in the pool (see ``zkernels.zero.policy.num_reduce_buffers``).
+        transient_buffers: the buffers live only while a round is filling or in flight
+            ([Note: transient reduce buffers] in ``reduce_pool.py``).
         on_reduced: ``on_reduced(bucket_index, shard)`` receives each bucket's reduced shard
             (a view into the buffer, valid only during the call); it may return a fence that
             must be waited before the buffer is reused (see ``ReducePool``).
@@ -39,7 +41,8 @@ class BucketedReduceScatter:
 
     def __init__(self, comm: Comm, numels: Sequence[int], shards: Sequence[slice],
                  num_members: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 num_buffers: int, on_reduced: Callable[[int, torch.Tensor], None]) -> None:
+                 num_buffers: int, on_reduced: Callable[[int, torch.Tensor], None],
+                 transient_buffers: bool = False) -> None:
         if not (len(numels) == len(shards) == len(num_members)) or not numels:
             raise ValueError("numels, shards and num_members must describe the same, non-empty, "
                              "list of buckets")
@@ -47,7 +50,8 @@ class BucketedReduceScatter:
         self._shards = list(shards)
         self._num_members = list(num_members)
         self._on_reduced = on_reduced
-        self._pool = ReducePool(comm, max(self._numels), dtype, device, num_buffers)
+        self._pool = ReducePool(comm, max(self._numels), dtype, device, num_buffers,
+                                transient=transient_buffers)
         self._reset_round()
 
     @property
@@ -56,8 +60,12 @@ class BucketedReduceScatter:
 
     @property
     def buffers(self) -> List[torch.Tensor]:
-        """The pool's reduce buffers (for memory accounting)."""
+        """The pool's reduce buffers held now (for memory accounting)."""
         return list(self._pool.buffers)
+
+    def take_peak_bytes(self) -> int:
+        """The most reduce-buffer bytes held at once since the last call."""
+        return self._pool.take_peak()
 
     def _reset_round(self) -> None:
         self._bufs: List[Optional[torch.Tensor]] = [None] * len(self._numels)
@@ -117,8 +125,10 @@ class BucketedReduceScatter:
         self._reset_round()
 
     def drain(self) -> None:
-        """Finish every reduction in flight (their ``on_reduced`` run)."""
+        """Finish every reduction in flight (their ``on_reduced`` run); a transient pool then
+        gives its buffers back unless a bucket of a new round is filling."""
         self._pool.drain()
+        self._pool.trim()
 
     def discard(self) -> None:
         """Drop the round: finish what is in flight, release filled buffers unlaunched."""
@@ -127,3 +137,4 @@ class BucketedReduceScatter:
             if buf is not None:
                 self._pool.release(buf)
         self._reset_round()
+        self._pool.trim()

@@ -17,7 +17,7 @@ G = number of param groups, U = elements of stage 3's largest unit (a block; see
     grads             pΨ              pΨ             gΨ/N           gΨ/N
     master            4Ψ (mixed)      4Ψ/N           4Ψ/N           4Ψ/N
     optimizer_states  8Ψ              8Ψ/N           8Ψ/N           8Ψ/N
-    buffers           0 (2rB if r≠p)  2rB (pooled)   (1 + G)rB      (1 + G)rU
+    buffers           0 (2rB if r≠p)  2rB (pooled)   (1 + G)rB      (1 + G)rU in backward
     transient         0               rΨ/N           0              p·(root + 2 U)
 
 Which kind is sharded at which stage, the transient memory and the number of reduce buffers
@@ -26,15 +26,19 @@ the same entries the optimizer and its gradient strategies are built from.
 
 ``model_states_bytes`` (params + grads + master + optimizer_states) is the ZeRO paper's
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
-2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are held between steps: two bucket-sized reduce buffers
+2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are the reduce buffers at the step's peak; stages 1-2 hold
+them between steps too, stage 3 only while gradients are in flight (``held_buffers_bytes``:
+0, so between steps stage 3 holds its formula and nothing else, as FSDP2 does). They are two
+bucket-sized reduce buffers
 (one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
 bucket may wait for another group's), never more than there are buckets (a model that fits in
 one bucket per group needs one buffer per group, counted as max(ceil(Ψ/B), G)); stage 1 needs them only when the gradient must be cast or
 pre-divided before reduction (r != p, or fp16), else it reduce-scatters its flat gradient in
 place. ``transient`` memory lives only inside a step: stage 1's reduced gradient shards during
 ``step()``, stage 3's gathered units (the layer computing and the one prefetched).
-``device_bytes`` counts both (the peak that must fit); ``held_device_bytes`` counts what is held
-between steps (what ``ZeroOptimizer.stats()`` measures). Data parallel means DDP with
+``device_bytes`` counts both (the peak that must fit: ``stats()["step_peak_bytes"]``
+measures it); ``held_device_bytes`` counts what is held between steps (what
+``ZeroOptimizer.stats()["memory_bytes"]`` measures). Data parallel means DDP with
 ``gradient_as_bucket_view=True``: its buckets are the gradients, so no buffer is counted, unless
 an explicit ``reduce_dtype`` differs from the gradients' (a comm hook casting each bucket: two
 bucket buffers, as at stage 1).
@@ -146,9 +150,17 @@ class MemoryEstimate:
         return self.transient_bytes if stage_policy(self.stage).shards_params else 0
 
     @property
+    def held_buffers_bytes(self) -> int:
+        """Reduce-buffer bytes held between steps: ``buffers_bytes`` at stages 0-2, 0 at
+        stage 3 (its buffers live only while gradients are in flight)."""
+        return self.buffers_bytes if stage_policy(self.stage).holds_reduce_buffers else 0
+
+    @property
     def held_device_bytes(self) -> int:
-        """Device bytes held between steps: the peak less the transient memory."""
-        return self.device_bytes - self.transient_bytes
+        """Device bytes held between steps: the peak (``device_bytes``) less the transient
+        memory and the reduce buffers not held between steps."""
+        return self.device_bytes - self.transient_bytes - \
+            (self.buffers_bytes - self.held_buffers_bytes)
 
     @property
     def name(self) -> str:

@@ -71,6 +71,10 @@ class GradReducer(Protocol):
     def held_buffers(self) -> List[torch.Tensor]:
         """Reduce/comm scratch buffers held (for ``stats()``)."""
 
+    def take_buffer_peak(self) -> int:
+        """The most reduce-buffer bytes held at once since the last call (for ``stats()``'s
+        peak)."""
+
 
 class GradSink(Protocol):
     """Where stage 2's reduced gradient shards go as each bucket's reduce-scatter finishes."""
@@ -256,6 +260,9 @@ class FullGradReducer:
     def held_buffers(self) -> List[torch.Tensor]:
         return list(self._pool.buffers) if self._pool is not None else []
 
+    def take_buffer_peak(self) -> int:
+        return self._pool.take_peak() if self._pool is not None else 0
+
 
 class ShardedGradReducer:
     """Stage 2: a post-accumulate-grad hook packs each gradient (times 1/N, cast to the reduce
@@ -298,7 +305,8 @@ class ShardedGradReducer:
         self._rs = BucketedReduceScatter(
             comm, [b.layout.padded_numel for b in buckets], [b.shard_slice for b in buckets],
             [len(b.params) for b in buckets], precision.reduce_dtype, dev,
-            policy.num_reduce_buffers(len(buckets), num_groups), on_reduced)
+            policy.num_reduce_buffers(len(buckets), num_groups), on_reduced,
+            transient_buffers=not policy.holds_reduce_buffers)
         _hook_params(self, buckets)
 
     def _hook(self, p: torch.Tensor) -> None:
@@ -361,6 +369,9 @@ class ShardedGradReducer:
 
     def held_buffers(self) -> List[torch.Tensor]:
         return self._rs.buffers
+
+    def take_buffer_peak(self) -> int:
+        return self._rs.take_peak_bytes()
 
 
 def _hook_params(reducer, buckets: Sequence[FlatParamUnit]) -> None:

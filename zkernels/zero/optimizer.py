@@ -314,6 +314,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._overflow_skips = 0
         self._scaled_backward = False
         self._gather_stats = None
+        self._buffer_peak = 0
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_constructing", False):
@@ -368,7 +369,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 comm_device=self._device)
         except NonFiniteGradientError:  # counted as a skipped step, then raised
             self._overflow_skips, self._num_steps = self._overflow_skips + 1, self._num_steps + 1
-            self.meter.close_step()
+            self._close_step()
             raise
         if skip:
             self._overflow_skips += 1
@@ -378,9 +379,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.scaler.update(skip)
         self._scaled_backward = False
         self._num_steps += 1
+        self._close_step()
+        return loss
+
+    def _close_step(self) -> None:
         self.meter.close_step()
         self._gather_stats = self.schedule.close_step() if self.schedule is not None else None
-        return loss
+        self._buffer_peak = self.reducer.take_buffer_peak()
 
     def _update(self, shards, grad_scale) -> None:
         # Forward order (units are in backward order), so the gathers land in the order the
@@ -469,7 +474,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
             None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
-            "total"}, "memory_location_bytes": {"device", "host", "disk"}, "offload": None or
+            "total"}, "step_peak_bytes": {"buffers", "gathered_params", "total"},
+            "memory_location_bytes": {"device", "host", "disk"}, "offload": None or
             {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
             "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
             ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
@@ -484,7 +490,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             compute buffers (and any frozen parameters); grads the stage-1 flat gradient
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
             e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
-            buffers the pooled reduce buffers. Stage 2 keeps its gradient shard in fp32
+            buffers the pooled reduce buffers held now (stage 3 holds them only while
+            gradients are in flight, so 0 between steps: [Note: transient reduce buffers]).
+            ``step_peak_bytes`` is the last step's peak beside that: the most reduce-buffer
+            bytes held at once and stage 3's most gathered parameter bytes at once (0 below
+            stage 3), and ``total``, what is held now plus what lived only inside the step
+            (the peak ``estimate_memory``'s ``device_bytes`` predicts; stage 1's reduced
+            shards during ``step()`` are not measured). Stage 2 keeps its gradient shard in fp32
             whatever the reduce dtype, so bf16 stage 2 holds 2Ψ + 16Ψ/N, not DESIGN.md's
             2Ψ + 14Ψ/N.
         """
@@ -499,9 +511,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload = None
         if self.offload is not None:
             offload = {"kind": self.offload, **where, **upd.last_step}
+        gathered = self._gather_stats["peak_gathered_bytes"] if self._gather_stats else 0
+        transient = max(0, self._buffer_peak - mem["buffers"]) + gathered
+        peak = {"buffers": self._buffer_peak, "gathered_params": gathered,
+                "total": mem["total"] + transient}
         out = {"step": self._num_steps, "overflow_skips": self._overflow_skips,
                "loss_scale": self.scaler.scale if self.scaler is not None else None,
                "comm_bytes": self.meter.last_step(), "memory_bytes": mem,
+               "step_peak_bytes": peak,
                "memory_location_bytes": where, "offload": offload}
         if self.schedule is not None:
             last = self._gather_stats or {"all_gathers": 0, "peak_gathered_bytes": 0}

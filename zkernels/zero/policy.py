@@ -51,6 +51,14 @@ class StagePolicy:
         return "data parallel" if self.stage == 0 else f"stage {self.stage}"
 
     @property
+    def holds_reduce_buffers(self) -> bool:
+        """Whether the reduce buffers are kept between steps (stages 1-2 reuse them every
+        step) or live only while gradients are in flight (stage 3, so that between steps it
+        holds its formula and nothing else, as FSDP2 does; [Note: transient reduce buffers] in
+        ``zkernels/comm/reduce_pool.py``). The peak is the same either way."""
+        return not self.shards_params
+
+    @property
     def gathers_per_step(self) -> int:
         """All-gathers of the parameters per step: 1 after the update (stages 1-2), 2 at stage
         3 (before forward and again before backward), 0 for data parallel."""
