@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 from functools import partial
 
 import torch
@@ -176,12 +175,14 @@ def bf16_parity(rank, ws, *, stage, steps=10):
     key bias has a zero true gradient) into a chaotic drift of a few % of lr within a few
     steps; the backends' own agreement with torch.optim.AdamW is tested in tests/ops and
     tests/native."""
-    os.environ["ZKERNELS_BACKEND"] = "reference"  # a spawned rank process: nothing to restore
     model = make_model()
     master = clone_model(model)
     compute = clone_model(model).to(torch.bfloat16)
+    # The backend is the optimizer's argument, not ZKERNELS_BACKEND: at world size 1 this runs
+    # in the pytest process itself, where a variable set here would leak into every later test.
     opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                           param_dtype=torch.bfloat16, bucket_bytes=SMALL_BUCKET)
+                           param_dtype=torch.bfloat16, bucket_bytes=SMALL_BUCKET,
+                           ops_backend="reference")
     ropt = torch.optim.AdamW(master.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     for step, batch in enumerate(make_batches(steps, ws * MICRO_BATCH)):
