@@ -1,0 +1,143 @@
+"""Frozen parameters: sharded at stage 3 (gathered with their unit, no gradient, no state),
+whole and untouched at stages 1-2; activation checkpointing over frozen layers at every stage;
+LoRA through peft over a transformers Llama; checkpoints across stages and world sizes.
+
+World size 1 runs in this process; world size 2 is one spawn of gloo ranks
+(``_frozen_checks.battery``) reported per check."""
+import io
+
+import pytest
+import torch
+
+import zkernels as zk
+from tests._dist import run_ranks
+from tests.zero import _frozen_checks as fc
+from tests.zero._harness import LR, battery_results, make_model
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def results():
+    return battery_results(fc.CHECKS, fc.battery, timeout=600.0)
+
+
+@pytest.mark.parametrize("check", list(fc.CHECKS))
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_checkpointing_over_frozen_layers(results, world_size, check):
+    error = results(world_size)[check]
+    assert error is None, f"{check} failed at world size {world_size}:\n{error}"
+
+
+def test_lora_at_stage3_holds_a_shard_of_the_frozen_base():
+    """2 gloo ranks: parity with torch.optim.AdamW and bytes per rank within
+    4 * frozen / N + 20 B per trainable parameter + 256 KiB (measured, see
+    ``_frozen_checks.lora_bytes``), below the 4 * frozen bytes of a whole frozen base."""
+    per_rank = run_ranks(fc.lora_parity, 2, timeout=600.0)
+    for rank, lora in enumerate(per_rank):
+        assert lora["bytes"] <= lora["bound"], lora
+        assert lora["bound"] < lora["frozen_whole_bytes"], "the bound must exclude a whole base"
+        print(f"rank {rank}: {lora['bytes']} B held (bound {lora['bound']} B; frozen "
+              f"{lora['frozen']}, trainable {lora['trainable']}): {lora['stats']}")
+
+
+def test_checkpoint_stage3_two_ranks_to_stage1_one_rank_and_back(tmp_path):
+    """Saved at stage 3 on 2 ranks (frozen parameters written from their shards), loaded at
+    stage 1 on one rank, consolidated: every key bit for bit, frozen ones included; then saved
+    at stage 1 on one rank and loaded at stage 3 on 2 ranks (read into the shards), and at
+    stage 3 on one rank."""
+    a = str(tmp_path / "a")
+    states = [_unpack(s) for s in run_ranks(_save3, 2, a, timeout=300.0)]
+    assert all(set(s) == set(states[0]) for s in states)
+    expected = states[0]
+    for k, v in expected.items():
+        assert torch.equal(states[1][k], v), k
+    full = zk.checkpoint.consolidate(a)
+    assert set(full) == set(expected)
+    for k, v in expected.items():
+        assert full[k].dtype == v.dtype and torch.equal(full[k], v), f"consolidate: {k}"
+    assert fc.ckpt_load(0, 1, a, stage=1, expected=expected) == "ok"
+    assert fc.ckpt_load(0, 1, a, stage=3, expected=expected) == "ok"
+
+    b = str(tmp_path / "b")
+    expected = fc.ckpt_save(0, 1, b, stage=1)
+    assert run_ranks(_load3, 2, b, _pack(expected), timeout=300.0) == ["ok", "ok"]
+
+
+# Tensors cross the process boundary as torch.save bytes (a tensor put on a multiprocessing
+# queue lives in the sender's shared memory, gone once the rank exits).
+def _pack(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _unpack(data):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _save3(rank, ws, folder):
+    return _pack(fc.ckpt_save(rank, ws, folder, stage=3))
+
+
+def _load3(rank, ws, folder, expected):
+    return fc.ckpt_load(rank, ws, folder, stage=3, expected=_unpack(expected))
+
+
+def test_frozen_units_structure_stats_and_state_dict():
+    """One process, stage 3: each unit's frozen parameters are one flat unit per dtype (the
+    compute copy: param_dtype for fp32 ones, else their own), outside ``opt.units`` and the
+    optimizer state; ``stats()`` counts their shards as params; ``model.state_dict()`` inside
+    ``gathered()`` (and ``gathered(module=)`` of a frozen block) holds them whole."""
+    model = fc.freeze_layers(make_model())
+    before = fc._frozen(model)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
+    assert {u.compute_dtype for u in opt.frozen_units} == {torch.bfloat16}
+    assert len(opt.shard_update.states) == len(opt.units)
+    assert not any(u.frozen for u in opt.units) and all(u.frozen for u in opt.frozen_units)
+    frozen_numel = sum(v.numel() for v in before.values())
+    shard_numel = sum(u.layout.shard_numel for u in opt.frozen_units)
+    assert frozen_numel <= shard_numel < frozen_numel + 64 * len(opt.frozen_units)
+    trainable_bytes = sum(u.compute_shard.numel() * 2 for u in opt.units)
+    assert opt.stats()["memory_bytes"]["params"] == trainable_bytes + 2 * shard_numel
+    with opt.gathered(module=model.blocks[0]):
+        assert model.blocks[0].fc.weight.dtype == torch.bfloat16
+        torch.testing.assert_close(model.blocks[0].fc.weight,
+                                   before["blocks.0.fc.weight"].bfloat16(), rtol=0, atol=0)
+    assert model.blocks[0].fc.weight.numel() == 0
+    with opt.gathered():
+        sd = model.state_dict()
+        for k, v in before.items():
+            assert torch.equal(sd[k], v.bfloat16()), k
+
+    # No param_dtype: a bf16 frozen parameter keeps its dtype, an fp32 one stays fp32.
+    model = make_model()
+    model.blocks[1].requires_grad_(False)
+    model.blocks[1].fc.to(torch.bfloat16)
+    want = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR)
+    dtypes = sorted(str(u.compute_dtype) for u in opt.frozen_units)
+    assert dtypes == ["torch.bfloat16", "torch.float32"], dtypes
+    with opt.gathered():
+        for n, p in model.named_parameters():
+            if n in want:
+                assert p.dtype == want[n].dtype and torch.equal(p, want[n]), n
+
+
+def test_stages_1_2_keep_frozen_parameters_whole():
+    for stage in (1, 2):
+        model = fc.freeze_layers(make_model())
+        w = model.blocks[0].fc.weight
+        opt = zk.ZeroOptimizer(model, stage=stage, lr=LR)
+        assert opt.frozen_units == [] and model.blocks[0].fc.weight is w
+        assert w.untyped_storage().nbytes() == w.numel() * 4
+
+
+def test_frozen_parameter_elsewhere_is_refused():
+    model = make_model()
+    model.blocks[0].requires_grad_(False)
+    model.blocks[0].fc.to("meta")
+    with pytest.raises(ValueError, match="frozen parameter 'blocks.0.fc.weight' is on the "
+                                         "'meta' device"):
+        zk.ZeroOptimizer(model, stage=3, lr=LR)
