@@ -141,3 +141,15 @@ def test_frozen_parameter_elsewhere_is_refused():
     with pytest.raises(ValueError, match="frozen parameter 'blocks.0.fc.weight' is on the "
                                          "'meta' device"):
         zk.ZeroOptimizer(model, stage=3, lr=LR)
+
+
+def test_a_frozen_block_is_a_unit():
+    """A wholly frozen block is a stage-3 unit like any other, by default and by ``units=``."""
+    model = make_model()
+    model.blocks[0].requires_grad_(False)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR)
+    assert [u.name for u in opt.schedule.units] == ["blocks.0", "blocks.1", "<root>"]
+    model = make_model()
+    model.blocks[1].requires_grad_(False)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, units=[model.blocks[1]])
+    assert [[f.frozen for f in u.flats] for u in opt.schedule.units] == [[True], [False]]
