@@ -153,3 +153,64 @@ def test_a_frozen_block_is_a_unit():
     model.blocks[1].requires_grad_(False)
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR, units=[model.blocks[1]])
     assert [[f.frozen for f in u.flats] for u in opt.schedule.units] == [[True], [False]]
+
+
+@pytest.mark.parametrize("offload, offload_params", [("cpu", False), ("cpu", True),
+                                                     ("nvme", True)])
+def test_offload_with_frozen_shards_is_bit_identical(tmp_path, offload, offload_params):
+    """Stage 3 offload (the frozen shards in host RAM with offload_params) trains bit for bit
+    like stage 3 on the device; the frozen parameters come back whole and unchanged, in
+    ``gathered()`` and through a checkpoint."""
+    def run(**kw):
+        model = fc.freeze_layers(make_model())
+        before = fc._frozen(model)
+        opt = zk.ZeroOptimizer(model, stage=3, lr=LR, **kw)
+        losses = []
+        for batch in fc.make_batches(3, 2):
+            loss = model(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        state = fc.full_state(opt, model)
+        for k, v in before.items():
+            assert torch.equal(state[k], v), k
+        path = str(tmp_path / f"ckpt-{len(kw)}")
+        zk.checkpoint.save(opt, path)
+        full = zk.checkpoint.consolidate(path)
+        for k, v in before.items():
+            assert torch.equal(full[k], v), k
+        opt.close()
+        return losses, state
+
+    losses, state = run()
+    kw = dict(offload=offload, offload_params=offload_params)
+    if offload == "nvme":
+        kw["offload_dir"] = str(tmp_path)
+    got_losses, got = run(**kw)
+    assert got_losses == losses
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_bf16_frozen_shards_round_trip_a_checkpoint(tmp_path):
+    """param_dtype=bf16 at stage 3 keeps frozen shards in bf16: the checkpoint stores those
+    (consolidate returns them in bf16, bit for bit) and a stage-1 fp32 model loads them
+    exactly (bf16 -> fp32 is exact)."""
+    model = fc.freeze_layers(make_model())
+    before = fc._frozen(model)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
+    batch = fc.make_batches(1, 2)[0]
+    model(*batch).backward()
+    opt.step()
+    path = str(tmp_path / "c")
+    zk.checkpoint.save(opt, path)
+    full = zk.checkpoint.consolidate(path)
+    for k, v in before.items():
+        assert full[k].dtype == torch.bfloat16 and torch.equal(full[k], v.bfloat16()), k
+    model2 = fc.freeze_layers(make_model(seed=3))
+    opt2 = zk.ZeroOptimizer(model2, stage=1, lr=LR)
+    zk.checkpoint.load(opt2, path)
+    for n, p in model2.named_parameters():
+        if n in before:
+            assert p.dtype == torch.float32 and torch.equal(p, before[n].bfloat16().float()), n
