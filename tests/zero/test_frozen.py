@@ -214,3 +214,35 @@ def test_bf16_frozen_shards_round_trip_a_checkpoint(tmp_path):
     for n, p in model2.named_parameters():
         if n in before:
             assert p.dtype == torch.float32 and torch.equal(p, before[n].bfloat16().float()), n
+
+
+def test_optimizer_state_dict_carries_the_frozen_shards():
+    """Stage 3's ``opt.state_dict()`` holds the frozen shards (they exist nowhere else): a
+    model built with other frozen values continues bit for bit after ``load_state_dict``; a
+    state without them (or for other units) is refused."""
+    def build(seed):
+        model = fc.freeze_layers(make_model(seed))
+        return model, zk.ZeroOptimizer(model, stage=3, lr=LR)
+
+    model, opt = build(0)
+    batches = fc.make_batches(4, 2)
+    for batch in batches[:2]:
+        model(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    assert sorted(sd["frozen"]) == [u.index for u in opt.frozen_units]
+    model2, opt2 = build(7)
+    opt2.load_state_dict(sd)
+    for batch in batches[2:]:
+        for m, o in ((model, opt), (model2, opt2)):
+            m(*batch).backward()
+            o.step()
+            o.zero_grad()
+    assert fc.full_state(opt, model).keys() == fc.full_state(opt2, model2).keys()
+    for (k, v), w in zip(fc.full_state(opt, model).items(),
+                         fc.full_state(opt2, model2).values()):
+        assert torch.equal(v, w), k
+    bad = dict(sd, frozen={})
+    with pytest.raises(ValueError, match="frozen parameter shards do not match"):
+        opt2.load_state_dict(bad)

@@ -51,8 +51,9 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
     Each rank writes only its own pieces: per trainable parameter, the element range of its
     shard, with the fp32 master values and both AdamW moments (see [Note: the checkpoint
     adapter]), and at stage 3 the values of its frozen parameters' shards ([Note: frozen
-    pieces]); rank 0 also writes the buffers and the frozen parameters of stages 1-2, the step counters, the
-    loss scaler, the hyper-parameters of every param group and ``model_extra``. The folder
+    pieces]); rank 0 also writes the buffers and the frozen parameters of stages 1-2, the
+    step counters, the loss scaler, the hyper-parameters of every param group and
+    ``model_extra``. The folder
     appears at ``path`` only once every rank has finished, replacing any previous checkpoint
     there (see [Note: atomic checkpoint publish]). It loads at any world size and stage.
 

@@ -83,9 +83,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
             (and, with ``param_dtype``, change dtype). Frozen parameters stay as they are at
-            stages 1-2; stage 3 shards them with their unit (no gradient, no state). Stages 2-3 install gradient hooks on them;
-            stage 3 also installs forward hooks on its units, and between uses a parameter has
-            no storage (read it inside ``opt.gathered()``).
+            stages 1-2; stage 3 shards them with their unit (no gradient, no state). Stages
+            2-3 install gradient hooks on them; stage 3 also installs forward hooks on its
+            units, and between uses a parameter has no storage (read it inside
+            ``opt.gathered()``).
         stage: 1, 2, 3 or "auto" (the lowest rung whose estimate fits the device, see
             ``zkernels/zero/auto.py``; logs its choice at INFO). With "auto", ``offload``
             limits the rungs to that kind; left None, CPU offload is offered on a GPU, and
