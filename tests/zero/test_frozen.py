@@ -13,6 +13,7 @@ import zkernels as zk
 from tests._dist import run_ranks
 from tests.zero import _frozen_checks as fc
 from tests.zero._harness import LR, battery_results, make_model
+from tests.zero._stage3_checks import variant
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -246,3 +247,39 @@ def test_optimizer_state_dict_carries_the_frozen_shards():
     bad = dict(sd, frozen={})
     with pytest.raises(ValueError, match="frozen parameter shards do not match"):
         opt2.load_state_dict(bad)
+
+
+# Reentrant checkpointing is left out of "lora_like": torch's reentrant checkpoint computes no
+# gradient through a block whose inputs need none (here: a frozen embedding).
+@pytest.mark.parametrize("ckpt, pattern", [
+    (c, p) for c in (None, "non_reentrant", "reentrant")
+    for p in ("norms", "whole_blocks", "lora_like") if (c, p) != ("reentrant", "lora_like")])
+def test_backward_frees_units_holding_frozen_parameters(ckpt, pattern):
+    """Six blocks: a unit holding frozen parameters is freed during backward once its inputs'
+    gradients are computed (a frozen weight is needed for them after its unit's gradients are
+    in), with or without activation checkpointing, so the gathered bytes never pass the
+    prefetch bound (the root and two blocks), well below the whole model. (Without the
+    input-gradient hooks the peak is the whole model: 378880 B here.)"""
+    from zkernels.demo.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=6, n_embd=32, tie_weights=False))
+    variant(model, tuple(range(6)), ckpt)
+    if pattern == "norms":
+        for blk in model.blocks:
+            blk.ln_1.requires_grad_(False)
+    elif pattern == "whole_blocks":
+        for blk in model.blocks[::2]:
+            blk.requires_grad_(False)
+    else:   # only a bias per block trains, over a frozen embedding, head and final norm
+        model.requires_grad_(False)
+        for blk in model.blocks:
+            blk.attn.bias.requires_grad_(True)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR)
+    total = sum(u.nbytes for u in opt.schedule.units)
+    for batch in fc.make_batches(2, 2):
+        model(*batch).backward()
+        assert opt.schedule.live_bytes() == 0
+        opt.step()
+        opt.zero_grad()
+    gather = opt.stats()["gather"]
+    assert gather["peak_gathered_bytes"] <= gather["limit_bytes"] < total / 2, (gather, total)
