@@ -6,7 +6,6 @@ same-order reference of ``_harness.reference_grads`` (see [Note: same-order refe
 """
 from __future__ import annotations
 
-import os
 import traceback
 from functools import partial
 
