@@ -64,10 +64,15 @@ def _fmt(value: float, unit: int) -> str:
 def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shard_dtype,
                  bucket_bytes: Optional[int],
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
-                 disk_bytes: Optional[int] = None):
-    """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`."""
+                 disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
+                 frozen_dtype=None):
+    """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
+    ``frozen_numel``: with a parameter count, how many of them are frozen (a module counts its
+    own), see [Note: frozen parameters in the estimate] in ``zero/estimate.py``."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes)
+    if frozen_numel is not None:
+        kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
     rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
              for s, o in RUNGS
@@ -111,6 +116,38 @@ def render(rows, choice, unit_name: str = "GB", reduce_dtype=None) -> str:
     return "\n".join(out)
 
 
+def _trainable(text: str) -> float:
+    """``--trainable``: a fraction in (0, 1] (``0.01``, or ``1%``) or a count >= 2 (``4e6``)."""
+    pct = text.endswith("%")
+    try:
+        value = float(text[:-1] if pct else text)
+    except ValueError:
+        value = float("nan")
+    if pct:
+        value /= 100
+    if not (0 < value <= 1 or (not pct and value >= 2 and value == int(value))):
+        raise argparse.ArgumentTypeError(f"must be a fraction of the parameters in (0, 1] "
+                                         f"(0.01 or 1%) or a whole count >= 2 (4e6), got "
+                                         f"{text!r}")
+    return value
+
+
+def frozen_from_trainable(num_params: int, trainable: Optional[float]) -> Optional[int]:
+    """The frozen count ``--trainable`` implies for ``num_params`` parameters (None: all
+    train).
+
+    Raises:
+        ValueError: a count larger than ``num_params``.
+    """
+    if trainable is None:
+        return None
+    count = round(num_params * trainable) if trainable <= 1 else int(trainable)
+    if count > num_params:
+        raise ValueError(f"--trainable {int(trainable):,} exceeds the model's {num_params:,} "
+                         f"parameters")
+    return num_params - max(count, 1)
+
+
 def _headroom(text: str) -> float:
     try:
         value = float(text)
@@ -141,6 +178,13 @@ def parse_args(argv):
                      "model built on the meta device when transformers is installed, else "
                      "from its sizes; nothing is downloaded), or 'module:function' returning "
                      "an nn.Module")
+    ap.add_argument("--trainable", type=_trainable, default=None, help="the parameters that "
+                    "train, as a fraction (0.01 or 1%%) or a count (4e6); the rest are frozen "
+                    "(a LoRA's base: no gradient, no optimizer state; sharded at stage 3). "
+                    "Default: all. A 'module:function' model counts its own (requires_grad)")
+    ap.add_argument("--frozen-dtype", default="fp32", help="dtype the frozen parameters are "
+                    "loaded in (fp32, default; bf16 for a base loaded in bf16): their bytes at "
+                    "data parallel and stages 1-2; stage 3 keeps them in --param-dtype")
     ap.add_argument("--world-size", type=positive_int, required=True, help="ranks N")
     ap.add_argument("--param-dtype", default="bf16", help="compute dtype: bf16 (default), "
                     "fp16, or fp32 (no master copy)")
@@ -177,6 +221,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             model = args.params
         else:
             model, how = load_model_spec(args.model)
+        if args.trainable is not None and not isinstance(model, int):
+            raise ValueError("--trainable applies to --params or a config.json: a "
+                             "'module:function' model's frozen parameters are counted from "
+                             "requires_grad")
+        frozen = frozen_from_trainable(model, args.trainable) if isinstance(model, int) \
+            else None
         if args.paper:
             args.param_dtype = args.reduce_dtype = args.grad_shard_dtype = "fp16"
         pdt = parse_dtype(args.param_dtype, "--param-dtype")
@@ -185,13 +235,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows, choice = ladder_table(
             model, args.world_size, param_dtype=pdt, reduce_dtype=rdt, grad_shard_dtype=gdt,
             bucket_bytes=args.bucket_bytes, device_bytes=args.device_memory,
-            headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk)
+            headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk,
+            frozen_numel=frozen,
+            frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
     e0 = rows[0]
     p, r, g = (_dtype_name(d) for d in (pdt, rdt, gdt))
-    print(f"{e0.num_params:,} params, {args.world_size} ranks, params {p}, grads reduced in "
+    split = f" ({e0.trainable_numel:,} trainable, {e0.frozen_numel:,} frozen: no grads or " \
+        f"states, whole at data parallel and stages 1-2, sharded at stage 3)" \
+        if e0.frozen_numel else ""
+    print(f"{e0.num_params:,} params{split}, {args.world_size} ranks, params {p}, grads reduced in "
           f"{r} on every rung and sharded in {g}, fp32 AdamW"
           f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
@@ -217,6 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(tmp, "w") as f:
             json.dump({"rows": [asdict(e) | {"name": e.name,
                                              "model_states_bytes": e.model_states_bytes,
+                                             "trainable_numel": e.trainable_numel,
                                              "reduce_dtype": r}
                                 for e in rows],
                        "chosen": None if choice is None or isinstance(choice, Exception)

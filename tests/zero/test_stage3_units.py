@@ -44,8 +44,8 @@ def test_units_by_class_and_by_module():
     (lambda m: [Block, m.blocks[1]], "lists module 'blocks.1' twice"),
     (lambda m: [m.blocks[0], m.blocks[0].attn], "'blocks.0.attn' is inside unit 'blocks.0'"),
     (lambda m: [m], "is the model itself"),
-    (lambda m: [m.blocks[0]] if m.blocks[0].requires_grad_(False) else None,
-     "unit 'blocks.0' .* holds no trainable parameter"),
+    (lambda m: [m.blocks[0].add_module("act", nn.Identity()) or m.blocks[0].act],
+     "unit 'blocks.0.act' .* holds no parameter"),
     ([3], r"units\[0\] must be an nn.Module class"),
     ("blocks", "units must be None or a list"),
 ])

@@ -21,8 +21,21 @@ element of its shard to ``(name, start in the parameter)``; its master and momen
 [shard_numel] fp32. Loading writes into those tensors, then hands each state back to the
 update strategy (``load_state``: it rewrites the unit's compute shard from the master, in the
 compute dtype) and lets the unit's gather policy ``publish`` it (stages 1-2: all-gather the
-full buffer; stage 3: drop a stale gathered copy, the next gather reads the new shards). Frozen
-parameters and buffers come from ``opt.module``'s ``state_dict()``.
+full buffer; stage 3: drop a stale gathered copy, the next gather reads the new shards).
+Buffers, and frozen parameters at stages 1-2 (whole on every rank), come from
+``opt.module``'s ``state_dict()``.
+
+[Note: frozen pieces]
+At stage 3 frozen parameters are sharded (``opt.frozen_units``, [Note: frozen parameters at
+stage 3] in ``zkernels/zero/units.py``): each rank saves the pieces of them it holds, like a
+trainable parameter's but with its values only (field "master", in the dtype the shard keeps:
+the parameter's own, or ``param_dtype``) and no moments; the manifest lists them under
+``params`` with ``"frozen": true``, and their ``state_dict`` keys as kind "param". So they
+are written from the shards, read into the shards at any world size, and consolidated into
+the full tensor by the code that does it for trainable ones. A load reads a rank's frozen
+pieces from whichever form the checkpoint holds: such pieces, a whole tensor saved at
+stages 1-2 (kind "frozen"), or a then-trainable parameter's master; a frozen-pieces
+parameter loaded at stages 1-2 fills the whole tensor (``load._load_model_tensors``).
 """
 from __future__ import annotations
 
@@ -60,6 +73,32 @@ class ParamInfo:
         return n
 
 
+@dataclass(frozen=True)
+class FrozenInfo:
+    """A frozen parameter sharded at stage 3 (see [Note: frozen pieces]).
+
+    Attributes:
+        name: its first name in ``module.named_parameters()``.
+        shape: its full shape.
+        dtype: the dtype its shards keep (and the checkpoint stores).
+    """
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class FrozenPiece:
+    """Elements ``[start, end)`` of the flattened frozen parameter ``name`` held by this
+    rank: ``tensor`` is a writable view of its shard."""
+
+    name: str
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+
 @dataclass
 class ShardPiece:
     """Elements ``[start, end)`` of the flattened parameter ``name`` held by this rank.
@@ -83,10 +122,11 @@ class ModelEntry:
 
     Attributes:
         key: the state_dict key.
-        kind: ``"param"`` (a trainable parameter: its value is the master), ``"frozen"``
-            (a parameter with requires_grad=False), ``"buffer"`` or ``"alias"`` (the same
+        kind: ``"param"`` (a trainable parameter: its value is the master; or a frozen one
+            sharded at stage 3: its pieces, see [Note: frozen pieces]), ``"frozen"`` (a whole
+            parameter with requires_grad=False), ``"buffer"`` or ``"alias"`` (the same
             tensor as an earlier key, e.g. tied weights).
-        of: for ``"param"``, the trainable parameter's name; for ``"alias"``, the earlier key.
+        of: for ``"param"``, the parameter's name; for ``"alias"``, the earlier key.
         tensor: the tensor itself (for ``"frozen"`` and ``"buffer"``).
     """
 
@@ -137,6 +177,14 @@ class OptimizerView:
                                              dict(module.named_parameters()) if n in unit_params}
         self.group_names: List[List[str]] = [[self._names[id(p)] for p in g["params"]]
                                              for g in opt.param_groups]
+        # Stage 3's frozen parameters, sharded (see [Note: frozen pieces]).
+        self.frozen_units = list(getattr(opt, "frozen_units", ()))
+        frozen: Dict[str, FrozenInfo] = {}
+        for u in self.frozen_units:
+            for name, shape in zip(u.names, u.gather.shapes):
+                frozen[name] = FrozenInfo(name, tuple(shape), u.compute_dtype)
+        self.frozen: Dict[str, FrozenInfo] = {n: frozen[n] for n in
+                                              dict(module.named_parameters()) if n in frozen}
         # Unmetered: checkpoint traffic is not a training step's.
         self.comm = getattr(opt.comm, "inner", opt.comm)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -165,6 +213,19 @@ class OptimizerView:
             for name, a, s, n in st.param_slices():
                 yield ShardPiece(name, a, a + n, st.step,
                                  {f: t[s:s + n] for f, t in tensors.items()})
+
+    def frozen_piece_ranges(self) -> List[Tuple[str, int, int, torch.dtype]]:
+        """``(name, start, end, dtype)`` of every piece :meth:`frozen_pieces` yields."""
+        return [(name, a, a + n, u.compute_dtype) for u in self.frozen_units
+                for name, a, _, n in u.param_slices_in_shard()]
+
+    def frozen_pieces(self) -> Iterator[FrozenPiece]:
+        """This rank's pieces of the sharded frozen parameters (views of the shards: the
+        saver reads them, the loader writes them)."""
+        for u in self.frozen_units:
+            shard = u.compute_shard
+            for name, a, s, n in u.param_slices_in_shard():
+                yield FrozenPiece(name, a, a + n, shard[s:s + n])
 
     def _tensors(self, st):
         if st.unit_index not in self._staged:
@@ -201,7 +262,8 @@ class OptimizerView:
         with keys_only:   # the sharded parameters' values come from the shards, not from here
             state = self.module.state_dict(keep_vars=True)
         for key, t in state.items():
-            if id(t) in self._names and self._names[id(t)] in self.params:
+            if id(t) in self._names and (self._names[id(t)] in self.params
+                                         or self._names[id(t)] in self.frozen):
                 entries.append(ModelEntry(key, "param", of=self._names[id(t)]))
             elif id(t) in first_key:
                 entries.append(ModelEntry(key, "alias", of=first_key[id(t)]))
@@ -232,6 +294,8 @@ class OptimizerView:
         handles = []
         for u, st in self._unit_states():
             self.opt.shard_update.load_state(u, st.step, *self._tensors(st))
+            handles.append(u.gather.publish(self.comm))
+        for u in self.frozen_units:  # their shards were written: drop a stale gathered copy
             handles.append(u.gather.publish(self.comm))
         self._staged.clear()
         for h in handles:

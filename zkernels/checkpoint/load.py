@@ -8,6 +8,7 @@ parameter names and shapes and the param-group membership do.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List, Optional
 
@@ -16,6 +17,7 @@ import torch
 from . import _codec, manifest
 from ._collective import agree
 from ._read import CheckpointFiles
+from ._tensorfile import dtype_from_name
 from ._view import FIELDS, OptimizerView
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .save import OLD_SUFFIX
@@ -40,7 +42,8 @@ def load(opt, path: str) -> Any:
     Restores, for every trainable parameter, the fp32 master values and both AdamW moments
     of the elements this rank holds now (whatever world size, stage and layout the checkpoint
     was saved with), the step counts, the hyper-parameters of every param group, the step
-    counters and the loss scaler (fp16 to fp16), the frozen parameters and buffers; then
+    counters and the loss scaler (fp16 to fp16), the frozen parameters (at stage 3 each rank
+    reads its shards of them, see [Note: frozen pieces] in ``_view.py``) and buffers; then
     rebuilds the compute parameters (master rounded to ``param_dtype``, all-gathered), so the
     next step is the one the saved run would have taken. Nothing is unpickled.
 
@@ -66,6 +69,8 @@ def load(opt, path: str) -> Any:
             for piece in view.pieces():
                 for f in FIELDS:
                     files.read_param(piece.name, f, piece.start, piece.end, piece.tensors[f])
+            for fp in view.frozen_pieces():
+                _read_frozen_piece(m, files, fp)
             _load_model_tensors(view, m, files)
             def tensor(key):
                 return files.tensor(m["extra_tensors"][key], f"extra_tensors[{key!r}]")
@@ -82,15 +87,39 @@ def load(opt, path: str) -> Any:
     return extra
 
 
+def _frozen_source(m: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """The saved form of a parameter that is frozen and sharded here: its pieces (frozen or
+    trainable when saved: ``params[name]``) or a whole tensor (``model`` kind "frozen")."""
+    if name in m["params"]:
+        return {"pieces": name, "shape": m["params"][name]["shape"]}
+    by_key = {e["key"]: e for e in m["model"]}
+    return by_key[name]
+
+
+def _read_frozen_piece(m: Dict[str, Any], files: CheckpointFiles, piece) -> None:
+    """Fill a frozen piece held here ([Note: frozen pieces] in ``_view.py``) from whichever
+    form the checkpoint holds it in, cast to the shard's dtype."""
+    src = _frozen_source(m, piece.name)
+    if "pieces" in src:
+        files.read_param(piece.name, "master", piece.start, piece.end, piece.tensor)
+        return
+    saved = dtype_from_name(src["dtype"], f"model[{piece.name!r}]")
+    begin, end = src["offsets"]
+    if end - begin != math.prod(src["shape"]) * saved.itemsize:
+        raise CorruptCheckpointError(f"model[{piece.name!r}]: its byte range does not match "
+                                     f"its shape")
+    files.read_into(src["file"], begin + piece.start * saved.itemsize, saved, piece.tensor)
+
+
 def _load_model_tensors(view: OptimizerView, m: Dict[str, Any], files: CheckpointFiles) -> None:
     saved = {e["key"]: e for e in m["model"]}
     for e in view.model_entries():
         if e.tensor is None:
             continue  # trainable (its pieces) or an alias (the same tensor)
         s = saved[e.key]
-        if s["kind"] == "param":   # trainable when saved, frozen now: rebuild it in full
+        if s["kind"] == "param":   # trainable, or frozen at stage 3, when saved: in full
             numel = e.tensor.numel()
-            flat = torch.empty(numel, dtype=torch.float32)
+            flat = torch.empty(numel, dtype=e.tensor.dtype)
             files.read_param(s["of"], "master", 0, numel, flat)
             e.tensor.copy_(flat.view(e.tensor.shape))
         else:
@@ -112,8 +141,11 @@ def check_compatible(view: OptimizerView, m: Dict[str, Any], folder: str) -> Dic
     saved_params = m["params"]
     saved_model = {e["key"]: e for e in m["model"]}
     problems = []
-    missing = [n for n in view.params if n not in saved_params]
-    frozen_then = [n for n in missing if saved_model.get(n, {}).get("kind") in ("frozen",)]
+    # A parameter saved as frozen pieces (stage 3) has no optimizer state either.
+    missing = [n for n in view.params if n not in saved_params
+               or saved_params[n].get("frozen")]
+    frozen_then = [n for n in missing if saved_model.get(n, {}).get("kind") in ("frozen",)
+                   or n in saved_params]
     missing = [n for n in missing if n not in frozen_then]
     if missing:
         problems.append(_listing("trainable here, missing from the checkpoint", missing))
@@ -125,6 +157,12 @@ def check_compatible(view: OptimizerView, m: Dict[str, Any], folder: str) -> Dic
               and tuple(saved_params[n]["shape"]) != view.params[n].shape]
     if shapes:
         problems.append(_listing("shapes differ", shapes))
+    for n, fz in view.frozen.items():  # frozen and sharded here: any saved form, same shape
+        src = saved_params.get(n) or saved_model.get(n)
+        if src is not None and "shape" in src and tuple(src["shape"]) != fz.shape:
+            problems.append(f"{n}: checkpoint shape {tuple(src['shape'])}, model {fz.shape}")
+        elif src is not None and src.get("kind") not in (None, "frozen"):
+            problems.append(f"{n}: frozen here, saved as a {src.get('kind')} (not a parameter)")
     entries = view.model_entries()
     keys = {e.key for e in entries}
     unexpected = [k for k in saved_model if k not in keys]

@@ -10,7 +10,8 @@ Layout of a checkpoint folder::
 Manifest keys: ``format`` ("zkernels.checkpoint"), ``format_version``, ``files`` (name ->
 size and per-block CRC-32, see [Note: checkpoint file format]), ``params`` (trainable
 parameter name -> shape, dtype, group, and the pieces that tile it: file, element range, step,
-byte range of each field), ``model`` (every ``state_dict()`` key, in order: a trainable
+byte range of each field; stage 3's frozen parameters too, with ``"frozen": true`` and their
+values only, see [Note: frozen pieces] in ``_view.py``), ``model`` (every ``state_dict()`` key, in order: a trainable
 parameter, a tensor in ``model.safetensors``, or an alias of an earlier key), ``param_groups``
 (hyper-parameters and parameter names), ``optimizer`` (step counters, loss scaler),
 ``extra`` (the caller's ``model_extra``), ``saved_with`` (world size, stage, dtypes: for

@@ -50,8 +50,10 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
 
     Each rank writes only its own pieces: per trainable parameter, the element range of its
     shard, with the fp32 master values and both AdamW moments (see [Note: the checkpoint
-    adapter]); rank 0 also writes the frozen parameters and buffers, the step counters, the
-    loss scaler, the hyper-parameters of every param group and ``model_extra``. The folder
+    adapter]), and at stage 3 the values of its frozen parameters' shards ([Note: frozen
+    pieces]); rank 0 also writes the buffers and the frozen parameters of stages 1-2, the
+    step counters, the loss scaler, the hyper-parameters of every param group and
+    ``model_extra``. The folder
     appears at ``path`` only once every rank has finished, replacing any previous checkpoint
     there (see [Note: atomic checkpoint publish]). It loads at any world size and stage.
 
@@ -155,6 +157,9 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
     ranges = view.piece_ranges()
     entries = [(_key(f, name, start), torch.float32, (end - start,))
                for name, start, end, _ in ranges for f in FIELDS]
+    # Stage 3's frozen pieces: their values only, in the shard's dtype ([Note: frozen pieces]).
+    entries += [(_key("master", name, start), dtype, (end - start,))
+                for name, start, end, dtype in view.frozen_piece_ranges()]
     fname = manifest.shard_file(view.rank, view.world_size)
     writer = TensorFileWriter(os.path.join(tmp, fname), entries,
                               {"format": manifest.FORMAT, "rank": str(view.rank),
@@ -168,6 +173,11 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
                            "step": piece.step,
                            **{f: list(writer.offsets[_key(f, piece.name, piece.start)])
                               for f in FIELDS}})
+        for fp in view.frozen_pieces():
+            key = _key("master", fp.name, fp.start)
+            writer.write(key, fp.tensor)
+            pieces.append({"name": fp.name, "start": fp.start, "end": fp.end, "step": 0,
+                           "master": list(writer.offsets[key])})
     except BaseException:
         writer.abort()
         raise
@@ -210,6 +220,9 @@ def _merge(view: OptimizerView, tmp: str) -> Dict[str, Any]:
     files: Dict[str, Any] = {}
     params = {name: {"shape": list(p.shape), "dtype": "F32", "group": p.group, "pieces": []}
               for name, p in view.params.items()}
+    for name, fz in view.frozen.items():  # [Note: frozen pieces]
+        params[name] = {"shape": list(fz.shape), "dtype": dtype_name(fz.dtype), "group": None,
+                        "frozen": True, "pieces": []}
     model_index = None
     for r in range(view.world_size):
         with open(os.path.join(tmp, _index_file(r, view.world_size))) as f:

@@ -181,7 +181,9 @@ def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
         raise ValueError("stage='auto' needs at least one parameter")
     device = params[0].device
     if memory_budget_bytes is None:
-        budget = measure_budget_bytes(params, device, group)
+        # The model's frozen parameters are on the device too and counted by the estimate.
+        on_device = list(model.parameters()) if model is not None else params
+        budget = measure_budget_bytes(on_device, device, group)
         headroom = MEASURED_HEADROOM
         source = f"measured free {device.type} memory"
     else:

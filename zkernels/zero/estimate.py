@@ -43,6 +43,17 @@ measures it); ``held_device_bytes`` counts what is held between steps (what
 an explicit ``reduce_dtype`` differs from the gradients' (a comm hook casting each bucket: two
 bucket buffers, as at stage 1).
 
+[Note: frozen parameters in the estimate]
+Ψ counts every parameter; F of them are frozen (``requires_grad=False``: a module's are
+counted, or ``frozen_numel=`` with a count), T = Ψ − F trainable. Gradients, master, optimizer
+states, reduce buffers and the reduce-scatter scale with T only. Frozen parameters add to
+``params``: whole at stages 0-2 (f·F, f = the frozen parameters' own bytes: a module's
+measured, ``frozen_dtype`` with a count, fp32 by default), sharded at stage 3 (f₃·F/N, where
+f₃ = p with a ``param_dtype`` narrower than fp32, which stage 3 casts floating frozen parameters
+to, else f: see [Note: frozen parameters at stage 3] in ``units.py``); stage 3 gathers them with
+their unit (the transient and the all-gathers count them, at p per element), and with
+``offload_params`` their shards live in host RAM too.
+
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
 ``ZeroOptimizer``'s strategies place it (``host_update.py``, ``nvme_update.py``): with ``"cpu"``
 the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
@@ -110,7 +121,8 @@ class MemoryEstimate:
     """Bytes per rank of one rung (see [Note: memory model]) and bytes sent per step.
 
     Attributes:
-        stage, offload, num_params, world_size: the rung and the model it was computed for.
+        stage, offload, num_params, world_size: the rung and the model it was computed for
+            (``num_params`` counts every parameter, frozen ones included).
         params_bytes, grads_bytes, master_bytes, optimizer_states_bytes, buffers_bytes,
         transient_bytes: bytes per rank of each kind, wherever they live.
         device_bytes, host_bytes, disk_bytes: peak totals per rank by location.
@@ -118,6 +130,8 @@ class MemoryEstimate:
         host_device_bytes: bytes copied between host and device per step (offload).
         disk_io_bytes: bytes read plus written on disk per step (nvme offload).
         offload_params: stage 3's parameter shards are in host RAM too.
+        frozen_numel: how many of ``num_params`` are frozen (no gradient, no state; see
+            [Note: frozen parameters in the estimate]).
     """
 
     stage: int
@@ -137,6 +151,12 @@ class MemoryEstimate:
     host_device_bytes: int
     disk_io_bytes: int
     offload_params: bool = False
+    frozen_numel: int = 0
+
+    @property
+    def trainable_numel(self) -> int:
+        """Parameters with a gradient and optimizer state: ``num_params - frozen_numel``."""
+        return self.num_params - self.frozen_numel
 
     @property
     def model_states_bytes(self) -> int:
@@ -196,12 +216,41 @@ def _stage3_units(model: torch.nn.Module):
     return gathered_peak_numel(model), max(sizes, default=0), len(sizes)
 
 
+def _frozen_split(model_or_num_params, num_params: int, frozen_numel, frozen_dtype,
+                  pdt: torch.dtype):
+    """``(F, whole bytes at stages 0-2, bytes over all stage-3 shards)`` of the frozen
+    parameters (see [Note: frozen parameters in the estimate])."""
+    fdt = parse_dtype(frozen_dtype, "frozen_dtype")
+    mixed = pdt != torch.float32
+    if isinstance(model_or_num_params, torch.nn.Module):
+        if frozen_numel is not None or fdt is not None:
+            raise ValueError("frozen_numel and frozen_dtype apply to a parameter count; a "
+                             "module's frozen parameters are counted from requires_grad")
+        frozen = [p for p in model_or_num_params.parameters() if not p.requires_grad]
+        whole = sum(p.numel() * p.element_size() for p in frozen)
+        sharded = sum(p.numel() * (pdt.itemsize if mixed and p.is_floating_point()
+                                   else p.element_size()) for p in frozen)
+        return sum(p.numel() for p in frozen), whole, sharded
+    if frozen_numel is None:
+        if fdt is not None:
+            raise ValueError("frozen_dtype applies only with frozen_numel (the frozen "
+                             "parameters' count)")
+        return 0, 0, 0
+    if isinstance(frozen_numel, bool) or not isinstance(frozen_numel, (int, float)) \
+            or int(frozen_numel) != frozen_numel or not 0 <= frozen_numel <= num_params:
+        raise ValueError(f"frozen_numel must be a whole number in [0, num_params = "
+                         f"{num_params}], got {frozen_numel!r}")
+    f = int(frozen_numel)
+    fb = (fdt or torch.float32).itemsize
+    return f, fb * f, (pdt.itemsize if mixed else fb) * f
+
+
 def _div(numer: int, n: int) -> int:
     return -(-numer // n)   # a shard rounds up: every rank holds the same padded length
 
 
 def _largest_tensor_numel(model) -> int:
-    return max((p.numel() for p in model.parameters()), default=0) \
+    return max((p.numel() for p in model.parameters() if p.requires_grad), default=0) \
         if isinstance(model, torch.nn.Module) else 0
 
 
@@ -214,11 +263,13 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES,
                     nvme_master: bool = True,
                     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
-                    offload_params: bool = False) -> MemoryEstimate:
+                    offload_params: bool = False, frozen_numel: Optional[int] = None,
+                    frozen_dtype=None) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
-        model_or_num_params: an ``nn.Module`` (its distinct parameters are counted) or Ψ.
+        model_or_num_params: an ``nn.Module`` (its distinct parameters are counted, those with
+            ``requires_grad=False`` as frozen) or Ψ (every parameter, frozen ones included).
         world_size: N, ranks sharing the states (>= 1).
         stage: 0 (plain data parallel: DDP + AdamW), 1, 2 or 3.
         param_dtype: compute dtype of the parameters (None: fp32, no master copy).
@@ -243,6 +294,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             :class:`~zkernels.zero.offload_config.OffloadConfig` (the NVMe host budget, master
             on disk, the CPU offload sub-group).
         offload_params: stage 3 with offload: the parameter shards in host RAM too.
+        frozen_numel: with a count Ψ, how many of them are frozen (default 0): e.g. a LoRA
+            over a 7B base, ``estimate_memory(7e9 + 4e6, ..., frozen_numel=7e9)``; see
+            [Note: frozen parameters in the estimate]. A module counts its own.
+        frozen_dtype: with ``frozen_numel``, the frozen parameters' dtype (default fp32).
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -267,7 +322,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     rdt = parse_dtype(reduce_dtype, "reduce_dtype") or torch.float32
     gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
     p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
-    n_psi, big_n = num_params, world_size
+    n_frozen, frozen_whole, frozen_sharded = _frozen_split(
+        model_or_num_params, num_params, frozen_numel, frozen_dtype, pdt)
+    # Everything below scales with the trainable parameters; frozen ones are added to params.
+    n_psi, big_n = num_params - n_frozen, world_size
     if bucket_bytes is None:
         bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
     mixed = pdt != torch.float32
@@ -288,6 +346,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         max_tensor_numel = _largest_tensor_numel(model_or_num_params)
     bucket_numel = 0 if bucket_bytes == 0 else min(n_psi, max(bucket_bytes // r,
                                                               max_tensor_numel))
+    frozen_shard = _div(frozen_sharded, big_n)
     if isinstance(num_param_groups, bool) or not isinstance(num_param_groups, int) \
             or num_param_groups < 1:
         raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
@@ -298,7 +357,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         bucket_numel, num_buckets = units3[1], max(units3[2], num_param_groups)
     pool = policy.num_reduce_buffers(num_buckets, num_param_groups) * r * bucket_numel
     if stage == 0:
-        kinds = dict(params=p * n_psi, grads=p * n_psi,
+        kinds = dict(params=p * n_psi + frozen_whole, grads=p * n_psi,
                      master=MASTER_BYTES * n_psi if mixed else 0,
                      optimizer_states=ADAM_STATE_BYTES * n_psi, transient=0,
                      # a reduction in another dtype casts each bucket into a buffer first
@@ -307,7 +366,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         transient = {"none": 0, "reduced_grad_shard": r * shard,
                      "gathered_units": p * (units3[0] if units3 is not None
                                             else 2 * max_unit_numel)}[policy.transient]
-        kinds = dict(params=p * shard if policy.shards_params else p * n_psi,
+        kinds = dict(params=p * shard + frozen_shard if policy.shards_params
+                     else p * n_psi + frozen_whole,
                      grads=g * shard if policy.shards_grads else p * n_psi,
                      master=MASTER_BYTES * shard if mixed else 0,
                      optimizer_states=ADAM_STATE_BYTES * shard,
@@ -340,16 +400,18 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     frac = (big_n - 1) / big_n
     if stage == 0:      # DDP all-reduces in reduce_dtype if given, else in the grads' dtype
         comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
-    else:               # one reduce-scatter, one or two all-gathers
-        comm = (r + policy.gathers_per_step * p) * n_psi * frac
+    else:               # one reduce-scatter, one or two all-gathers (stage 3: frozen too)
+        gathered = n_psi + (n_frozen if policy.shards_params else 0)
+        comm = (r * n_psi + policy.gathers_per_step * p * gathered) * frac
     h2d = 0 if offload is None else g * shard + \
-        (policy.gathers_per_step if offload_params else 1) * p * shard
+        (policy.gathers_per_step * (p * shard + frozen_shard) if offload_params
+         else p * shard)
     disk_io = 0 if offload != "nvme" else 2 * sum(disk.values())
     return MemoryEstimate(
-        stage=stage, offload=offload, num_params=n_psi, world_size=big_n,
+        stage=stage, offload=offload, num_params=num_params, world_size=big_n,
         params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],
         optimizer_states_bytes=kinds["optimizer_states"], buffers_bytes=kinds["buffers"],
         transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
         host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
         comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io,
-        offload_params=offload_params)
+        offload_params=offload_params, frozen_numel=n_frozen)

@@ -32,6 +32,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
                 disk_budget_bytes: Optional[int] = None,
                 rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
                 offload_params: Optional[bool] = None,
+                frozen_numel: Optional[int] = None,
                 ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
     """Lowest rung whose device bytes per rank fit ``budget_bytes * (1 - headroom)``.
 
@@ -44,7 +45,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
         budget_bytes: device memory available to one rank for model states and buffers.
         headroom: fraction of ``budget_bytes`` kept free, in [0, 1).
         param_dtype, reduce_dtype, grad_shard_dtype, bucket_bytes, max_unit_numel,
-            max_tensor_numel, num_param_groups: as in :func:`estimate_memory`.
+            max_tensor_numel, num_param_groups, frozen_numel: as in :func:`estimate_memory`.
         host_budget_bytes, disk_budget_bytes: when given, offload rungs must also fit there.
         rungs: ``(stage, offload)`` pairs to try, lowest first.
         offload_params: None (a stage-3 offload rung is tried without, then with the
@@ -84,7 +85,8 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
                               offload=offload,
                               bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,
                               max_tensor_numel=max_tensor_numel,
-                              num_param_groups=num_param_groups, offload_params=op)
+                              num_param_groups=num_param_groups, offload_params=op,
+                              frozen_numel=frozen_numel)
         misses = []
         if est.device_bytes > usable:
             misses.append(f"{_gb(est.device_bytes)} on the device")

@@ -27,7 +27,7 @@ from .clip import grad_scale_and_overflow
 from .grad_reducers import make_grad_reducer
 from .nonfinite import NonFiniteGradientError, check_policy, locate
 from .param_wait import ParamGatherWaiter
-from .params import resolve_param_groups
+from .params import frozen_params, resolve_param_groups
 from .policy import STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_by_location
@@ -82,9 +82,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
-            (and, with ``param_dtype``, change dtype). Stages 2-3 install gradient hooks on them;
-            stage 3 also installs forward hooks on its units, and between uses a parameter has
-            no storage (read it inside ``opt.gathered()``).
+            (and, with ``param_dtype``, change dtype). Frozen parameters stay as they are at
+            stages 1-2; stage 3 shards them with their unit (no gradient, no state). Stages
+            2-3 install gradient hooks on them; stage 3 also installs forward hooks on its
+            units, and between uses a parameter has no storage (read it inside
+            ``opt.gathered()``).
         stage: 1, 2, 3 or "auto" (the lowest rung whose estimate fits the device, see
             ``zkernels/zero/auto.py``; logs its choice at INFO). With "auto", ``offload``
             limits the rungs to that kind; left None, CPU offload is offered on a GPU, and
@@ -154,6 +156,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.units.FlatParamUnit` list, in launch order.
+        frozen_units: stage 3: the frozen parameters' flat units (gathered with their unit,
+            no state; see [Note: frozen parameters at stage 3] in ``units.py``); else empty.
         shard_update: the update strategy (``DeviceUpdate``, ``HostUpdate`` or
             ``NvmeUpdate``: see ``placement.py``); its ``states`` are the per-unit
             :class:`~zkernels.zero.shard_state.ShardState`.
@@ -228,6 +232,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy = STAGES[self.stage]
         check_offload_stage(offload, self.policy)
         self.offload_params = check_offload_params(offload_params, offload, self.policy)
+        if self.policy.shards_params:
+            frozen_params(model, device)  # sharded with their unit: check them now
         if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
             # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
             # forward for its backward; freeing a unit after forward and gathering it again
@@ -263,6 +269,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
             offload_config=offload_config, offload_params=self.offload_params)
         self.units = []
+        self.frozen_units = []  # stage 3: frozen flat units ([Note: frozen parameters ...])
         self.schedule: Optional[GatherSchedule] = None
         try:
             if self.policy.shards_params:
@@ -270,6 +277,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.units, gather_units = build_units(
                     model, units, group_of, names, n, self.comm.rank, align,
                     self.precision.param_dtype, self.ops, self.shard_update)
+                self.frozen_units = [f for g in gather_units for f in g.flats if f.frozen]
             else:
                 for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align,
                                                                first_capacity)):
@@ -427,7 +435,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         ids = None if module is None else {id(p) for p in module.parameters()}
         units = [u for u in self.schedule.units
-                 if u.flats and (ids is None or u.param_ids & ids)]
+                 if u.flats and (ids is None or (u.param_ids | u.frozen_ids) & ids)]
         with self.schedule.gathered(units):
             yield
 
@@ -487,7 +495,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``disk_io_hidden_s``); ``offload_params`` the parameter shards brought in at the
             gathers (``param_host_to_device_bytes``, ``_s``, ``_exposed_s``, ``_hidden_s``).
             Memory is measured from the storages held: params are the flat
-            compute buffers (and any frozen parameters); grads the stage-1 flat gradient
+            compute buffers (and the frozen parameters: whole at stages 1-2, their shards at
+            stage 3); grads the stage-1 flat gradient
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
             e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
             buffers the pooled reduce buffers held now (stage 3 holds them only while
@@ -503,7 +512,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
         upd = self.shard_update
         held = upd.held()
-        device = {"params": [t for u in self.units for t in u.gather.held()] + self._model_params,
+        device = {"params": [t for u in self.units + self.frozen_units for t in u.gather.held()]
+                  + self._model_params,
                   "grads": grads, "master": held["master"],
                   "optimizer_states": held["optimizer_states"],
                   "buffers": self.reducer.held_buffers()}

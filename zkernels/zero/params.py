@@ -95,3 +95,32 @@ def _check_devices_and_dtypes(params: Sequence[torch.Tensor], names: Dict[int, s
     if device.type == "meta":
         raise ValueError("model parameters are on the 'meta' device (no storage): materialize "
                          "them (e.g. model.to_empty(device=...)) before building the optimizer")
+
+
+def frozen_params(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
+    """Stage 3: the model's frozen parameters (``requires_grad=False``, tied ones once), which
+    it shards with their unit (see [Note: frozen parameters at stage 3] in ``units.py``).
+
+    Args:
+        model: the module being trained.
+        device: the trainable parameters' device.
+
+    Returns:
+        the frozen parameters in ``model.parameters()`` order.
+
+    Raises:
+        ValueError: a frozen parameter on another device than the trainable ones, or on the
+            'meta' device.
+    """
+    names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+    out = [p for p in model.parameters() if not p.requires_grad]
+    for p in out:
+        if p.device.type == "meta":
+            raise ValueError(f"frozen parameter {names[id(p)]!r} is on the 'meta' device (no "
+                             f"storage): stage 3 shards frozen parameters too, materialize "
+                             f"them before building the optimizer")
+        if p.device != device:
+            raise ValueError(f"frozen parameter {names[id(p)]!r} is on {p.device} but the "
+                             f"trainable parameters are on {device}: stage 3 shards frozen "
+                             f"parameters with their unit, so they must be on the same device")
+    return out

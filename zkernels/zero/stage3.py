@@ -27,6 +27,18 @@ usually one) whose gather policy is :class:`~zkernels.zero.units.ShardedParams`.
   hooks gather but never free and register nothing (reentrant checkpointing recomputes under
   ``enable_grad`` and then runs a nested backward: the gradient count frees the unit).
 - ``gathered()`` pins units: hooks neither gather nor free a pinned unit again.
+- Frozen parameters ([Note: frozen parameters at stage 3] in ``units.py``) ride in their
+  unit's gathers, but they break the rule above that frees a unit once its gradients are in:
+  a node that saved a frozen parameter computes no gradient for it, only for its other input
+  (a frozen norm's weight is needed for the gradient of the block's input after every LoRA
+  gradient of the block is in). So a forward pre-hook of a unit holding frozen parameters also
+  registers a multi-grad hook (mode "all") on the forward's inputs that need a gradient (again
+  in a recompute: reentrant checkpointing backpropagates through fresh inputs); the unit is
+  freed once its gradients are in *and* every such hook has fired: then no node of the unit is
+  left to run (each one leads to the unit's inputs or to its own parameters). A unit whose
+  inputs need no gradient (the first block over a frozen embedding) is freed by its gradient
+  count alone (every node of its graph leads to one of its parameters), and one with neither
+  (a frozen root) at the end of backward. Such a unit is gathered at every pre-backward.
 
 Every rank must run the same units in the same order: gathers, prefetches and reduce-scatters
 are then issued in the same order everywhere (they depend only on the graph).
@@ -58,7 +70,7 @@ from ..comm.base import CollectiveError, Comm, Handle
 from ..layout import FlatLayout
 from ..ops import OpSet
 from .unit_plan import ROOT_NAME, plan_units
-from .units import FlatParamUnit, build_sharded_unit
+from .units import FlatParamUnit, build_frozen_unit, build_sharded_unit, frozen_compute_dtype
 
 
 class GatherUnit:
@@ -71,7 +83,10 @@ class GatherUnit:
         self.is_root = name == ROOT_NAME
         self.nbytes = sum(f.layout.padded_numel * f.gather.compute_shard.element_size()
                           for f in self.flats)
-        self.param_ids = {id(p) for f in self.flats for p in f.params}
+        # Trainable parameters (their gradients are counted); frozen ones are gathered only.
+        self.param_ids = {id(p) for f in self.flats if not f.frozen for p in f.params}
+        self.frozen_ids = {id(p) for f in self.flats if f.frozen for p in f.params}
+        self.input_hooks = 0        # frozen: input-gradient hooks registered, not yet fired
         self.pins = 0               # gathered() contexts holding it
         self.active = 0             # forwards running (a module may call itself)
         self.keep_for_backward = False
@@ -168,8 +183,12 @@ class GatherSchedule:
             handles.append(u.module.register_forward_pre_hook(pre(u)))
             handles.append(u.module.register_forward_hook(post(u), always_call=True))
             for f in u.flats:
-                handles.extend(p.register_post_accumulate_grad_hook(on_grad(u))
-                               for p in f.params)
+                if not f.frozen:
+                    handles.extend(p.register_post_accumulate_grad_hook(on_grad(u))
+                                   for p in f.params)
+            if u.frozen_ids:
+                handles.append(u.module.register_forward_pre_hook(
+                    _input_hook(this, u), with_kwargs=True))
         weakref.finalize(self, _remove_all, handles)
 
     # -- gathering --------------------------------------------------------------------------
@@ -307,14 +326,36 @@ class GatherSchedule:
             else:
                 self._bwd.begin()
         nxt = self._bwd.observe(u)
-        if u.flats and len(u.accumulated) < len(u.param_ids):
+        if u.flats and (u.frozen_ids or len(u.accumulated) < len(u.param_ids)):
             self.gather(u)
-        if nxt is not None and len(nxt.accumulated) < len(nxt.param_ids):
+        if nxt is not None and self._needs_backward(nxt):
             self._prefetch(nxt)
+
+    @staticmethod
+    def _needs_backward(u: GatherUnit) -> bool:
+        return len(u.accumulated) < len(u.param_ids) or u.input_hooks > 0
 
     def _on_grad(self, u: GatherUnit, p: torch.Tensor) -> None:
         u.accumulated.add(id(p))
-        if len(u.accumulated) == len(u.param_ids) and u.active == 0:
+        if not self._needs_backward(u) and u.active == 0:
+            self.free(u)
+
+    def _watch_inputs(self, u: GatherUnit, args, kwargs) -> None:
+        """A unit holding frozen parameters: count its forward's inputs' gradients (see
+        [Note: stage-3 gather schedule])."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = _grad_tensors(list(args)) + _grad_tensors(dict(kwargs or {}))
+        if not tensors:
+            return
+        u.input_hooks += 1
+        this = weakref.ref(self)
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda g: this() and this()._on_input_grad(u), mode="all")
+
+    def _on_input_grad(self, u: GatherUnit) -> None:
+        u.input_hooks -= 1
+        if not self._needs_backward(u) and u.active == 0 and self._in_backward:
             self.free(u)
 
     def _end_backward(self) -> None:
@@ -323,6 +364,7 @@ class GatherSchedule:
         for u in self.units:
             u.accumulated.clear()
             u.keep_for_backward = False
+            u.input_hooks = 0
         self.free_all()
 
     @contextlib.contextmanager
@@ -391,11 +433,15 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
     Returns:
         ``(flat_units, gather_units)``: flat units in launch order (backward order: the last
         unit first, the root last: the gradient strategy launches reduce-scatters in it) and
-        the GatherUnits in module order, the root last.
+        the GatherUnits in module order, the root last. A GatherUnit's ``flats`` also hold its
+        frozen flat units (``FlatParamUnit.frozen``, see [Note: frozen parameters at stage 3]),
+        which are not in ``flat_units``.
     """
     specs = plan_units(model, units, [p for p in model.parameters() if id(p) in group_of])
     flats_of = {}
     flat_units: List[FlatParamUnit] = []
+    frozen_of = build_frozen_flats(specs, names, world_size, rank, align, compute_dtype,
+                                   shard_update.sharded_params)
     for spec in specs[:-1][::-1] + specs[-1:]:
         mine = []
         for gi in sorted({group_of[id(p)] for p in spec.params}):
@@ -408,9 +454,37 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
             del initial
             flat_units.append(unit)
             mine.append(unit)
-        flats_of[id(spec.module)] = mine
+        flats_of[id(spec.module)] = mine + frozen_of[id(spec.module)]
     gather_units = [GatherUnit(s.name, s.module, flats_of[id(s.module)]) for s in specs]
     return flat_units, gather_units
+
+
+def build_frozen_flats(specs, names: dict, world_size: int, rank: int, align: int,
+                       param_dtype: torch.dtype, make_gather) -> dict:
+    """The frozen flat units of every unit (one per dtype the shards keep, see
+    [Note: frozen parameters at stage 3]), indexed in module order.
+
+    Returns:
+        ``id(spec.module) -> [FlatParamUnit]`` (an empty list for a unit without frozen
+        parameters).
+    """
+    out, index = {}, 0
+    for spec in specs:
+        mine = []
+        by_dtype: dict = {}
+        for p in spec.frozen:
+            by_dtype.setdefault(frozen_compute_dtype(p, param_dtype), []).append(p)
+        for dtype, ps in by_dtype.items():
+            layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
+            mine.append(build_frozen_unit(index, ps, names, layout, rank, dtype,
+                                          make_gather=make_gather))
+            index += 1
+        out[id(spec.module)] = mine
+    return out
+
+
+def _input_hook(this, u: GatherUnit):
+    return lambda m, args, kwargs: this() and this()._watch_inputs(u, args, kwargs)
 
 
 def _remove_all(handles) -> None:

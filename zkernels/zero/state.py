@@ -5,7 +5,9 @@ this rank's slice of the parameters), so loading restores the parameters exactly
 mixed precision, where the model's own state_dict holds only the rounded compute copy. The
 tensors come from the update strategy's ShardStates (``opt.shard_update.states``), the layout
 from the units (``opt.units``); the key "buckets" of the fingerprint is kept for format
-stability.
+stability. At stage 3 the frozen parameters exist only as shards (``opt.frozen_units``, see
+[Note: frozen parameters at stage 3] in ``units.py``), so their shards are saved too
+(``"frozen"``), in the dtype they are kept in.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ def state_dict(opt) -> Dict[str, Any]:
 
     Returns:
         ``{"state": {unit_index: {"step", "master", "exp_avg", "exp_avg_sq"}},
-        "param_groups": [torch-style groups with parameter indices], "zero": {...}}``.
+        "param_groups": [torch-style groups with parameter indices], "zero": {...}}``, and
+        at stage 3 with frozen parameters ``"frozen": {frozen unit index: this rank's
+        shard}``.
     """
     index = 0
     groups = []
@@ -42,7 +46,11 @@ def state_dict(opt) -> Dict[str, Any]:
             "param_dtype": str(opt.precision.param_dtype), "buckets": _fingerprint(opt),
             "num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,
             "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
-    return {"state": state, "param_groups": groups, "zero": zero}
+    out = {"state": state, "param_groups": groups, "zero": zero}
+    frozen_units = getattr(opt, "frozen_units", ())
+    if frozen_units:
+        out["frozen"] = {u.index: u.compute_shard.detach().clone() for u in frozen_units}
+    return out
 
 
 def load_state_dict(opt, sd: Dict[str, Any]) -> None:
@@ -69,6 +77,13 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
                          f"optimizer {len(opt.param_groups)}")
     if (zero["loss_scaler"] is None) != (opt.scaler is None):
         raise ValueError("state_dict and optimizer disagree on loss scaling (param_dtype)")
+    frozen_units = list(getattr(opt, "frozen_units", ()))
+    frozen = sd.get("frozen", {})
+    saved = [(i, t.numel(), t.dtype) for i, t in sorted(frozen.items())]
+    if (frozen or frozen_units) and saved != \
+            [(u.index, u.layout.shard_numel, u.compute_dtype) for u in frozen_units]:
+        raise ValueError("state_dict's frozen parameter shards do not match this optimizer's "
+                         "(model, units or param_dtype differ)")
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
     with torch.no_grad():
@@ -77,6 +92,9 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
             s = sd["state"][u.index]
             opt.shard_update.load_state(u, s["step"], s["master"], s["exp_avg"],
                                         s["exp_avg_sq"])
+            handles.append(u.gather.publish(opt.comm))
+        for u in frozen_units if frozen else ():  # stage 3: the frozen shards, then re-gather
+            u.compute_shard.copy_(frozen[u.index])
             handles.append(u.gather.publish(opt.comm))
         for h in handles:
             h.wait()

@@ -1,10 +1,10 @@
 """Which modules stage 3 gathers as one unit, and which parameters each unit holds.
 
 [Note: stage-3 units]
-A unit is a module whose trainable parameters are gathered with one all-gather before it runs
+A unit is a module whose parameters are gathered with one all-gather before it runs
 (FSDP2's ``fully_shard`` granularity), never a leaf module (DeepSpeed's per-leaf gathers are
 its users' top complaint). By default the units are the children of every ``nn.ModuleList`` /
-``nn.Sequential`` whose children are two or more modules of one class that hold trainable
+``nn.Sequential`` whose children are two or more modules of one class that hold
 parameters (transformer blocks; the model itself may be such a list), outermost first; ``units=`` names classes (every outermost
 module of that class) or module instances instead. Everything else (embeddings, final norm,
 a head, parameters registered on the model itself) is the *root* unit: the model, gathered
@@ -17,10 +17,12 @@ rather than refused. Units do not nest (a unit inside another would put its para
 two units): that, a repeated unit, a module that is not part of the model, a class with no
 instance in it and a unit with no trainable parameter are errors naming the unit.
 
-There is no persistence threshold: every trainable parameter is sharded, small ones included
-(a block's norms and biases ride along in its single all-gather, so they cost no extra
-collective). Frozen parameters are not sharded: they stay whole on every rank, as at stages
-1-2, and count as params in ``stats()``.
+There is no persistence threshold: every parameter is sharded, small ones included (a block's
+norms and biases ride along in its single all-gather, so they cost no extra collective).
+Frozen parameters (``requires_grad=False``) are placed by the same rule (``UnitSpec.frozen``)
+and sharded too, in flat units of their own that are gathered with the unit's trainable ones
+(see [Note: frozen parameters at stage 3] in ``units.py``): a block whose parameters are all
+frozen is a unit like any other.
 """
 from __future__ import annotations
 
@@ -42,19 +44,22 @@ class UnitSpec:
         module: the module whose forward hooks gather and free it.
         params: its trainable parameters, in ``model.parameters()`` order.
         hoisted: names of parameters that were moved here from the units sharing them.
+        frozen: its frozen parameters (``requires_grad=False``), in ``model.parameters()``
+            order.
     """
 
     name: str
     module: nn.Module
     params: List[torch.Tensor] = field(default_factory=list)
     hoisted: List[str] = field(default_factory=list)
+    frozen: List[torch.Tensor] = field(default_factory=list)
 
 
 def _default_unit_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     found: List[Tuple[str, nn.Module]] = []
 
-    def trainable(m: nn.Module) -> bool:
-        return any(p.requires_grad for p in m.parameters())
+    def trainable(m: nn.Module) -> bool:  # frozen parameters are sharded too
+        return any(True for _ in m.parameters())
 
     def blocks(mod: nn.Module) -> bool:
         kids = list(mod.children())
@@ -109,9 +114,9 @@ def _explicit_unit_modules(model: nn.Module, units) -> List[Tuple[str, nn.Module
                              f"units)")
         seen[id(m)] = n
     for n, m in chosen:
-        if not any(p.requires_grad for p in m.parameters()):
-            raise ValueError(f"unit {n!r} ({type(m).__name__}) holds no trainable parameter: "
-                             f"frozen modules are not sharded, leave it out of units")
+        if not any(True for _ in m.parameters()):
+            raise ValueError(f"unit {n!r} ({type(m).__name__}) holds no parameter: there is "
+                             f"nothing to gather, leave it out of units")
     for n, m in chosen:
         for sub_name, sub in m.named_modules():
             if sub is not m and id(sub) in seen:
@@ -142,11 +147,12 @@ def plan_units(model: nn.Module, units=None,
         model: the model.
         units: None (blocks: repeated children of ModuleList/Sequential) or a list of
             ``nn.Module`` classes and/or submodules of ``model``.
-        trainable: the parameters to place (default: those with ``requires_grad``).
+        trainable: the trainable parameters (default: those with ``requires_grad``); every
+            other parameter of ``model`` is placed as frozen (``UnitSpec.frozen``).
 
     Returns:
-        One :class:`UnitSpec` per unit holding at least one of ``trainable`` (the root always
-        comes last and may be empty).
+        One :class:`UnitSpec` per unit holding at least one parameter (the root always comes
+        last and may be empty).
 
     Raises:
         ValueError / TypeError: bad ``units`` (the message names the unit).
@@ -158,7 +164,8 @@ def plan_units(model: nn.Module, units=None,
     index_of = {id(s.module): i for i, s in enumerate(specs)}
     if trainable is None:
         trainable = [p for p in model.parameters() if p.requires_grad]
-    wanted = {id(p) for p in trainable}
+    grad_ids = {id(p) for p in trainable}
+    wanted = {id(p) for p in model.parameters()}
     owners: Dict[int, Set[int]] = {}   # param id -> unit indices registering it (-1: root)
     names: Dict[int, str] = {}
 
@@ -177,20 +184,26 @@ def plan_units(model: nn.Module, units=None,
         if id(p) not in wanted:
             continue
         where = owners[id(p)]
+        kind = "params" if id(p) in grad_ids else "frozen"
         if len(where) == 1 and -1 not in where:
-            specs[next(iter(where))].params.append(p)
+            getattr(specs[next(iter(where))], kind).append(p)
         else:
-            root.params.append(p)
+            getattr(root, kind).append(p)
             if len(where) > 1:
                 root.hoisted.append(names[id(p)])
-    return [s for s in specs if s.params] + [root]
+    return [s for s in specs if s.params or s.frozen] + [root]
+
+
+def unit_numel(spec: UnitSpec) -> int:
+    """Elements a unit gathers: its trainable and frozen parameters."""
+    return sum(p.numel() for p in spec.params) + sum(p.numel() for p in spec.frozen)
 
 
 def gathered_peak_numel(model: nn.Module, units=None) -> int:
     """Parameters gathered at once at stage 3 with ``reshard_after_forward=True``: the root
     unit plus two of the largest other unit (the one computing and the one prefetched), the
-    prefetch bound ``ZeroOptimizer`` uses (padding aside)."""
+    prefetch bound ``ZeroOptimizer`` uses (padding aside); frozen parameters included."""
     specs = plan_units(model, units)
-    root = sum(p.numel() for p in specs[-1].params)
-    biggest = max((sum(p.numel() for p in s.params) for s in specs[:-1]), default=0)
+    root = unit_numel(specs[-1])
+    biggest = max((unit_numel(s) for s in specs[:-1]), default=0)
     return root + 2 * biggest

@@ -229,6 +229,9 @@ class FlatParamUnit:
         rank: this rank.
         compute_dtype: dtype of the compute copy (``param_dtype``).
         gather: the :class:`GatherPolicy` that owns the compute storage.
+        frozen: stage 3's frozen parameters (``requires_grad=False``): gathered with their
+            unit, never reduced or updated; no ShardState, not in ``opt.units`` (see
+            [Note: frozen parameters at stage 3]); ``group_index`` is -1.
     """
 
     index: int
@@ -240,6 +243,7 @@ class FlatParamUnit:
     rank: int
     compute_dtype: torch.dtype
     gather: GatherPolicy
+    frozen: bool = False
     device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
@@ -342,3 +346,60 @@ def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tens
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
                          compute_dtype, gather)
     return unit, initial
+
+
+# [Note: frozen parameters at stage 3]
+# A LoRA over a frozen base gains nothing from stage 3 unless the base is sharded too, so stage 3
+# shards frozen parameters (``requires_grad=False``) like trainable ones, as FSDP2 and
+# DeepSpeed ZeRO-3 do: each unit's frozen parameters go into flat units of their own
+# (``FlatParamUnit.frozen``, one per compute dtype) that the unit's gathers all-gather and free
+# with its trainable ones (one all-gather per flat unit). They have no ShardState, no gradient
+# hook, no reduce-scatter and are never updated, so they are not in ``opt.units`` (whose
+# indices the gradient and update strategies key on) but in ``opt.frozen_units``. A rank holds
+# the compute copy's shard only: ``param_dtype`` where one is given (a frozen fp32 parameter
+# under bf16 is kept and gathered in bf16: DeepSpeed's bf16 mode; nothing else computes with
+# it), else the parameter's own dtype (a bf16 base stays bf16). Non-floating parameters keep
+# their dtype. Stages 1-2 keep frozen parameters whole on every rank, untouched, as DDP does.
+
+
+def frozen_compute_dtype(param: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype stage 3 keeps a frozen parameter in (see [Note: frozen parameters at
+    stage 3]): ``param_dtype`` for a floating parameter when it is narrower than fp32, else
+    the parameter's own dtype."""
+    if param_dtype != torch.float32 and param.is_floating_point():
+        return param_dtype
+    return param.dtype
+
+
+def build_frozen_unit(index: int, params: Sequence[torch.Tensor],
+                      names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
+                      rank: int, dtype: torch.dtype, make_gather=None) -> FlatParamUnit:
+    """Stage 3: keep only this rank's ``dtype`` shard of the frozen ``params`` (see
+    [Note: frozen parameters at stage 3]); they become views of a full buffer that exists only
+    while gathered (the gather policy is built freed).
+
+    Args:
+        index: position among the optimizer's frozen flat units.
+        params: frozen parameters, in layout order.
+        names: ``param_names(model)``.
+        layout: their layout.
+        rank: this rank.
+        dtype: the shard's dtype (:func:`frozen_compute_dtype` of every parameter).
+        make_gather: as in :func:`build_sharded_unit`.
+
+    Returns:
+        the frozen :class:`FlatParamUnit` (``group_index`` -1).
+    """
+    device = params[0].device
+    lo, hi = layout.shard_range(rank)
+    shard = torch.zeros(hi - lo, dtype=dtype, device=device)
+    with torch.no_grad():
+        for p, off in zip(params, layout.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+    gather = ShardedParams(params, layout, shard) if make_gather is None else \
+        make_gather(params, layout, rank, shard)
+    return FlatParamUnit(index, -1, tuple(names[id(p)][0] for p in params),
+                         tuple(names[id(p)][1] for p in params), list(params), layout, rank,
+                         dtype, gather, frozen=True)
