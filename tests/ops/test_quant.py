@@ -185,6 +185,25 @@ def test_dequantize_sum_order_and_scale(impl, device):
     assert_bits_equal(out.cpu(), expected)
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_non_finite_chunk_reaches_the_inf_check(impl, device, bits):
+    """One rank's inf (or NaN) makes its whole block of the summed shard NaN, and nothing
+    else: the optimizer's non-finite check after a quantized reduce-scatter still fires."""
+    from zkernels import ops
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(4))
+    x[1, 40] = float("inf")                      # chunk 1, block 1 of 3
+    pairs = [reference.quantize(r, bits=bits, block_size=32) for r in x]
+    q = torch.stack([p[0] for p in pairs]).to(device)
+    s = torch.stack([p[1] for p in pairs]).to(device)
+    out = torch.zeros(96, dtype=torch.bfloat16, device=device)
+    impl("dequantize_sum")(q, s, out, bits=bits, block_size=32, scale=0.5)
+    bad = torch.isnan(out.float()).cpu()
+    assert bad[32:64].all() and not bad[:32].any() and not bad[64:].any()
+    found = torch.zeros(1, device=device)
+    ops.unscale_and_check_(out, 1.0, found)
+    assert found.item() == 1.0
+
+
 def test_empty(impl, device):
     x = torch.empty(0, device=device)
     q, s = impl("quantize")(x, bits=4, block_size=8)
