@@ -246,3 +246,9 @@ def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32)
     _C.cpu_sum_squares(tensors, out, _ENV_ISA, _threads())
     return out
+
+
+# An extension built before the quantization ops (a stale in-place build) lacks their binding:
+# then they are not native here, and the dispatcher runs the reference instead of failing.
+if _C is not None and not hasattr(_C, "cpu_quantize"):
+    del quantize, dequantize, dequantize_sum

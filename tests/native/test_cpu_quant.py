@@ -112,3 +112,35 @@ def test_binding_checks_name_the_argument(native_C):
         native_C.cpu_dequantize(q, s, out, 8, 4, False, 1.0, False, "sse9")
     with pytest.raises(ValueError, match="num_threads"):
         native_C.cpu_quantize(x, q, s, 8, 4, None, -1)
+
+
+_STALE = """
+import sys, types
+import zkernels, zkernels._C as C
+stale = types.ModuleType("zkernels._C")
+stale.__dict__.update({k: v for k, v in C.__dict__.items()
+                       if k not in ("cpu_quantize", "cpu_dequantize")})
+sys.modules["zkernels._C"] = zkernels._C = stale
+import torch
+cpu = torch.device("cpu")
+assert zkernels.ops.choose("quantize", cpu) == "reference", zkernels.ops.choose("quantize", cpu)
+assert zkernels.ops.choose("cast", cpu) == "cpp"
+q, s = zkernels.ops.quantize(torch.tensor([7.0, -7.0, 1.0]), bits=4, block_size=4)
+assert q.tolist() == [0x97, 0x01] and s.tolist() == [1.0]
+print("STALE-OK")
+"""
+
+
+def test_stale_extension_runs_the_reference(native_C):
+    """An extension built before these ops (a stale in-place build) makes them fall back to
+    the reference instead of failing (zkernels/_cpu.py drops what the binding lacks)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("ZKERNELS_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", _STALE], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "STALE-OK" in proc.stdout, proc.stdout + proc.stderr
