@@ -204,6 +204,29 @@ def test_non_finite_chunk_reaches_the_inf_check(impl, device, bits):
     assert found.item() == 1.0
 
 
+def test_opset_runs_the_same_ops(device):
+    """OpSet (the optimizer's ops, chosen once) runs the same checks and kernels."""
+    from zkernels.ops import for_device
+    opset = for_device(device)
+    x = quant_values(1000, 64, 4, seed=2).to(device)
+    q, s = opset.quantize(x, bits=4, block_size=64)
+    eq, es = reference.quantize(x, bits=4, block_size=64)
+    _bits_equal_codes(q, eq)
+    assert_bits_equal(s, es)
+    out = torch.ones(1000, device=device)
+    opset.dequantize_sum(torch.stack([q, q]), torch.stack([s, s]), out, bits=4, block_size=64,
+                         scale=0.5, accumulate=True)
+    expected = reference.dequantize_sum(torch.stack([q, q]), torch.stack([s, s]),
+                                        torch.ones(1000, device=device), bits=4, block_size=64,
+                                        scale=0.5, accumulate=True)
+    assert_bits_equal(out, expected, nan_payload=device.type == "cpu")
+    assert_bits_equal(opset.dequantize(q, s, bits=4, block_size=64, numel=1000),
+                      reference.dequantize(q, s, bits=4, block_size=64, numel=1000),
+                      nan_payload=device.type == "cpu")
+    with pytest.raises(ValueError, match="block_size"):
+        opset.quantize(x, bits=4, block_size=48)
+
+
 def test_empty(impl, device):
     x = torch.empty(0, device=device)
     q, s = impl("quantize")(x, bits=4, block_size=8)
