@@ -31,6 +31,10 @@ a composition of torch calls, which is all the reference can be while it stays t
   order] in csrc/cpu_ops/kernel.h), so it equals the reference exactly where fp32 is exact
   and is within the tolerance table elsewhere.
 - adamw_step: native (csrc/cpu_adam), bit-exact with the reference.
+- quantize / dequantize / dequantize_sum: the reference is a chain of torch ops over whole
+  buffers (pad, bit views, amax, divide, round, where, pack; or unpack, repeat_interleave,
+  multiply, add per chunk), each a pass over memory with its temporary; native is one pass
+  per block, staged in L1 (csrc/cpu_quant), bit-exact with the reference on every path.
 
 The reference stays the plain oracle the tests compare every path with, bit for bit for every
 copy and cast (tests/ops with ``ZKERNELS_BACKEND=cpp``, tests/native/test_cpu_ops.py per ISA,
@@ -39,7 +43,7 @@ tests/native/test_checked_copy.py for the checked fast paths through the public 
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -195,6 +199,46 @@ def unscale_and_check_(x: torch.Tensor, inv_scale: Union[float, torch.Tensor],
     return found_inf
 
 
+def quantize(x: torch.Tensor, *, bits: int = 8, block_size: int = 256,
+             out: Optional[torch.Tensor] = None,
+             scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`zkernels.reference.quantize` natively: one pass per block (csrc/cpu_quant)."""
+    _need_ext()
+    n = x.numel()
+    if out is None:
+        out = torch.empty(n if bits == 8 else (n + 1) // 2,
+                          dtype=torch.int8 if bits == 8 else torch.uint8)
+    if scales is None:
+        scales = torch.empty(-(-n // block_size), dtype=torch.float32)
+    _C.cpu_quantize(x, out, scales, bits, block_size, _ENV_ISA, _threads())
+    return out, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, *, bits: int = 8, block_size: int = 256,
+               numel: Optional[int] = None, out: Optional[torch.Tensor] = None,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """:func:`zkernels.reference.dequantize` natively."""
+    _need_ext()
+    if numel is None:
+        numel = out.numel() if out is not None else q.numel() * (1 if bits == 8 else 2)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype or torch.float32)
+    _C.cpu_dequantize(q, scales, out, bits, block_size, False, 1.0, False, _ENV_ISA,
+                      _threads())
+    return out
+
+
+def dequantize_sum(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bits: int = 8,
+                   block_size: int = 256, scale: float = 1.0,
+                   accumulate: bool = False) -> torch.Tensor:
+    """:func:`zkernels.reference.dequantize_sum` natively: every chunk of a block summed in
+    L1, in chunk order, then scaled and rounded into ``out`` in the same pass."""
+    _need_ext()
+    _C.cpu_dequantize(q, scales, out, bits, block_size, True, float(scale), bool(accumulate),
+                      _ENV_ISA, _threads())
+    return out
+
+
 def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`zkernels.reference.sum_squares` natively: one pass over all tensors, fp64
     accumulation in a fixed order, rounded once to the fp32 result."""
@@ -202,3 +246,9 @@ def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32)
     _C.cpu_sum_squares(tensors, out, _ENV_ISA, _threads())
     return out
+
+
+# An extension built before the quantization ops (a stale in-place build) lacks their binding:
+# then they are not native here, and the dispatcher runs the reference instead of failing.
+if _C is not None and not hasattr(_C, "cpu_quantize"):
+    del quantize, dequantize, dequantize_sum

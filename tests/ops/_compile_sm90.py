@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 from zkernels.kernels._copy import _scaled_copy_kernel
 from zkernels.kernels.adamw import _adamw_step_kernel, _sum_squares_kernel
 from zkernels.kernels.cast import _cast_kernel, _unscale_and_check_kernel
+from zkernels.kernels.quant import _dequantize_kernel, _quantize_kernel
 
 TABLE_SIG = {"meta": "*i64", "num_tensors": "i32", "num_blocks": "i32"}
 ADAMW_SCALARS = ("lr", "grad_scale", "decay", "weight_decay", "one_minus_beta1", "beta2",
@@ -61,6 +62,29 @@ CASES = {
                           dict(SRC=tl.float32, MIXED=True, BLOCK=4096), False),
 }
 
+QUANT_SIG = {"x_ptr": "*fp32", "q_ptr": "*i8", "scales_ptr": "*fp32", "numel": "i32",
+             "num_blocks": "i32"}
+DEQUANT_SIG = {"q_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32",
+               "num_blocks": "i32", "q_row": "i32", "s_row": "i32", "scale": "fp32"}
+DEQUANT_ALL = dict(NUM_CHUNKS=8, SUM=True, ACCUMULATE=True, BITS=8, BLOCK=256, ROWS=16,
+                   NATIVE_NAN=True)
+# The quantization kernels launch with enable_fp_fusion=False (zkernels/kernels/quant.py):
+# compiled the same way, their PTX must hold no fma, or a product and a sum rounded once.
+NO_FMA = {
+    "quantize_int8_f32": (_quantize_kernel, QUANT_SIG,
+                          dict(BITS=8, QMAX=127, BLOCK=256, ROWS=16), False),
+    "quantize_int4_bf16": (_quantize_kernel, {**QUANT_SIG, "x_ptr": "*bf16", "q_ptr": "*u8"},
+                           dict(BITS=4, QMAX=7, BLOCK=64, ROWS=64), False),
+    "dequantize_sum_int8_bf16": (_dequantize_kernel, DEQUANT_SIG, DEQUANT_ALL, False),
+    "dequantize_sum_int4_f32": (_dequantize_kernel,
+                                {**DEQUANT_SIG, "q_ptr": "*u8", "out_ptr": "*fp32"},
+                                dict(DEQUANT_ALL, BITS=4, BLOCK=8192, ROWS=1), False),
+    "dequantize_int8_f16": (_dequantize_kernel, {**DEQUANT_SIG, "out_ptr": "*fp16"},
+                            dict(DEQUANT_ALL, NUM_CHUNKS=1, SUM=False, ACCUMULATE=False),
+                            False),
+}
+CASES.update(NO_FMA)
+
 
 def compile_case(name):
     fn, runtime_sig, constexprs, _ = CASES[name]
@@ -71,14 +95,18 @@ def compile_case(name):
     signature = {n: runtime_sig.get(n, "constexpr") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if runtime_sig.get(n, "").startswith("*")}
+    options = {"enable_fp_fusion": False} if name in NO_FMA else None
     try:
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                                            attrs=aligned), target=GPUTarget("cuda", 90, 32))
+                                            attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
     except Exception as exc:  # reported, and the test fails on it
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     ptx = compiled.asm["ptx"]
     return {"ok": ".entry" in ptx and bool(compiled.asm.get("cubin")),
-            "wide": bool(re.search(r"(ld|st)\.global(\.\w+)*\.v4\.b32", ptx))}
+            "wide": bool(re.search(r"(ld|st)\.global(\.\w+)*\.v4\.b32", ptx)),
+            "fma": bool(re.search(r"\bfma\.rn(\.ftz)?\.f32", ptx)),
+            "approx_div": bool(re.search(r"\bdiv\.(approx|full)", ptx))}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-from ._compile_sm90 import CASES  # noqa: E402
+from ._compile_sm90 import CASES, NO_FMA  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,3 +36,5 @@ def test_kernel_compiles_for_sm90(results, case):
     assert result["ok"], result.get("error")
     if CASES[case][3]:
         assert result["wide"], f"{case}: no 128-bit global access in the PTX"
+    if case in NO_FMA:   # bit-exact arithmetic: no contraction, IEEE divisions only
+        assert not result["fma"] and not result["approx_div"], result

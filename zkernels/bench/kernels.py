@@ -43,6 +43,13 @@ PEERS = {
     "unscale": "torch._amp_foreach_non_finite_check_and_unscale_",
     "adamw": "torch.optim.AdamW(fused=True).step(); out.copy_(param)  (bf16 out)",
     "sum_squares": "torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))) ** 2",
+    "quantize": "b = x.view(-1, 256); s = b.abs().amax(1, keepdim=True) / 127; "
+                "(b / s).round().clamp(-127, 127).to(int8)  (fp32 in)",
+    "quantize_int4": "the same with 7, then (q[:, ::2] & 0xF) | (q[:, 1::2] << 4)  (fp32 in)",
+    "dequantize": "out.view(-1, 256).copy_(q.view(-1, 256).float() * s[:, None])  "
+                  "(int8 -> bf16)",
+    "dequantize_sum": "int4 nibbles by shifts, stacked, .float().view(8, -1, 256) * s, "
+                      ".sum(0) * 0.125 -> out  (8 chunks -> fp32 shard)",
 }
 OPS = tuple(PEERS)
 
@@ -113,6 +120,8 @@ def _build(op: str, numel: int, device: torch.device) -> Case:
         return Case(lambda: ops.sum_squares(ts),
                     lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))) ** 2,
                     4 * numel)
+    if op in _QUANT_OPS:
+        return _quant_case(op, numel, device)
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
@@ -138,6 +147,75 @@ def _adamw_case(numel: int, device: torch.device) -> Case:
     return Case(mine, peer, 30 * numel, 34 * numel)
 
 
+_QUANT_OPS = ("quantize", "quantize_int4", "dequantize", "dequantize_sum")
+QUANT_BLOCK = 256
+QUANT_CHUNKS = 8   # dequantize_sum: ranks whose chunks of one shard are summed
+
+
+def _as_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    """(num_blocks, block) view of flat ``t``, zero-padded when ragged (a copy: bench sizes
+    are powers of two, so only the smoke test's size pays it)."""
+    t = t.reshape(-1)
+    pad = (-t.numel()) % block
+    return (torch.nn.functional.pad(t, (0, pad)) if pad else t).view(-1, block)
+
+
+def _quant_case(op: str, numel: int, device: torch.device) -> Case:
+    """The quantization ops against the torch ops a user would write for them. Bytes: the op
+    reads its input and writes codes + scales (or the reverse); the peer's count is its passes
+    (each elementwise op reads and writes its fp32 temporary)."""
+    B, n_scales = QUANT_BLOCK, -(-numel // QUANT_BLOCK)
+    x = torch.randn(numel, device=device)
+    if op in ("quantize", "quantize_int4"):
+        bits = 8 if op == "quantize" else 4
+        qmax = 127 if bits == 8 else 7
+        q, s = ops.quantize(x, bits=bits, block_size=B)
+
+        def peer():
+            b = _as_blocks(x, B)
+            scale = b.abs().amax(1, keepdim=True) / qmax
+            c = (b / scale).round().clamp(-qmax, qmax).to(torch.int8)
+            if bits == 4:
+                c = (c[:, ::2] & 0xF) | (c[:, 1::2] << 4)
+            return c, scale
+        out_bytes = numel if bits == 8 else (numel + 1) // 2
+        # peer: abs (8), amax (4), div (8), round (8), clamp (8), to int8 (5) [+ pack (3)]
+        return Case(lambda: ops.quantize(x, bits=bits, block_size=B, out=q, scales=s), peer,
+                    4 * numel + out_bytes + 4 * n_scales,
+                    (41 if bits == 8 else 44) * numel)
+    if op == "dequantize":
+        q, s = ops.quantize(x, bits=8, block_size=B)
+        out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+
+        def peer():
+            res = _as_blocks(q, B).float() * s[:, None]
+            out.copy_(res.view(-1)[:numel])
+        # peer: .float() (5), * s (8), copy to bf16 (6)
+        return Case(lambda: ops.dequantize(q, s, bits=8, block_size=B, out=out), peer,
+                    3 * numel + 4 * n_scales, 19 * numel)
+    # dequantize_sum: numel elements received in all, QUANT_CHUNKS chunks of one shard.
+    shard = max(1, numel // QUANT_CHUNKS)
+    n_scales = -(-shard // B)
+    xs = torch.randn(QUANT_CHUNKS, shard, device=device)
+    q = torch.stack([ops.quantize(r, bits=4, block_size=B)[0] for r in xs])
+    s = torch.stack([ops.quantize(r, bits=4, block_size=B)[1] for r in xs])
+    out = torch.empty(shard, device=device)
+    scale = 1.0 / QUANT_CHUNKS
+
+    def peer():
+        lo = (q << 4).view(torch.int8) >> 4          # sign-extended low nibbles
+        hi = q.view(torch.int8) >> 4                 # and high
+        codes = torch.stack((lo, hi), dim=-1).view(QUANT_CHUNKS, -1)[:, :shard].float()
+        if shard % B:
+            codes = torch.nn.functional.pad(codes, (0, n_scales * B - shard))
+        vals = codes.view(QUANT_CHUNKS, n_scales, B) * s.view(QUANT_CHUNKS, n_scales, 1)
+        out.copy_(vals.sum(0).view(-1)[:shard] * scale)
+    total = QUANT_CHUNKS * shard
+    # peer per received element: shifts (~2), stack (2), float (5), * s (8), sum (4), * (~1)
+    return Case(lambda: ops.dequantize_sum(q, s, out, bits=4, block_size=B, scale=scale),
+                peer, total // 2 + 4 * QUANT_CHUNKS * n_scales + 4 * shard, 22 * total)
+
+
 @contextlib.contextmanager
 def forced_backend(name: str) -> Iterator[None]:
     """Run ``zkernels.ops`` on backend ``name`` (the documented ZKERNELS_BACKEND switch)."""
@@ -159,7 +237,8 @@ def backends(device: torch.device) -> List[str]:
     return ["reference"] + (["cpp"] if ops.available("cpp") else [])
 
 
-_OP_NAMES = {"unscale": "unscale_and_check_", "adamw": "adamw_step"}
+_OP_NAMES = {"unscale": "unscale_and_check_", "adamw": "adamw_step",
+             "quantize_int4": "quantize"}
 
 
 def copy_bandwidth(numel: int, device: torch.device, repeat: int, warmup: int) -> dict:

@@ -7,7 +7,8 @@ from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
 from .opset import OpSet, for_device
+from .quant import dequantize, dequantize_sum, quantize
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-           "unscale_and_check_", "adamw_step", "sum_squares", "available", "choose",
-           "OpSet", "for_device"]
+           "unscale_and_check_", "adamw_step", "sum_squares", "quantize", "dequantize",
+           "dequantize_sum", "available", "choose", "OpSet", "for_device"]

@@ -22,6 +22,7 @@ from .adamw import _adamw_step, _sum_squares
 from .bucket import _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
+from .quant import _dequantize, _dequantize_sum, _quantize
 from ._backend import BACKENDS, _module, _say_once, forced_backend, resolve_backend
 
 # The ops with a checked native fast path on CPU (see ops/_fast.py).
@@ -29,7 +30,7 @@ _FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
              "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
-       "adamw_step", "sum_squares")
+       "adamw_step", "sum_squares", "quantize", "dequantize", "dequantize_sum")
 
 
 class OpSet:
@@ -38,7 +39,8 @@ class OpSet:
     Build with :func:`for_device`. Attributes: ``device_type`` ("cpu", "cuda"), ``backends``
     (op name -> backend name, read-only). Methods: the ops of ``zkernels.ops`` with the same
     arguments and checks (``flatten``, ``unflatten``, ``bucket_pack``, ``bucket_unpack``,
-    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``sum_squares``).
+    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``sum_squares``, ``quantize``,
+    ``dequantize``, ``dequantize_sum``).
     """
 
     def __init__(self, device_type: str, backends: Mapping[str, str],
@@ -97,6 +99,15 @@ class OpSet:
         if not tensors:  # the public op's empty answer, on this OpSet's device
             return torch.zeros((), dtype=torch.float32, device=self.device_type)
         return _sum_squares(self._resolve, tensors)
+
+    def quantize(self, x, **kw):
+        return _quantize(self._resolve, x, **kw)
+
+    def dequantize(self, q, scales, **kw):
+        return _dequantize(self._resolve, q, scales, **kw)
+
+    def dequantize_sum(self, q, scales, out, **kw):
+        return _dequantize_sum(self._resolve, q, scales, out, **kw)
 
     def __repr__(self) -> str:
         return f"OpSet({self.device_type}, {dict(self.backends)})"

@@ -8,6 +8,8 @@ from .adamw import adamw_step, sum_squares
 from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
+from .quant import dequantize, dequantize_sum, quantize
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-           "unscale_and_check_", "adamw_step", "sum_squares"]
+           "unscale_and_check_", "adamw_step", "sum_squares", "quantize", "dequantize",
+           "dequantize_sum"]

@@ -1,0 +1,107 @@
+// CPU blockwise quantize / dequantize / dequantize-and-sum: argument checks, run-time path
+// choice, the scalar path and OpenMP tiling over whole blocks.
+#include "cpu_quant.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernel.h"
+
+namespace zk::cpu {
+namespace {
+
+// Elements per OpenMP work item, as csrc/cpu_ops: one tensor takes a second thread from two
+// of them ([Note: when the list ops go parallel] in csrc/cpu_ops/cpu_ops.cpp). A
+// dequantize-and-sum counts every chunk's elements. Results never depend on the thread
+// count: blocks are independent and each element's sum runs in chunk order.
+constexpr int64_t kTileNumel = 16384;
+
+Isa resolve(Isa isa) {
+  if (isa == Isa::kAuto) isa = best_isa();
+  if (!isa_supported(isa)) {
+    throw std::invalid_argument(std::string("isa '") + isa_name(isa) +
+                                "' was forced but this CPU does not support it");
+  }
+  return isa;
+}
+
+void check(int bits, int64_t block, int64_t numel) {
+  if (!quant_bits_ok(bits)) {
+    throw std::invalid_argument("bits must be 8 or 4, got " + std::to_string(bits));
+  }
+  if (!quant_block_ok(block)) {
+    throw std::invalid_argument("block_size must be a power of two in [" +
+                                std::to_string(kMinQuantBlock) + ", " +
+                                std::to_string(kMaxQuantBlock) + "], got " +
+                                std::to_string(block));
+  }
+  if (numel < 0) throw std::invalid_argument("numel must be >= 0");
+}
+
+// Runs fn(b0, b1) over all `num_blocks` blocks, in work items of about kTileNumel elements
+// (times `weight`: the chunks a dequantize-and-sum reads per element).
+template <typename Fn>
+void over_blocks(int64_t num_blocks, int64_t block, int64_t numel, int64_t weight,
+                 int num_threads, Fn fn) {
+  if (num_threads < 0) {
+    throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
+  }
+  const int64_t per_item = std::max<int64_t>(1, kTileNumel / block);
+  const int64_t items = (num_blocks + per_item - 1) / per_item;
+  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min({wanted, items, numel * weight / kTileNumel})));
+  if (threads == 1) {
+    fn(int64_t{0}, num_blocks);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < items; ++t) {
+    fn(t * per_item, std::min(num_blocks, (t + 1) * per_item));
+  }
+}
+
+void quantize_scalar(const QuantizeArgs& a, int64_t b0, int64_t b1) {
+  quant::quantize_blocks<quant::Scalar>(a, b0, b1);
+}
+
+void dequantize_scalar(const DequantizeArgs& a, int64_t b0, int64_t b1) {
+  quant::dequantize_blocks<quant::Scalar>(a, b0, b1);
+}
+
+}  // namespace
+
+Isa quantize(const QuantizeArgs& a, Isa isa, int num_threads) {
+  check(a.bits, a.block, a.numel);
+  isa = resolve(isa);
+  using Fn = void (*)(const QuantizeArgs&, int64_t, int64_t);
+  const Fn fn = isa == Isa::kAvx512 ? quant::quantize_avx512
+                : isa == Isa::kAvx2 ? quant::quantize_avx2
+                                    : quantize_scalar;
+  const int64_t nb = (a.numel + a.block - 1) / a.block;
+  over_blocks(nb, a.block, a.numel, 1, num_threads,
+              [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
+  return isa;
+}
+
+Isa dequantize(const DequantizeArgs& a, Isa isa, int num_threads) {
+  check(a.bits, a.block, a.numel);
+  if (a.chunks < 1 || (!a.sum && a.chunks != 1)) {
+    throw std::invalid_argument("chunks must be >= 1 (1 without sum), got " +
+                                std::to_string(a.chunks));
+  }
+  isa = resolve(isa);
+  using Fn = void (*)(const DequantizeArgs&, int64_t, int64_t);
+  const Fn fn = isa == Isa::kAvx512 ? quant::dequantize_avx512
+                : isa == Isa::kAvx2 ? quant::dequantize_avx2
+                                    : dequantize_scalar;
+  const int64_t nb = (a.numel + a.block - 1) / a.block;
+  over_blocks(nb, a.block, a.numel, a.chunks, num_threads,
+              [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
+  return isa;
+}
+
+}  // namespace zk::cpu
