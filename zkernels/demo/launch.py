@@ -39,8 +39,9 @@ def parse_args(argv):
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
                     help="write the results as JSON to this file (its folder must exist)")
     ap.add_argument("--plot", type=output_file, default=None, metavar="PNG",
-                    help="draw the loss curves, step times and memory per rank (measured "
-                         "by kind beside the estimate) to this file (needs matplotlib)")
+                    help="draw the ZeRO paper's memory figure (bytes per rank by kind on the "
+                         "device, in host RAM and on disk, measured beside the estimate), the "
+                         "loss curves and step times to this file (needs matplotlib)")
     ap.add_argument("--device-memory", type=byte_size("--device-memory"), default=None,
                     metavar="SIZE", help="memory per device with its unit, e.g. 8MiB: '*' "
                     "marks the rung plan would choose for the demo model in fp32 (the lowest "
@@ -77,8 +78,9 @@ def check_args(args) -> Optional[str]:
 def plan_choice(args, world_size: int) -> Optional[dict]:
     """The rung ``plan`` would choose for the demo model with ``--device-memory`` (None when
     not given): ``{"device_memory", "headroom", "rung" (key, or None when nothing fits),
-    "name", "reason"}``. The planner's own choice (``choose_rung``), on the model's estimate
-    in fp32 with the demo's buckets, built on the meta device (no memory, no time)."""
+    "name", "reason" (the planner's sentence), "device_bytes" (the rung's estimated
+    peak)}``. The planner's own choice (``choose_rung``) on the model's estimate in fp32 with
+    the demo's buckets; the model is built on the meta device (no memory, no time)."""
     if args.device_memory is None:
         return None
     import torch
@@ -88,7 +90,7 @@ def plan_choice(args, world_size: int) -> Optional[dict]:
     from .rungs import Rung
     with torch.device("meta"):
         model = GPT(model_config(args))
-    out = dict(device_memory=args.device_memory, headroom=args.headroom)
+    out = dict(device_memory=args.device_memory, headroom=args.headroom, device_bytes=None)
     try:
         (stage, offload), est, reason = choose_rung(
             model, world_size, args.device_memory, headroom=args.headroom,
@@ -96,7 +98,8 @@ def plan_choice(args, world_size: int) -> Optional[dict]:
     except NoRungFitsError as exc:
         return dict(out, rung=None, name=None, reason=str(exc))
     rung = Rung(stage, offload, est.offload_params)
-    return dict(out, rung=rung.key, name=rung.name, reason=reason)
+    return dict(out, rung=rung.key, name=rung.name, reason=reason,
+                device_bytes=est.device_bytes)
 
 
 def _device(choice: str, nproc: int) -> str:

@@ -11,6 +11,7 @@ The table says which of these it measured.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Dict, List, Optional, Tuple
 
 KINDS = ("params", "grads", "master", "optimizer_states", "buffers")
@@ -88,13 +89,16 @@ def _plan_line(plan: Optional[dict], names: List[str]) -> Optional[str]:
         return f"{size}: {plan['reason']}"
     where = "*: " if plan["name"] in names else \
         f"(not among the rungs trained: add {plan['rung']} to --rungs) "
-    return f"{where}plan's choice for {size}, fp32: {plan['reason']}"
+    usable = plan["device_memory"] * (1 - plan["headroom"])
+    return (f"{where}plan's choice for {size}, fp32: {plan['name']}, the lowest rung whose "
+            f"estimated peak fits ({_bytes_text(plan['device_bytes'])} of "
+            f"{_bytes_text(usable)} usable)")
 
 
 def _bytes_text(num_bytes: int) -> str:
     for name, unit in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= unit:
-            return f"{num_bytes / unit:g} {name}"
+            return f"{num_bytes / unit:.3g} {name}"
     return f"{num_bytes} B"
 
 
@@ -168,30 +172,36 @@ def render_table(results: dict) -> Tuple[str, dict]:
                                                   if held(r, place, estimate=True)["total"]}
                                           for place in PLACES},
                    plan=plan)
-    text = [f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
-            f"{meta['device']}, fp32, {steps} steps per rung. Per rank, in {unit_name}: bytes "
-            f"sent per step, and bytes held between steps on the device, in host RAM and on "
-            f"disk, each measured beside estimate_memory's estimate (est)"]
-    text += _columns(cols, rows, 1)
+    table = _columns(cols, rows, 1)
+    width = max(100, max(len(line) for line in table))   # prose wrapped to the table
+
+    def wrap(note):
+        return textwrap.fill(note, width, subsequent_indent="  ", break_on_hyphens=False)
+    text = [wrap(f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
+                 f"{meta['device']}, fp32, {steps} steps per rung. {unit_name} per rank sent "
+                 f"per step and held between steps, measured beside estimate_memory's (est)")]
+    text += table
+    notes = []
     plan_line = _plan_line(plan, [r["name"] for r in rungs])
     if plan_line:
-        text.append(plan_line)
-    text.append(f"max |loss difference| from {rungs[0]['name']} over all {steps} steps: "
-                f"{max_loss_diff:.3g}; max |parameter difference| after the last step: "
-                f"{max_param_diff:.3g}")
+        notes.append(plan_line)
+    notes.append(f"max |loss difference| from {rungs[0]['name']} over all {steps} steps: "
+                 f"{max_loss_diff:.3g}; max |parameter difference| after the last step: "
+                 f"{max_param_diff:.3g}")
     losses = _loss_sentence(rungs)
     if losses:
-        text.append(losses)
+        notes.append(losses)
     if "step_time_ratio_paired" in rungs[0]:
-        text.append(f"x{_short(rungs[0])}: step time as the median of per-step ratios to "
-                    f"{rungs[0]['name']} (the rungs take their steps in turn, so a change in "
-                    f"the machine's load lands on all of them)")
-    text += ["", f"Bytes held per rank by kind and place ({unit_name}), measured by "
-             f"ZeroOptimizer.stats(), the total beside estimate_memory's (host buffers: the "
-             f"offload staging or NVMe's fixed slot budget; disk: the swap files, headers "
-             f"included)"]
+        notes.append(f"x{_short(rungs[0])}: step time as the median of per-step ratios to "
+                     f"{rungs[0]['name']} (the rungs take their steps in turn, so a change in "
+                     f"the machine's load lands on all of them)")
+    text += [wrap(n) for n in notes]
+    text += ["", wrap(f"{unit_name} held per rank by kind and place (stats()), the total "
+                      f"beside estimate_memory's (host buffers: staging, NVMe's slots)")]
     text += _columns(kind_cols, kind_rows, 2)
     return "\n".join(text), summary
+
+
 LABELS = dict(params="params", grads="grads", master="fp32 master",
               optimizer_states="AdamW states", buffers="buffers (reduce, staging)")
 _PLACE_LABELS = dict(device="dev", host="host", disk="disk")

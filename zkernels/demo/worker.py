@@ -271,11 +271,14 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[i].append(time.perf_counter() - t0)
-            mean_loss = loss.detach().float().clone()
-            dist.all_reduce(mean_loss)  # the global batch's loss, as one process would see it
-            losses[i].append(mean_loss.item() / world_size)
-        bar.update(1, loss=losses[0][-1])
+            losses[i].append(loss.detach().float().reshape(1))
+        bar.update(1, loss=losses[0][-1].item())     # this rank's
     bar.close()
+    # The global batch's loss, as one process would see it: the mean over ranks, summed (in
+    # fp32) by one all-reduce after training instead of one per rung and step.
+    total = torch.stack([torch.cat(x) for x in losses])
+    dist.all_reduce(total)
+    losses = [[v / world_size for v in row] for row in total.tolist()]
     if args.ckpt_dir:
         from .. import checkpoint
         for i, rung in enumerate(rungs):
