@@ -230,6 +230,11 @@ def test_demo_table_says_what_the_losses_show():
     assert "stage 2 + cpu offload identical for 3 steps, then within 0.0001 (vs stage 1)" in text
     assert summary["max_loss_diff"] == pytest.approx(0.0006)
     assert "* " not in text     # no --device-memory, no mark
+    assert "fp32 round-off" in text
+    text, _ = render_table(_results(dict(rung="2", name="stage 2", losses=[3.0, 2.0]),
+                                    dict(rung="3", name="stage 3", losses=[3.0, 2.0])))
+    assert "losses: stage 3 identical to stage 2 at every step" in _flat(text)
+    assert "round-off" not in text      # nothing to explain
 
 
 def test_demo_table_marks_plans_choice():

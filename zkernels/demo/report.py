@@ -65,6 +65,8 @@ def _loss_sentence(rungs: List[dict]) -> Optional[str]:
         parts.append(f"{', '.join(same)} identical to {base['name']} at every step")
     parts += [f"{_agreement(base, r)} (vs {base['name']})" for r in others
               if list(r["losses"]) != list(base["losses"])]
+    if all(list(r["losses"]) == list(rungs[0]["losses"]) for r in rungs):
+        return "losses: " + "; ".join(parts)
     return ("losses: " + "; ".join(parts) + ". fp32 round-off, amplified by training where the "
             "AdamW arithmetic differs (see [Note: what the demo's losses show] in "
             "zkernels/demo/report.py)")
