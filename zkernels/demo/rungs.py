@@ -98,7 +98,3 @@ def parse_rungs(text: str, flag: str = "--rungs") -> List[Rung]:
         out.append(rung)
     return out
 
-
-def rung_from_key(key: str) -> Rung:
-    """The rung of a key written by :attr:`Rung.key` (the worker's results)."""
-    return parse_rungs(key)[0]

@@ -154,6 +154,9 @@ class _DDPRung:
 
 
 class _ZeroRung:
+    """``ZeroOptimizer`` at ``rung``'s stage and offload (NVMe: files under ``offload_dir``,
+    through :data:`NVME_BUFFER_BYTES` of host RAM, see [Note: the demo's NVMe budget])."""
+
     def __init__(self, model, args, rung: Rung, offload_dir: str):
         try:
             from zkernels import ZeroOptimizer
@@ -247,6 +250,7 @@ def run_rungs(rungs, args, tokens, device, rank: int, world_size: int, offload_d
 
 
 def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
+    """:func:`run_rungs`' loop over the built ``(model, trainer, estimate)`` triples."""
     starts = [0] * len(rungs)
     if args.resume:
         from .. import checkpoint
