@@ -190,7 +190,11 @@ CASES = [
      r"--bucket-bytes must be >= 1, got 0"),
     ("demo_n_embd_not_multiple_of_heads", demo("--n-embd", "65", "--n-head", "2"), CliError,
      r"--n-embd must be a multiple of --n-head, got --n-embd 65 and --n-head 2"),
-    ("demo_rungs_unknown", demo("--rungs", "ddp,5"), CliError, r"--rungs must list .*'ddp,5'"),
+    ("demo_rungs_unknown", demo("--rungs", "ddp,5"), CliError,
+     r"--rungs: unknown rung '5' in 'ddp,5'; valid .* 3\+cpu\+params \(stage 3 \+ cpu offload "
+     r"\+ params on host\)"),
+    ("demo_rungs_twice", demo("--rungs", "2,stage 2"), CliError,
+     r"--rungs lists stage 2 twice"),
     ("demo_lr_negative", demo("--lr", "-1"), CliError, r"--lr must be >= 0, got -1"),
 ]
 

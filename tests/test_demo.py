@@ -1,11 +1,16 @@
 """``python -m zkernels demo`` end to end: 2 gloo ranks through torch.distributed.run, a tiny
-GPT, every rung; the JSON table shows equal fp32 losses and memory measured vs estimated."""
+GPT, every rung (data parallel, stages 1-3, CPU and NVMe offload); the JSON table shows equal
+fp32 losses, and traffic and memory in each place measured vs estimated; ``--rungs`` takes
+plan's names; ``--device-memory`` marks plan's choice; ``--plot`` draws it."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from zkernels.demo.report import KINDS, PLACES
+from zkernels.demo.worker import NVME_BUFFER_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--steps", "3", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
@@ -18,7 +23,7 @@ LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-5
 
 
-def _demo(tmp_path, *extra, timeout=120):
+def _demo(tmp_path, *extra, timeout=180):
     out = tmp_path / "demo.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", *TINY, "--json", str(out),
@@ -28,32 +33,152 @@ def _demo(tmp_path, *extra, timeout=120):
     return proc.stdout, json.loads(out.read_text())
 
 
-def test_demo_all_rungs_agree(tmp_path):
-    stdout, data = _demo(tmp_path)
+def _flat(text: str) -> str:
+    """The text with every run of spaces and line breaks as one space (notes are wrapped)."""
+    return " ".join(text.split())
+
+
+def _tiny_model():
+    from zkernels.demo.model import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=32))
+
+
+DEFAULT_NAMES = ["data parallel", "stage 1", "stage 2", "stage 3", "stage 2 + cpu offload",
+                 "stage 3 + cpu offload + params on host", "stage 2 + nvme offload"]
+
+
+def test_demo_every_rung_by_default(tmp_path):
+    # One run of the default rungs (tiny sizes, 3 steps) checks the losses, the traffic and
+    # the bytes held in each place against the estimate, the plan mark and the plot.
+    from zkernels.zero.estimate import estimate_memory
+    from zkernels.zero.offload_config import DEFAULT_NVME_BUFFER_BYTES
+    # A budget that stage 2 fits and stage 1 does not (at this tiny size stage 3's gathered
+    # block outweighs what it saves: the lowest rung that fits is stage 2).
+    peak = {s: estimate_memory(_tiny_model(), 2, s, bucket_bytes=16384).device_bytes
+            for s in (1, 2)}
+    assert peak[2] < peak[1], peak
+    budget = int((peak[1] + peak[2]) / 2 / 0.9)
+    png, offload_dir = tmp_path / "demo.png", tmp_path / "nvme"
+    offload_dir.mkdir()
+    stdout, data = _demo(tmp_path, "--device-memory", f"{budget}B", "--plot", str(png),
+                         "--offload-dir", str(offload_dir))   # matplotlib: in the test extra
     rungs = {r["name"]: r for r in data["rungs"]}
-    assert list(rungs) == ["data parallel", "stage 1", "stage 2"]
+    assert list(rungs) == DEFAULT_NAMES
     assert data["meta"]["world_size"] == 2
     losses = [r["losses"] for r in rungs.values()]
     assert all(len(x) == 3 for x in losses)
     for other in losses[1:]:
         assert max(abs(a - b) for a, b in zip(losses[0], other)) <= LOSS_ATOL
+    # Every ZeRO rung runs the same reduction and fused AdamW on the same shards: the losses
+    # are bit-identical from stage 1 to stage 3 with offload (what the README says).
+    for other in losses[2:]:
+        assert other == losses[1]
     assert data["summary"]["max_loss_diff"] <= LOSS_ATOL
     assert data["summary"]["max_param_diff"] <= PARAM_ATOL
-    for r in rungs.values():
+    for name, r in rungs.items():
         assert r["step_time_s"] > 0
-        # Bytes sent per step: the ring volume of the gradients (and, at stages 1-2, of the
+        # Bytes sent per step: the ring volume of the gradients (and, at stages 1-3, of the
         # gathered parameters); padding and the tiny grad-norm all-reduce aside.
         assert abs(r["comm_bytes"] - r["estimate"]["comm_bytes"]) <= \
-            0.05 * r["estimate"]["comm_bytes"]
-        # Bytes held between steps, measured from allocated tensors, vs the estimate.
-        assert abs(r["memory_bytes"]["total"] - r["estimate"]["total"]) <= \
-            0.02 * r["estimate"]["total"]
-    # Sharding shrinks the model states (the reduce buffers, fixed-size, aside: at this tiny
-    # size they outweigh what stage 2 saves).
-    dp, s1, s2 = (rungs[k]["memory_bytes"]["total"] - rungs[k]["memory_bytes"]["buffers"]
-                  for k in rungs)
-    assert s2 < s1 < dp
-    assert "max |loss difference|" in stdout and "stage 2" in stdout
+            0.05 * r["estimate"]["comm_bytes"], name
+        split, est = r["memory_bytes_by_location"], r["estimate"]["by_location"]
+        # The split adds up to the totals by kind (each kind, wherever it lives).
+        for kind in KINDS:
+            assert sum(split[p][kind] for p in PLACES) == r["memory_bytes"][kind], (name, kind)
+        # Bytes held between steps on the device and in host RAM, measured from allocated
+        # tensors, vs the estimate of each place.
+        for place in ("device", "host"):
+            assert abs(split[place]["total"] - est[place]["total"]) <= \
+                0.02 * est[place]["total"], (name, place)
+        # On disk (NVMe): the master and moments, plus each swap file's 4 KiB header and its
+        # padding to 4 KiB (not estimated: at most 8 KiB for each of the 3 files of a unit,
+        # and this tiny GPT has at most 12 units of 16 KiB buckets).
+        assert est["disk"]["total"] <= split["disk"]["total"] <= \
+            est["disk"]["total"] + 8192 * 3 * 12, name
+    # Where each rung keeps what (the ladder's point), measured:
+    dev = {n: r["memory_bytes_by_location"]["device"] for n, r in rungs.items()}
+    host = {n: r["memory_bytes_by_location"]["host"] for n, r in rungs.items()}
+    disk = {n: r["memory_bytes_by_location"]["disk"] for n, r in rungs.items()}
+    for n in DEFAULT_NAMES[:4]:
+        assert host[n]["total"] == 0 and disk[n]["total"] == 0, n
+    assert dev["stage 2 + cpu offload"]["optimizer_states"] == 0
+    assert host["stage 2 + cpu offload"]["optimizer_states"] == \
+        dev["stage 2"]["optimizer_states"]
+    assert dev["stage 3 + cpu offload + params on host"]["params"] == 0
+    assert host["stage 3 + cpu offload + params on host"]["params"] == dev["stage 3"]["params"]
+    nvme = "stage 2 + nvme offload"
+    assert dev[nvme]["optimizer_states"] == 0 and host[nvme]["optimizer_states"] == 0
+    assert disk[nvme]["optimizer_states"] >= dev["stage 2"]["optimizer_states"]
+    assert 0 < host[nvme]["total"] <= NVME_BUFFER_BYTES < DEFAULT_NVME_BUFFER_BYTES
+    # Sharding shrinks the model states on the device (the reduce buffers, fixed-size,
+    # aside: at this tiny size they outweigh what stage 2 saves).
+    states = [dev[n]["total"] - dev[n]["buffers"] for n in DEFAULT_NAMES]
+    assert states[3] < states[2] < states[1] < states[0]        # stages 3 < 2 < 1 < DP
+    assert states[4] < states[2] and states[5] < states[3]      # offload < no offload
+    # The plan mark: the rung python -m zkernels plan chooses for this budget, starred.
+    assert data["plan"]["rung"] == "2" and data["plan"]["name"] == "stage 2"
+    assert data["summary"]["plan"]["rung"] == "2"
+    marked = [line for line in stdout.splitlines() if line.startswith("* ")]
+    assert len(marked) == 1 and marked[0].startswith("* stage 2 "), stdout
+    assert "*: plan's choice for --device-memory" in stdout
+    assert "max |loss difference|" in stdout and "held in" in stdout
+    assert "stage 2, stage 3, stage 2 + cpu offload, stage 3 + cpu offload + params on host, " \
+        "stage 2 + nvme offload identical to stage 1 at every step" in _flat(stdout)
+    assert png.stat().st_size > 10_000 and f"plot: {png}" in stdout
+    assert len(rungs["stage 2"]["step_times_s"]) == 2      # the steps after the first
+    # The NVMe rung's files went with the run (ZeroOptimizer.close()).
+    assert os.listdir(offload_dir) == []
+
+
+def test_rungs_take_every_name_plan_prints(capsys):
+    from zkernels import plan
+    from zkernels.demo.rungs import DEFAULT_RUNGS, parse_rungs
+    assert plan.main(["--params", "1e6", "--world-size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("rung ")) + 2
+    names = [line[2:].split("  ")[0] for line in lines[start:] if line.startswith("  ")]
+    assert len(names) == 10 and names[0] == "data parallel"
+    assert [r.name for r in parse_rungs(",".join(names))] == names
+    # Case and spaces do not matter; keys name the same rungs.
+    assert parse_rungs(" Stage 3+CPU offload+params on host ,ddp") == \
+        parse_rungs("3+cpu+params,data parallel")
+    assert [r.name for r in parse_rungs(DEFAULT_RUNGS)] == DEFAULT_NAMES
+    assert [r.key for r in parse_rungs(",".join(names))] == [
+        "ddp", "1", "2", "3", "2+cpu", "3+cpu", "3+cpu+params", "2+nvme", "3+nvme",
+        "3+nvme+params"]
+
+
+@pytest.mark.parametrize("rungs, message", [
+    ("ddp,5", "--rungs: unknown rung '5' in 'ddp,5'; valid (key or name as plan prints it, "
+              "comma separated): ddp (data parallel), 1 (stage 1), "),
+    ("stage 1 + cpu offload", "unknown rung 'stage 1 + cpu offload'"),
+    ("2,,3", "unknown rung '' in '2,,3'"),
+    ("", "--rungs must list at least one rung"),
+    ("2,stage 2", "--rungs lists stage 2 twice"),
+])
+def test_demo_bad_rungs(rungs, message, capsys):
+    # Refused at once, before any rank starts, naming the valid rungs.
+    from zkernels.demo.launch import main
+    assert main(["--rungs", rungs]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if "unknown" in message:
+        assert "3+nvme+params (stage 3 + nvme offload + params on host)" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-memory", "8"], "argument --device-memory: needs a unit"),
+    (["--headroom", "1"], "--headroom must be a fraction in [0, 1), got 1.0"),
+    (["--offload-dir", "/no/such/folder"], "--offload-dir '/no/such/folder' is not an existing"),
+])
+def test_demo_bad_plan_and_offload_options(argv, message, capsys):
+    from zkernels.demo.launch import main
+    try:
+        rc = main(argv)
+    except SystemExit as exc:   # argparse's own usage errors
+        rc = exc.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
 
 
 def test_demo_bad_option(tmp_path):
@@ -61,17 +186,9 @@ def test_demo_bad_option(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", "--steps", "0"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "--steps" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", "--rungs", "ddp,3"],
+    proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", "--rungs", "ddp,3+gpu"],
                           capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 2 and "--rungs" in proc.stderr
-
-
-def test_demo_plot(tmp_path):
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "demo.png"
-    _, data = _demo(tmp_path, "--rungs", "ddp,2", "--plot", str(png))
-    assert png.stat().st_size > 1000 and data["rungs"][0]["name"] == "data parallel"
-    assert len(data["rungs"][1]["step_times_s"]) == 2      # the steps after the first
+    assert proc.returncode == 2 and "--rungs: unknown rung '3+gpu'" in proc.stderr
 
 
 def test_demo_output_paths_are_checked_before_training(tmp_path):
@@ -88,20 +205,61 @@ def test_demo_output_paths_are_checked_before_training(tmp_path):
         assert not target.parent.exists()
 
 
+def _results(*rungs, plan=None):
+    held = {"device": dict(params=512, optimizer_states=512, total=1024)}
+    base = dict(final_loss=1.0, step_time_s=0.1, comm_bytes=0, max_param_diff=0.0,
+                num_params=10, memory_bytes=dict(total=1024), memory_bytes_by_location=held,
+                estimate=dict(total=1024, comm_bytes=0, by_location=held))
+    return dict(meta=dict(args=dict(steps=4), world_size=2, device="cpu"), plan=plan,
+                rungs=[dict(base, **r) for r in rungs])
+
+
 def test_demo_table_says_what_the_losses_show():
     from zkernels.demo.report import render_table
-    rung = dict(final_loss=1.0, step_time_s=0.1, comm_bytes=0, max_param_diff=0.0,
-                num_params=10, memory_bytes=dict(total=1024), estimate=dict(total=1024,
-                                                                             comm_bytes=0))
-    results = dict(meta=dict(args=dict(steps=4), world_size=2, device="cpu"), rungs=[
-        dict(rung, rung="ddp", name="data parallel", losses=[3.0, 2.0, 1.5, 1.25]),
-        dict(rung, rung="1", name="stage 1", losses=[3.0, 2.0, 1.5, 1.2505]),
-        dict(rung, rung="2", name="stage 2", losses=[3.0, 2.0, 1.5, 1.2505])])
-    text, summary = render_table(results)
-    assert "sent/step KiB" in text and " KB" not in text
+    text, summary = render_table(_results(
+        dict(rung="ddp", name="data parallel", losses=[3.0, 2.0, 1.5, 1.25]),
+        dict(rung="1", name="stage 1", losses=[3.0, 2.0, 1.5, 1.2505]),
+        dict(rung="2", name="stage 2", losses=[3.0, 2.0, 1.5, 1.2505]),
+        dict(rung="3", name="stage 3", losses=[3.0, 2.0, 1.5, 1.2505]),
+        dict(rung="2+cpu", name="stage 2 + cpu offload", losses=[3.0, 2.0, 1.5, 1.2506])))
+    assert max(len(line) for line in text.splitlines()) <= 100
+    text = _flat(text)
+    assert "sent/step" in text and "KiB per rank" in text and " KB" not in text
     assert "stage 1 identical for 3 steps, then within 0.0005 (vs data parallel)" in text
-    assert "stage 2 identical at every step (vs stage 1)" in text
-    assert summary["max_loss_diff"] == pytest.approx(0.0005)
+    assert "stage 2, stage 3 identical to stage 1 at every step" in text
+    assert "stage 2 + cpu offload identical for 3 steps, then within 0.0001 (vs stage 1)" in text
+    assert summary["max_loss_diff"] == pytest.approx(0.0006)
+    assert "* " not in text     # no --device-memory, no mark
+    assert "fp32 round-off" in text
+    text, _ = render_table(_results(dict(rung="2", name="stage 2", losses=[3.0, 2.0]),
+                                    dict(rung="3", name="stage 3", losses=[3.0, 2.0])))
+    assert "losses: stage 3 identical to stage 2 at every step" in _flat(text)
+    assert "round-off" not in text      # nothing to explain
+
+
+def test_demo_table_marks_plans_choice():
+    from zkernels.demo.report import render_table
+    rungs = [dict(rung="1", name="stage 1", losses=[1.0]),
+             dict(rung="2", name="stage 2", losses=[1.0])]
+    plan = dict(device_memory=8 * 2**20, headroom=0.1, rung="2", name="stage 2",
+                reason="stage 2 is the lowest rung that fits", device_bytes=6 * 2**20)
+    text, _ = render_table(_results(*rungs, plan=plan))
+    lines, text = text.splitlines(), _flat(text)
+    assert [line[:9] for line in lines if line.startswith(("* ", "  stage"))] == \
+        ["  stage 1", "* stage 2"]
+    assert "*: plan's choice for --device-memory 8 MiB (10% headroom), fp32: stage 2, the " \
+        "lowest rung whose estimated peak fits (6 MiB of 7.2 MiB usable)" in text
+    # A choice among the rungs not trained says so (and stars nothing); none fitting says why.
+    text, _ = render_table(_results(*rungs, plan=dict(plan, rung="3+cpu", name="stage 3 + "
+                                                      "cpu offload")))
+    text = _flat(text)
+    assert "(not among the rungs trained: add 3+cpu to --rungs) plan's choice for " \
+        "--device-memory 8 MiB (10% headroom), fp32: stage 3 + cpu offload, the lowest" in text
+    assert "* stage" not in text
+    text, _ = render_table(_results(*rungs, plan=dict(plan, rung=None, name=None,
+                                                      reason="no rung of the ladder fits")))
+    text = _flat(text)
+    assert "--device-memory 8 MiB (10% headroom): no rung of the ladder fits" in text
 
 
 def test_corpus_tokenizer_and_batches():

@@ -98,6 +98,32 @@ def test_offload_moves_states_off_the_device():
     assert fp32.master_bytes == 4 * (PSI // N) and fp32.host_bytes == 16 * (PSI // N)
 
 
+def test_by_location_says_where_each_kind_lives():
+    # Each place's kinds add up to its total, and each kind (staging aside) sits in one place,
+    # as the [Note: memory model] places it: here bf16 stage 3, so every kind is non-zero.
+    kw = dict(param_dtype="bf16", reduce_dtype="bf16", bucket_bytes=2**20)
+    for offload, op in ((None, False), ("cpu", False), ("cpu", True), ("nvme", False),
+                        ("nvme", True)):
+        e = estimate_memory(PSI, N, 3, offload=offload, offload_params=op, **kw)
+        loc = e.by_location
+        assert sum(loc["device"].values()) == e.device_bytes
+        assert sum(loc["host"].values()) == e.host_bytes
+        assert sum(loc["disk"].values()) == e.disk_bytes
+        for kind, total in (("params", e.params_bytes), ("grads", e.grads_bytes),
+                            ("master", e.master_bytes),
+                            ("optimizer_states", e.optimizer_states_bytes)):
+            places = [p for p in ("device", "host", "disk") if kind in loc[p]]
+            assert len(places) == 1 and loc[places[0]][kind] == total, (offload, op, kind)
+        where = {k: p for p in ("device", "host", "disk") for k in loc[p]}
+        assert where["params"] == ("host" if op else "device")
+        assert where["optimizer_states"] == {None: "device", "cpu": "host",
+                                             "nvme": "disk"}[offload]
+        assert where["grads"] == ("host" if offload == "cpu" else "device")
+    # Not part of equality: two estimates of one rung compare equal (and hash) as before.
+    assert estimate_memory(PSI, N, 2) == estimate_memory(PSI, N, 2)
+    assert hash(estimate_memory(PSI, N, 2)) == hash(estimate_memory(PSI, N, 2))
+
+
 def test_model_input_counts_tied_weights_once_and_units():
     from zkernels.demo.model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=3, n_embd=48, n_head=3, block_size=16))

@@ -27,8 +27,8 @@ from typing import List, Optional
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
 from .hf_params import count_hf_config, params_from_hf_config
 from .zero.estimate import estimate_memory, parse_dtype
-from .zero.ladder import NoRungFitsError, choose_rung
-from .zero.policy import RUNGS, STAGES, implemented_stages, rung_implemented
+from .zero.ladder import NoRungFitsError, choose_rung, ladder_rows
+from .zero.policy import implemented_stages, rung_implemented
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
            "render"]
@@ -75,9 +75,7 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
     rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
-             for s, o in RUNGS
-             for op in ((False, True) if o is not None and STAGES[s].shards_params
-                        else (False,))]
+             for s, o, op in ladder_rows()]
     choice = None
     if device_bytes is not None:
         try:

@@ -1,10 +1,13 @@
 """``python -m zkernels demo``: train the small GPT on N ranks at every rung and compare.
 
 Launches ``python -m torch.distributed.run --nproc-per-node N -m zkernels.demo.worker`` (gloo
-on CPU, NCCL on GPU) on a free local port, then prints one table: the loss after K steps (see
-[Note: what the demo's losses show] in report.py for how equal), the median step time, bytes
-sent per step and bytes held per rank, measured beside :func:`zkernels.estimate_memory`'s
-estimate. Output paths (--json, --plot) are checked before any rank starts.
+on CPU, NCCL on GPU) on a free local port, then prints two tables: per rung (data parallel,
+stages 1-3, CPU and NVMe offload: ``rungs.py``) the loss after K steps (see [Note: what the
+demo's losses show] in report.py for how equal), the median step time, bytes sent per step
+and bytes held per rank on the device, in host RAM and on disk, each measured beside
+:func:`zkernels.estimate_memory`'s estimate; then the bytes held by kind in each place. With
+``--device-memory``, '*' marks the rung ``plan`` would choose (``zero.ladder.choose_rung``).
+Options (--rungs, sizes, output paths) are checked before any rank starts.
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import sys
 import tempfile
 from typing import List, Optional
 
-from .._cli import output_file
+from .._cli import byte_size, output_file
 from .report import plot, render_table
-from .worker import WORKER_OPTS
+from .rungs import parse_rungs
+from .worker import WORKER_OPTS, model_config
 
 
 def parse_args(argv):
@@ -35,8 +39,15 @@ def parse_args(argv):
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
                     help="write the results as JSON to this file (its folder must exist)")
     ap.add_argument("--plot", type=output_file, default=None, metavar="PNG",
-                    help="draw the loss curves, step times and memory per rank (measured "
-                         "by kind beside the estimate) to this file (needs matplotlib)")
+                    help="draw the ZeRO paper's memory figure (bytes per rank by kind on the "
+                         "device, in host RAM and on disk, measured beside the estimate), the "
+                         "loss curves and step times to this file (needs matplotlib)")
+    ap.add_argument("--device-memory", type=byte_size("--device-memory"), default=None,
+                    metavar="SIZE", help="memory per device with its unit, e.g. 8MiB: '*' "
+                    "marks the rung plan would choose for the demo model in fp32 (the lowest "
+                    "whose estimate fits, as python -m zkernels plan --device-memory does)")
+    ap.add_argument("--headroom", type=float, default=0.10, help="fraction of "
+                    "--device-memory plan keeps for activations etc. (0.10)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="kill the ranks after this")
     return ap.parse_args(argv)
 
@@ -59,7 +70,36 @@ def check_args(args) -> Optional[str]:
             return f"--{flag.replace('_', '-')} must be >= 0, got {value}"
     if not args.timeout_s > 0.0:
         return f"--timeout-s must be > 0, got {args.timeout_s}"
+    if not 0.0 <= args.headroom < 1.0:
+        return f"--headroom must be a fraction in [0, 1), got {args.headroom}"
     return None
+
+
+def plan_choice(args, world_size: int) -> Optional[dict]:
+    """The rung ``plan`` would choose for the demo model with ``--device-memory`` (None when
+    not given): ``{"device_memory", "headroom", "rung" (key, or None when nothing fits),
+    "name", "reason" (the planner's sentence), "device_bytes" (the rung's estimated
+    peak)}``. The planner's own choice (``choose_rung``) on the model's estimate in fp32 with
+    the demo's buckets; the model is built on the meta device (no memory, no time)."""
+    if args.device_memory is None:
+        return None
+    import torch
+
+    from ..zero.ladder import NoRungFitsError, choose_rung
+    from .model import GPT
+    from .rungs import Rung
+    with torch.device("meta"):
+        model = GPT(model_config(args))
+    out = dict(device_memory=args.device_memory, headroom=args.headroom, device_bytes=None)
+    try:
+        (stage, offload), est, reason = choose_rung(
+            model, world_size, args.device_memory, headroom=args.headroom,
+            bucket_bytes=args.bucket_bytes)
+    except NoRungFitsError as exc:
+        return dict(out, rung=None, name=None, reason=str(exc))
+    rung = Rung(stage, offload, est.offload_params)
+    return dict(out, rung=rung.key, name=rung.name, reason=reason,
+                device_bytes=est.device_bytes)
 
 
 def _device(choice: str, nproc: int) -> str:
@@ -120,14 +160,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if problem:
         print(f"zkernels demo: error: {problem}", file=sys.stderr)
         return 2
-    rungs = [r.strip() for r in args.rungs.split(",")]
-    if not rungs or any(r not in ("ddp", "1", "2") for r in rungs):
-        print(f"zkernels demo: error: --rungs must list ddp, 1 or 2 (stage 3 and offload come "
-              f"with later releases), got {args.rungs!r}", file=sys.stderr)
+    try:
+        rungs = parse_rungs(args.rungs)
+    except ValueError as exc:
+        print(f"zkernels demo: error: {exc}", file=sys.stderr)
         return 2
-    if args.resume and (not args.ckpt_dir or "ddp" in rungs):
+    args.rungs = ",".join(r.key for r in rungs)     # the worker's canonical form
+    if args.resume and (not args.ckpt_dir or any(r.stage == 0 for r in rungs)):
         print("zkernels demo: error: --resume continues the ZeRO rungs from their checkpoints: "
               "give --ckpt-dir and --rungs without ddp (e.g. --rungs 1,2)", file=sys.stderr)
+        return 2
+    if args.offload_dir and not os.path.isdir(args.offload_dir):
+        print(f"zkernels demo: error: --offload-dir {args.offload_dir!r} is not an existing "
+              f"folder", file=sys.stderr)
         return 2
     if args.plot:   # fail before training, not after
         try:
@@ -142,6 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except RuntimeError as exc:
             print(f"zkernels demo: error: {exc}", file=sys.stderr)
             return 1
+    results["plan"] = plan_choice(args, results["meta"]["world_size"])
     table, summary = render_table(results)
     print(table)
     if args.json:

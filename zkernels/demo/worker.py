@@ -1,8 +1,10 @@
 """One rank of ``python -m zkernels demo`` (started by ``torch.distributed.run``).
 
 Trains the small GPT on every rung (data parallel = DDP + torch.optim.AdamW, then
-``ZeroOptimizer`` stage 1, 2, ...) from the same seed on the same batches, and measures the
-loss, step time, bytes sent per step and bytes held per kind. The rungs take their steps in
+``ZeroOptimizer`` stage 1, 2, 3 and the offload rungs: see ``rungs.py``) from the same seed on
+the same batches, and measures the loss, step time, bytes sent per step and bytes held per kind
+on the device, in host RAM and on disk, beside ``estimate_memory``'s estimate of each (taken
+from the model before the rung's optimizer reshapes it). The rungs take their steps in
 turn (step i of every rung, then step i + 1, the order rotated each step), so that a change in
 the machine's load lands on every rung alike; each rung's step time is also given as the
 median of its per-step ratios to data parallel's (paired). Rank 0 writes the results as JSON
@@ -13,6 +15,14 @@ DDP runs with ``gradient_as_bucket_view=True``: its buckets are the gradients, s
 params + grads + AdamW states (+ nothing else model-sized). Bytes sent are counted by a comm
 hook from each bucket's size, ring convention (an all-reduce of B bytes sends 2·B·(N−1)/N),
 the convention ``ZeroOptimizer.stats()`` uses for its reduce-scatters and all-gathers.
+
+[Note: the demo's NVMe budget]
+The NVMe rung streams its states through ``OffloadConfig(nvme_buffer_bytes=2 MiB)`` of host
+RAM instead of the default 64 MiB: sized for a 7B model, the default would be twenty times the
+demo model's states and bury the point, that host RAM holds a fixed budget smaller than the
+states on disk. The estimate is given the same budget. Its files go in ``--offload-dir``
+(default: a folder inside the launcher's temporary folder, removed with it; each run's files
+are also removed by ``ZeroOptimizer.close()`` at the end).
 """
 from __future__ import annotations
 
@@ -29,9 +39,13 @@ import torch
 import torch.distributed as dist
 
 from ..zero.estimate import estimate_memory
+from ..zero.stats import KINDS
 from .data import VOCAB_SIZE, get_batch, load_corpus
 from .model import GPT, GPTConfig
 from .progress import progress
+from .rungs import DEFAULT_RUNGS, Rung, parse_rungs
+
+NVME_BUFFER_BYTES = 2 * 2**20   # see [Note: the demo's NVMe budget]
 
 
 def _bucket_bytes(text: str):
@@ -45,9 +59,13 @@ def _bucket_bytes(text: str):
                                          f"{text!r}") from None
 
 
-# Demo defaults (about a minute on a 2-core CPU for three rungs); tests pass tiny ones.
-WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"),
-               ("--steps", int, 100, "training steps per rung (K)"),
+# Demo defaults: 60 steps of each of the 7 default rungs, about 75 s of CPU in all (about a
+# minute on the 2-core machine when nothing else runs); tests pass tiny ones.
+WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
+                "comma list of rungs, as plan names them ('stage 2 + cpu offload') or by key: "
+                "ddp (DDP + AdamW), 1, 2, 3, 2+cpu, 3+cpu, 3+cpu+params, 2+nvme, 3+nvme, "
+                "3+nvme+params"),
+               ("--steps", int, 60, "training steps per rung (K)"),
                ("--n-layer", int, 4, "GPT layers"), ("--n-head", int, 2, "attention heads"),
                ("--n-embd", int, 128, "width"), ("--block-size", int, 64, "context length"),
                ("--batch-size", int, 8, "sequences per rank per step"),
@@ -59,7 +77,10 @@ WORKER_OPTS = [("--rungs", str, "ddp,1,2", "comma list: ddp (DDP + AdamW), 1, 2"
                 "gradient bucket size in bytes (DDP and ZeRO), or auto"),
                ("--seed", int, 0, "seed of the init and of the batches"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
-                                       "zkernels.checkpoint per rung (stage1, stage2, ...)")]
+                                       "zkernels.checkpoint per rung (stage1, stage2, "
+                                       "stage2-cpu, ...)"),
+               ("--offload-dir", str, "", "folder for the nvme rungs' files (default: a "
+                                          "temporary folder, removed after)")]
 
 
 def _tensor_bytes(tensors) -> int:
@@ -119,19 +140,38 @@ class _DDPRung:
         mem = dict(params=_tensor_bytes(params), grads=_tensor_bytes(p.grad for p in params),
                    master=0, optimizer_states=_tensor_bytes(states), buffers=0)
         mem["total"] = sum(mem.values())
-        return {"comm_bytes": {"total": self.sent.total}, "memory_bytes": mem}
+        nothing = dict.fromkeys(list(KINDS) + ["total"], 0)
+        return {"comm_bytes": {"total": self.sent.total}, "memory_bytes": mem,
+                "memory_bytes_by_location": {"device": mem, "host": nothing,
+                                             "disk": dict(nothing)},
+                "offload": None}
+
+    def full_params(self):
+        return [p.detach().float().reshape(-1).cpu() for p in self.model.module.parameters()]
+
+    def close(self):
+        pass
 
 
 class _ZeroRung:
-    def __init__(self, model, args, stage):
+    """``ZeroOptimizer`` at ``rung``'s stage and offload (NVMe: files under ``offload_dir``,
+    through :data:`NVME_BUFFER_BYTES` of host RAM, see [Note: the demo's NVMe budget])."""
+
+    def __init__(self, model, args, rung: Rung, offload_dir: str):
         try:
             from zkernels import ZeroOptimizer
+            from zkernels.zero.offload_config import OffloadConfig
         except ImportError as exc:
             raise RuntimeError("this zkernels has no ZeroOptimizer: run the demo with "
                                "--rungs ddp") from exc
         self.model = model
-        self.opt = ZeroOptimizer(model, stage=stage, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                 weight_decay=args.weight_decay, bucket_bytes=args.bucket_bytes)
+        nvme = rung.offload == "nvme"
+        self.opt = ZeroOptimizer(
+            model, stage=rung.stage, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+            weight_decay=args.weight_decay, bucket_bytes=args.bucket_bytes,
+            offload=rung.offload, offload_params=rung.offload_params,
+            offload_dir=offload_dir if nvme else None,
+            offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUFFER_BYTES) if nvme else None)
 
     def step(self, x, y):
         loss = self.model(x, y)
@@ -141,36 +181,86 @@ class _ZeroRung:
         self.opt.zero_grad()
         return loss, stats
 
+    def full_params(self):
+        """Every parameter, full (stage 3 gathers them: collective, every rank calls it)."""
+        with self.opt.gathered():    # copies: the gathered storage is freed on exit
+            return [p.detach().float().reshape(-1).cpu().clone()
+                    for p in self.model.parameters()]
 
-def checkpoint_path(args, rung: str) -> str:
-    return os.path.join(args.ckpt_dir, f"stage{rung}")
+    def close(self):
+        self.opt.close()    # the NVMe rung's files and folder go now
 
 
-def _build_rung(rung: str, args, device):
+def checkpoint_path(args, rung: Rung) -> str:
+    return os.path.join(args.ckpt_dir, "stage" + rung.key.replace("+", "-"))
+
+
+def model_config(args) -> GPTConfig:
+    """The demo GPT's sizes from the command line."""
+    return GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd)
+
+
+def _estimate(model, rung: Rung, world_size: int, args) -> dict:
+    """``estimate_memory`` for ``rung`` by kind and by place, keyed as ``stats()`` keys its
+    measurements: between steps (no transient), the host's staging counted as buffers."""
+    est = estimate_memory(model, world_size, rung.stage, offload=rung.offload,
+                          offload_params=rung.offload_params, bucket_bytes=args.bucket_bytes,
+                          nvme_buffer_bytes=NVME_BUFFER_BYTES)
+    where = {}
+    for place, kinds in est.by_location.items():
+        kinds = dict(kinds)
+        kinds.pop("transient", None)
+        kinds["buffers"] = kinds.get("buffers", 0) + kinds.pop("staging", 0)
+        where[place] = {k: int(kinds.get(k, 0)) for k in KINDS}
+        where[place]["total"] = sum(where[place][k] for k in KINDS)
+    return dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
+                optimizer_states=est.optimizer_states_bytes, buffers=est.buffers_bytes,
+                total=est.held_device_bytes, peak=est.device_bytes,
+                transient=est.transient_bytes, host=est.host_bytes,
+                disk=est.disk_bytes, comm_bytes=est.comm_bytes,
+                host_device_bytes=est.host_device_bytes, by_location=where,
+                num_params=est.num_params)
+
+
+def _build_rung(rung: Rung, args, device, world_size: int, offload_dir: str):
+    """The rung's model (same seed: same initial weights), trainer and estimate (taken from
+    the model before stage 3 shards it)."""
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(cfg).to(device)
-    trainer = _DDPRung(model, args, device) if rung == "ddp" else \
-        _ZeroRung(model, args, int(rung))
-    return model, trainer
+    model = GPT(model_config(args)).to(device)
+    est = _estimate(model, rung, world_size, args)
+    trainer = _DDPRung(model, args, device) if rung.stage == 0 else \
+        _ZeroRung(model, args, rung, offload_dir)
+    return model, trainer, est
 
 
-def run_rungs(rungs, args, tokens, device, rank: int, world_size: int):
+def run_rungs(rungs, args, tokens, device, rank: int, world_size: int, offload_dir: str):
     """Train ``args.steps`` steps on every rung, in turn step by step; returns this rank's
     measurements and final parameters per rung, in ``rungs`` order. With ``--resume``, each
     (ZeRO) rung first loads its checkpoint from ``--ckpt-dir`` (saved at any world size) and
     continues from its step; with ``--ckpt-dir``, each saves there at the end."""
-    built = [_build_rung(r, args, device) for r in rungs]
+    built = []
+    try:
+        for r in rungs:
+            built.append(_build_rung(r, args, device, world_size, offload_dir))
+        return _train(rungs, built, args, tokens, device, rank, world_size)
+    finally:
+        for _model, trainer, _est in built:
+            trainer.close()
+
+
+def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
+    """:func:`run_rungs`' loop over the built ``(model, trainer, estimate)`` triples."""
     starts = [0] * len(rungs)
     if args.resume:
         from .. import checkpoint
         starts = [checkpoint.load(trainer.opt, checkpoint_path(args, r))["step"]
-                  for r, (_model, trainer) in zip(rungs, built)]
+                  for r, (_model, trainer, _est) in zip(rungs, built)]
     losses = [[] for _ in rungs]
     times = [[] for _ in rungs]
     stats = [None] * len(rungs)
-    bar = progress(args.steps, f"{', '.join(_name(r) for r in rungs)}", enabled=rank == 0)
+    bar = progress(args.steps, f"{len(rungs)} rung{'s' * (len(rungs) != 1)}",
+                   enabled=rank == 0)
     for step in range(args.steps):
         shift = step % len(rungs)
         for i in list(range(len(rungs)))[shift:] + list(range(len(rungs)))[:shift]:
@@ -187,15 +277,18 @@ def run_rungs(rungs, args, tokens, device, rank: int, world_size: int):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[i].append(time.perf_counter() - t0)
-            mean_loss = loss.detach().float().clone()
-            dist.all_reduce(mean_loss)  # the global batch's loss, as one process would see it
-            losses[i].append(mean_loss.item() / world_size)
-        bar.update(1, loss=losses[0][-1])
+            losses[i].append(loss.detach().float().reshape(1))
+        bar.update(1, loss=losses[0][-1].item())     # this rank's
     bar.close()
+    # The global batch's loss, as one process would see it: the mean over ranks, summed (in
+    # fp32) by one all-reduce after training instead of one per rung and step.
+    total = torch.stack([torch.cat(x) for x in losses])
+    dist.all_reduce(total)
+    losses = [[v / world_size for v in row] for row in total.tolist()]
     if args.ckpt_dir:
         from .. import checkpoint
         for i, rung in enumerate(rungs):
-            if rung != "ddp":
+            if rung.stage != 0:
                 checkpoint.save(built[i][1].opt, checkpoint_path(args, rung),
                                 model_extra={"step": starts[i] + args.steps})
     # The slowest rank's time per step, and each rung's per-step ratio to the first rung's.
@@ -205,28 +298,23 @@ def run_rungs(rungs, args, tokens, device, rank: int, world_size: int):
     skip = 1 if args.steps > 1 else 0   # the first step pays one-off allocations
     out = []
     for i, rung in enumerate(rungs):
-        model = built[i][0]
-        params = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
-        est = estimate_memory(model, world_size, 0 if rung == "ddp" else int(rung),
-                              bucket_bytes=args.bucket_bytes)
+        _model, trainer, est = built[i]
+        params = torch.cat(trainer.full_params())
         paired = statistics.median(t / b for t, b in zip(times[i][skip:], times[0][skip:]))
+        st = stats[i]
+        offload = {k: v for k, v in (st.get("offload") or {}).items()
+                   if k.endswith("_bytes")} or None     # this step's copies and disk I/O
         out.append((dict(
-            rung=rung, name=_name(rung), first_step=starts[i], losses=losses[i],
-            final_loss=losses[i][-1],
+            rung=rung.key, name=rung.name, short=rung.short, stage=rung.stage,
+            offload=rung.offload, offload_params=rung.offload_params,
+            first_step=starts[i], losses=losses[i], final_loss=losses[i][-1],
             step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i][skip:],
-            step_time_ratio_paired=paired, ratio_to=_name(rungs[0]),
-            comm_bytes=int(stats[i]["comm_bytes"]["total"]),
-            memory_bytes=stats[i]["memory_bytes"],
-            estimate=dict(params=est.params_bytes, grads=est.grads_bytes,
-                          master=est.master_bytes, optimizer_states=est.optimizer_states_bytes,
-                          buffers=est.buffers_bytes, total=est.held_device_bytes,
-                          peak=est.device_bytes, comm_bytes=est.comm_bytes),
-            num_params=est.num_params), params))
+            step_time_ratio_paired=paired, ratio_to=rungs[0].name,
+            comm_bytes=int(st["comm_bytes"]["total"]),
+            memory_bytes=st["memory_bytes"],
+            memory_bytes_by_location=st["memory_bytes_by_location"],
+            offload_bytes=offload, estimate=est, num_params=est["num_params"]), params))
     return out
-
-
-def _name(rung: str) -> str:
-    return "data parallel" if rung == "ddp" else f"stage {rung}"
 
 
 def parse_args(argv=None):
@@ -254,8 +342,10 @@ def main(argv=None) -> int:
     try:
         tokens = load_corpus()
         results, reference = [], None
-        for res, params in run_rungs([r.strip() for r in args.rungs.split(",")], args, tokens,
-                                     device, rank, world_size):
+        rungs = parse_rungs(args.rungs)
+        offload_dir = args.offload_dir or os.path.join(args.out, "nvme")
+        for res, params in run_rungs(rungs, args, tokens, device, rank, world_size,
+                                     offload_dir):
             # Every rung ends with full parameters on every rank: compare with the first.
             reference = params if reference is None else reference
             res["max_param_diff"] = (params - reference).abs().max().item()

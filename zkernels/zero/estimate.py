@@ -78,8 +78,8 @@ the read and write of master and states.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -110,10 +110,12 @@ def parse_dtype(value, name: str) -> Optional[torch.dtype]:
                      f"{sorted(_DTYPE_NAMES)}, got {value!r}")
 
 
-def rung_name(stage: int, offload: Optional[str]) -> str:
-    """Human name of a rung: 'data parallel', 'stage 2', 'stage 3 + cpu offload', ..."""
+def rung_name(stage: int, offload: Optional[str], offload_params: bool = False) -> str:
+    """Human name of a rung, as ``plan`` prints it: 'data parallel', 'stage 2', 'stage 3 +
+    cpu offload', 'stage 3 + cpu offload + params on host' (``offload_params``), ..."""
     base = "data parallel" if stage == 0 else f"stage {stage}"
-    return base if offload is None else f"{base} + {offload} offload"
+    name = base if offload is None else f"{base} + {offload} offload"
+    return name + " + params on host" if offload_params else name
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ class MemoryEstimate:
         offload_params: stage 3's parameter shards are in host RAM too.
         frozen_numel: how many of ``num_params`` are frozen (no gradient, no state; see
             [Note: frozen parameters in the estimate]).
+        by_location: ``{"device": {kind: bytes}, "host": {...}, "disk": {...}}``: where each
+            kind lives (the device's ``transient`` included; the host's ``staging`` is the
+            offload strategy's staging buffers or NVMe slot arena, which ``stats()`` counts
+            as host ``buffers``). Left out of comparisons and hashing.
     """
 
     stage: int
@@ -152,6 +158,7 @@ class MemoryEstimate:
     disk_io_bytes: int
     offload_params: bool = False
     frozen_numel: int = 0
+    by_location: Dict[str, Dict[str, int]] = field(default_factory=dict, compare=False)
 
     @property
     def trainable_numel(self) -> int:
@@ -184,8 +191,7 @@ class MemoryEstimate:
 
     @property
     def name(self) -> str:
-        name = rung_name(self.stage, self.offload)
-        return name + " + params on host" if self.offload_params else name
+        return rung_name(self.stage, self.offload, self.offload_params)
 
 
 def count_params(model_or_num_params) -> int:
@@ -414,4 +420,5 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
         host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
         comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io,
-        offload_params=offload_params, frozen_numel=n_frozen)
+        offload_params=offload_params, frozen_numel=n_frozen,
+        by_location={"device": device, "host": host, "disk": disk})

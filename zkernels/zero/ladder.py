@@ -8,12 +8,12 @@ next rung: it costs host-to-device copies at each gather, not disk bandwidth.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .estimate import MemoryEstimate, count_params, estimate_memory
 from .policy import RUNGS, stage_policy
 
-__all__ = ["RUNGS", "NoRungFitsError", "choose_rung"]
+__all__ = ["RUNGS", "NoRungFitsError", "choose_rung", "ladder_rows"]
 
 
 class NoRungFitsError(RuntimeError):
@@ -22,6 +22,23 @@ class NoRungFitsError(RuntimeError):
 
 def _gb(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.3g} GB"
+
+
+def ladder_rows(rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
+                offload_params: Optional[bool] = None) -> List[Tuple[int, Optional[str], bool]]:
+    """The ladder's rows, lowest first: ``(stage, offload, offload_params)`` for each rung,
+    a stage-3 offload rung once without and once with its parameter shards in host RAM.
+    ``choose_rung`` tries them in this order; ``plan`` prints one row each (after data
+    parallel) and the demo accepts their names.
+
+    Args:
+        rungs: ``(stage, offload)`` pairs, lowest first.
+        offload_params: None (both rows of a stage-3 offload rung), True (only the rows with
+            the parameter shards in host RAM) or False (only those without).
+    """
+    return [(s, o, op) for s, o in rungs
+            for op in ((False, True) if offload_params is None else (offload_params,))
+            if not op or (o is not None and stage_policy(s).shards_params)]
 
 
 def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
@@ -73,9 +90,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
             f"({headroom:.0%} headroom for activations and fragmentation)"
     rejected = []
     est = None
-    tries = [(s, o, op) for s, o in rungs
-             for op in ((False, True) if offload_params is None else (offload_params,))
-             if not op or (o is not None and stage_policy(s).shards_params)]
+    tries = ladder_rows(rungs, offload_params)
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "
                          f"offload")

@@ -483,12 +483,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
             "total"}, "step_peak_bytes": {"buffers", "gathered_params", "total"},
-            "memory_location_bytes": {"device", "host", "disk"}, "offload": None or
+            "memory_location_bytes": {"device", "host", "disk"},
+            "memory_bytes_by_location": {"device", "host", "disk": {kind: bytes, "total"}},
+            "offload": None or
             {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
             "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
             ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
             ``memory_location_bytes`` splits the total by location: host RAM is what the
-            offload strategy allocated there, disk the measured sizes of its files. The offload
+            offload strategy allocated there, disk the measured sizes of its files;
+            ``memory_bytes_by_location`` gives each kind in each place. The offload
             entry adds the last step's transfers: bytes each way, the offloaded update's
             host time, and how much of the gradient copies was hidden behind backward; NVMe
             adds the disk bytes and I/O time (``disk_io_s``, ``io_exposed_s``,
@@ -517,7 +520,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                   "grads": grads, "master": held["master"],
                   "optimizer_states": held["optimizer_states"],
                   "buffers": self.reducer.held_buffers()}
-        mem, where = memory_by_location(device, upd.held_host(), upd.disk_bytes())
+        mem, where, split = memory_by_location(device, upd.held_host(), upd.disk_bytes())
         offload = None
         if self.offload is not None:
             offload = {"kind": self.offload, **where, **upd.last_step}
@@ -529,7 +532,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                "loss_scale": self.scaler.scale if self.scaler is not None else None,
                "comm_bytes": self.meter.last_step(), "memory_bytes": mem,
                "step_peak_bytes": peak,
-               "memory_location_bytes": where, "offload": offload}
+               "memory_location_bytes": where, "memory_bytes_by_location": split,
+               "offload": offload}
         if self.schedule is not None:
             last = self._gather_stats or {"all_gathers": 0, "peak_gathered_bytes": 0}
             out["gather"] = {**last, "gathered_bytes": self.schedule.live_bytes(),

@@ -39,18 +39,20 @@ def memory_bytes(groups: Dict[str, Iterable[torch.Tensor]]) -> Dict[str, int]:
 
 def memory_by_location(device: Dict[str, Iterable[torch.Tensor]],
                        host: Dict[str, Iterable[torch.Tensor]],
-                       disk: Dict[str, int]) -> Tuple[Dict[str, int], Dict[str, int]]:
+                       disk: Dict[str, int]) -> Tuple[Dict[str, int], Dict[str, int],
+                                                      Dict[str, Dict[str, int]]]:
     """Bytes by kind over device tensors, host tensors (offload) and file bytes (NVMe).
 
     Returns:
-        ``(by_kind, by_location)``: ``{kind: bytes, "total"}`` summed over the three places,
-        and ``{"device", "host", "disk"}`` totals. A storage is counted once (under the first
+        ``(by_kind, by_location, split)``: ``{kind: bytes, "total"}`` summed over the three
+        places, ``{"device", "host", "disk"}`` totals, and ``{place: {kind: bytes,
+        "total"}}`` (each kind in each place). A storage is counted once (under the first
         place and kind that holds it).
     """
-    on_device = memory_bytes(device)
-    on_host = memory_bytes(host)
-    by_kind = {k: on_device[k] + on_host[k] + int(disk.get(k, 0)) for k in KINDS}
+    on_disk = {k: int(disk.get(k, 0)) for k in KINDS}
+    on_disk["total"] = sum(on_disk[k] for k in KINDS)
+    split = {"device": memory_bytes(device), "host": memory_bytes(host), "disk": on_disk}
+    by_kind = {k: sum(place[k] for place in split.values()) for k in KINDS}
     by_kind["total"] = sum(by_kind[k] for k in KINDS)
-    where = {"device": on_device["total"], "host": on_host["total"],
-             "disk": sum(int(disk.get(k, 0)) for k in KINDS)}
-    return by_kind, where
+    where = {place: kinds["total"] for place, kinds in split.items()}
+    return by_kind, where, split
