@@ -203,7 +203,8 @@ def model_config(args) -> GPTConfig:
 
 def _estimate(model, rung: Rung, world_size: int, args) -> dict:
     """``estimate_memory`` for ``rung`` by kind and by place, keyed as ``stats()`` keys its
-    measurements: between steps (no transient), the host's staging counted as buffers."""
+    measurements: between steps (no transient; reduce buffers only where they are held between
+    steps, not stage 3's), the host's staging counted as buffers."""
     est = estimate_memory(model, world_size, rung.stage, offload=rung.offload,
                           offload_params=rung.offload_params, bucket_bytes=args.bucket_bytes,
                           nvme_buffer_bytes=NVME_BUFFER_BYTES)
@@ -211,11 +212,13 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
     for place, kinds in est.by_location.items():
         kinds = dict(kinds)
         kinds.pop("transient", None)
+        if place == "device":  # reduce buffers live on the device
+            kinds["buffers"] = est.held_buffers_bytes
         kinds["buffers"] = kinds.get("buffers", 0) + kinds.pop("staging", 0)
         where[place] = {k: int(kinds.get(k, 0)) for k in KINDS}
         where[place]["total"] = sum(where[place][k] for k in KINDS)
     return dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
-                optimizer_states=est.optimizer_states_bytes, buffers=est.buffers_bytes,
+                optimizer_states=est.optimizer_states_bytes, buffers=est.held_buffers_bytes,
                 total=est.held_device_bytes, peak=est.device_bytes,
                 transient=est.transient_bytes, host=est.host_bytes,
                 disk=est.disk_bytes, comm_bytes=est.comm_bytes,
