@@ -68,7 +68,7 @@ def _instrument_stage2() -> None:
     import time
 
     from zkernels.ops import OpSet
-    from zkernels.zero import grad_reducers as gr
+    from zkernels.zero.gradients import grad_reducers as gr
 
     def ranged(name, fn):
         def wrapper(*args, **kwargs):

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from zkernels.zero.auto import (host_available_bytes,
+from zkernels.zero.planning.auto import (host_available_bytes,
                                 measure_budget_bytes, resolve_auto_stage)
-from zkernels.zero.estimate import estimate_memory
-from zkernels.zero.ladder import NoRungFitsError
+from zkernels.zero.planning.estimate import estimate_memory
+from zkernels.zero.planning.ladder import NoRungFitsError
 
 BUCKET = 4096
 

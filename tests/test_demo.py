@@ -50,8 +50,8 @@ DEFAULT_NAMES = ["data parallel", "stage 1", "stage 2", "stage 3", "stage 2 + cp
 def test_demo_every_rung_by_default(tmp_path):
     # One run of the default rungs (tiny sizes, 3 steps) checks the losses, the traffic and
     # the bytes held in each place against the estimate, the plan mark and the plot.
-    from zkernels.zero.estimate import estimate_memory
-    from zkernels.zero.offload_config import DEFAULT_NVME_BUFFER_BYTES
+    from zkernels.zero.planning.estimate import estimate_memory
+    from zkernels.zero.planning.offload_config import DEFAULT_NVME_BUFFER_BYTES
     # A budget that stage 2 fits and stage 1 does not (at this tiny size stage 3's gathered
     # block outweighs what it saves: the lowest rung that fits is stage 2).
     peak = {s: estimate_memory(_tiny_model(), 2, s, bucket_bytes=16384).device_bytes

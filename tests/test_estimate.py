@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from zkernels.zero.estimate import estimate_memory, largest_unit_numel
-from zkernels.zero.ladder import RUNGS, NoRungFitsError, choose_rung
-from zkernels.zero.offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
+from zkernels.zero.planning.estimate import estimate_memory, largest_unit_numel
+from zkernels.zero.planning.ladder import RUNGS, NoRungFitsError, choose_rung
+from zkernels.zero.planning.offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
 
 PSI, N = 7_500_000_000, 64
 

@@ -10,8 +10,8 @@ import torch
 from tests._dist import run_ranks
 from zkernels import ZeroOptimizer, estimate_memory
 from zkernels.demo.model import GPT, GPTConfig
-from zkernels.zero.auto import RungNotAvailableError
-from zkernels.zero.ladder import NoRungFitsError
+from zkernels.zero.planning.auto import RungNotAvailableError
+from zkernels.zero.planning.ladder import NoRungFitsError
 
 # Awkward sizes (odd width, 3 heads) so that shards cut through tensors.
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=3, n_embd=57)

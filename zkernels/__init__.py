@@ -6,7 +6,7 @@ no environment variable is read until an op runs.
 from . import checkpoint, ops
 from .layout import FlatLayout
 from .zero import ZeroOptimizer
-from .zero.estimate import MemoryEstimate, estimate_memory
+from .zero.planning.estimate import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
 __all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate",

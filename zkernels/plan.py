@@ -26,9 +26,9 @@ from typing import List, Optional
 
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
 from .hf_params import count_hf_config, params_from_hf_config
-from .zero.estimate import estimate_memory, parse_dtype
-from .zero.ladder import NoRungFitsError, choose_rung, ladder_rows
-from .zero.policy import implemented_stages, rung_implemented
+from .zero.planning.estimate import estimate_memory, parse_dtype
+from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows
+from .zero.planning.policy import implemented_stages, rung_implemented
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
            "render"]

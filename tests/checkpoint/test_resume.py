@@ -4,7 +4,7 @@ never stopped.
 
 One spawn saves (fp32 and bf16 checkpoints); one spawn per world size runs every resume case
 (each spawn pays a torch import per rank). Cases are parametrized over the ladder's rungs
-(``zkernels.zero.policy.RUNGS``, the stage registry), so stage 3 and offload are tested the day the optimizer
+(``zkernels.zero.planning.policy.RUNGS``, the stage registry), so stage 3 and offload are tested the day the optimizer
 accepts them; until then the optimizer's own refusal is the skip reason.
 """
 import os
@@ -17,7 +17,7 @@ from tests._dist import run_ranks
 from tests.checkpoint import _ranks
 from tests.conftest import tol
 from tests.zero._harness import make_model
-from zkernels.zero.policy import RUNGS
+from zkernels.zero.planning.policy import RUNGS
 
 WORLD_SIZES = (1, 2, 4)
 CASES = [(stage, offload, dtype) for stage, offload in RUNGS for dtype in _ranks.DTYPES]

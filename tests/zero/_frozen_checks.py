@@ -1,7 +1,7 @@
 """Frozen parameters under ZeroOptimizer (rank side; module-level so spawned ranks import it).
 
 Stage 3 shards frozen parameters with their unit (see [Note: frozen parameters at stage 3] in
-``zkernels/zero/units.py``); stages 1-2 keep them whole and untouched. Parity oracles are the
+``zkernels/zero/parameters/units.py``); stages 1-2 keep them whole and untouched. Parity oracles are the
 same-order reference of ``_harness.reference_grads`` (see [Note: same-order reference]).
 """
 from __future__ import annotations

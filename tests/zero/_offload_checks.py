@@ -22,7 +22,7 @@ from tests.conftest import tol
 from tests.zero._harness import EPS, LR, MICRO_BATCH, chunk, make_batches, make_model, run_checks
 from tests.zero._rank_checks import BETAS, SMALL_BUCKET, WD, fp32_parity
 from zkernels.zero import OffloadConfig
-from zkernels.zero.swap import HEADER_BYTES, round_up
+from zkernels.zero.state.swap import HEADER_BYTES, round_up
 
 # Several sub-groups per unit: the smallest NVMe budget for three one-block slots (master and
 # moments on disk, an fp32 gradient and a bf16 output) is 3 x 1024 x (12 + 4 + 2) + 2 x 4096

@@ -270,7 +270,7 @@ def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
     steps update. "raise": every rank raises NonFiniteGradientError naming the step, exactly
     one rank (the owner) names ln_f.bias, nothing changes, stats() counts the skip, and training
     goes on after zero_grad."""
-    from zkernels.zero.nonfinite import NonFiniteGradientError
+    from zkernels.zero.gradients.nonfinite import NonFiniteGradientError
     model = make_model()
     opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, param_dtype=param_dtype,
                            bucket_bytes=SMALL_BUCKET, nonfinite=policy)

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import zkernels as zk
 from zkernels.zero import ZeroOptimizer, resolve_stage
-from zkernels.zero.offload_config import OffloadConfig
+from zkernels.zero.planning.offload_config import OffloadConfig
 from tests.zero._harness import CFG, make_model
 
 

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 import zkernels as zk
 from zkernels.zero import OffloadConfig, ZeroOptimizer
-from zkernels.zero import swap
-from zkernels.zero.swap import OffloadIOError
+from zkernels.zero.state import swap
+from zkernels.zero.state.swap import OffloadIOError
 from tests.zero._harness import MICRO_BATCH, chunk, make_batches, make_model
 
 BUDGET = 3 * 1024 * 18 + 2 * 4096 + 1000
@@ -277,8 +277,8 @@ def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
 
 def test_auto_and_plan_offer_offload_rungs(folder, capsys, caplog):
     from zkernels.__main__ import main as zk_main
-    from zkernels.zero.auto import auto_rungs
-    from zkernels.zero.policy import RUNGS, rung_implemented
+    from zkernels.zero.planning.auto import auto_rungs
+    from zkernels.zero.planning.policy import RUNGS, rung_implemented
     assert (2, "cpu") in RUNGS and (2, "nvme") in RUNGS
     assert rung_implemented(2, "cpu") and rung_implemented(2, "nvme")
     # Which rungs auto offers: on a GPU cpu offload, nvme with a folder; on the host none
@@ -413,7 +413,7 @@ def test_auto_offers_offload_params(caplog, capsys):
     before the next rung; stage="auto" with offload_params=True takes only such rungs; plan
     shows the rows."""
     from zkernels.__main__ import main as zk_main
-    from zkernels.zero.ladder import choose_rung
+    from zkernels.zero.planning.ladder import choose_rung
     psi, n = 10 ** 9, 8
     kw = dict(param_dtype="bf16", bucket_bytes=0)
     e3 = zk.estimate_memory(psi, n, 3, offload="cpu", **kw)

@@ -10,7 +10,7 @@ import zkernels as zk
 from tests._dist import run_ranks
 from tests.zero._harness import EPS, LR, MICRO_BATCH, chunk, make_batches, make_model
 from zkernels.demo.model import GPT, GPTConfig
-from zkernels.zero.buckets import AUTO_NUM_BUCKETS, auto_bucket_bytes
+from zkernels.zero.planning.buckets import AUTO_NUM_BUCKETS, auto_bucket_bytes
 
 SMALL_BUCKET = 3000
 
@@ -189,7 +189,7 @@ def test_plan_buckets_first_bucket():
     """A first capacity: the first bucket closes once it reaches it (the tensor crossing it
     stays in, DDP's rule), later buckets fill up to the capacity; without one, the plan is
     the greedy one of explicit bucket_bytes."""
-    from zkernels.zero.buckets import plan_buckets
+    from zkernels.zero.planning.buckets import plan_buckets
     ps = [torch.zeros(n) for n in (40, 30, 20, 10, 10)]   # reversed: 10, 10, 20, 30, 40
     sizes = lambda plans: [[p.numel() for p in ps_] for _, ps_, _ in plans]  # noqa: E731
     ordered = [(0, p) for p in ps]

@@ -6,7 +6,7 @@ import torch
 from tests._dist import run_ranks
 from zkernels.comm import LocalComm, make_comm
 from zkernels.layout import FlatLayout
-from zkernels.zero.units import ShardedParams
+from zkernels.zero.parameters.units import ShardedParams
 
 SHAPES = [(3, 5), (7,), (2, 2, 3)]   # 34 elements: padding on 2 ranks with align 4
 

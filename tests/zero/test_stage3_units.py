@@ -11,7 +11,7 @@ import zkernels as zk
 from tests.conftest import tol
 from tests.zero._harness import EPS, LR, make_batches, make_model
 from zkernels.demo.model import Block
-from zkernels.zero.unit_plan import ROOT_NAME, plan_units
+from zkernels.zero.planning.unit_plan import ROOT_NAME, plan_units
 
 
 def _names(opt):

@@ -11,12 +11,12 @@ import zkernels as zk
 from tests.zero._harness import make_batches, make_model
 from zkernels import plan as plan_mod
 from zkernels.layout import FlatLayout
-from zkernels.zero import ladder, policy
-from zkernels.zero.auto import RungNotAvailableError, resolve_auto_stage
-from zkernels.zero.estimate import estimate_memory
+from zkernels.zero.planning import ladder, policy
+from zkernels.zero.planning.auto import RungNotAvailableError, resolve_auto_stage
+from zkernels.zero.planning.estimate import estimate_memory
 from zkernels.zero.optimizer import resolve_stage
-from zkernels.zero.units import ReplicatedParams, build_replicated_unit, param_names
-from zkernels.zero.update import DeviceUpdate
+from zkernels.zero.parameters.units import ReplicatedParams, build_replicated_unit, param_names
+from zkernels.zero.state.update import DeviceUpdate
 
 
 # -- the registry ---------------------------------------------------------------------------

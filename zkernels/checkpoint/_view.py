@@ -14,7 +14,7 @@ offloaded state may stage them in and write them back between pieces); the saver
 them, the loader only writes them. Pieces of one rank never overlap, and over all ranks the
 pieces of a parameter tile ``[0, numel)`` exactly (the saver checks it).
 
-This body: the optimizer's flat parameter units (``opt.units``, ``zkernels/zero/units.py``) and
+This body: the optimizer's flat parameter units (``opt.units``, ``zkernels/zero/parameters/units.py``) and
 the update strategy's shard states (``opt.shard_update.states``, ``shard_state.py``). A state
 knows its unit's parameter names and layout, and ``ShardState.param_slices()`` maps every
 element of its shard to ``(name, start in the parameter)``; its master and moments are
@@ -27,7 +27,7 @@ Buffers, and frozen parameters at stages 1-2 (whole on every rank), come from
 
 [Note: frozen pieces]
 At stage 3 frozen parameters are sharded (``opt.frozen_units``, [Note: frozen parameters at
-stage 3] in ``zkernels/zero/units.py``): each rank saves the pieces of them it holds, like a
+stage 3] in ``zkernels/zero/parameters/units.py``): each rank saves the pieces of them it holds, like a
 trainable parameter's but with its values only (field "master", in the dtype the shard keeps:
 the parameter's own, or ``param_dtype``) and no moments; the manifest lists them under
 ``params`` with ``"frozen": true``, and their ``state_dict`` keys as kind "param". So they

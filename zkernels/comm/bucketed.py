@@ -31,7 +31,7 @@ class BucketedReduceScatter:
         shards: this rank's slice of each bucket (``FlatLayout.shard_range``).
         num_members: members each bucket waits for before it may launch.
         dtype, device: of the reduce buffers.
-        num_buffers: buffers in the pool (see ``zkernels.zero.policy.num_reduce_buffers``).
+        num_buffers: buffers in the pool (see ``zkernels.zero.planning.policy.num_reduce_buffers``).
         transient_buffers: the buffers live only while a round is filling or in flight
             ([Note: transient reduce buffers] in ``reduce_pool.py``).
         on_reduced: ``on_reduced(bucket_index, shard)`` receives each bucket's reduced shard

@@ -22,7 +22,7 @@ class ReducePool:
     ``on_done`` may return a fence (an object with ``wait()``, e.g. an offload copy still
     reading the shard out of the buffer): the buffer is handed out again only after that
     fence's ``wait()``, which orders the new user (the caller's stream, or the caller on CPU)
-    after the reader (see [Note: offload copies] in ``zkernels/zero/transfer.py``).
+    after the reader (see [Note: offload copies] in ``zkernels/zero/state/transfer.py``).
 
     [Note: transient reduce buffers]
     With ``transient=True`` (stage 3, whose formula must hold between steps as FSDP2's does)

@@ -85,7 +85,7 @@ def plan_choice(args, world_size: int) -> Optional[dict]:
         return None
     import torch
 
-    from ..zero.ladder import NoRungFitsError, choose_rung
+    from ..zero.planning.ladder import NoRungFitsError, choose_rung
     from .model import GPT
     from .rungs import Rung
     with torch.device("meta"):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..zero.estimate import rung_name
-from ..zero.ladder import ladder_rows
+from ..zero.planning.estimate import rung_name
+from ..zero.planning.ladder import ladder_rows
 
 # Every rung the package trains, one each: data parallel, stages 1-3, then one of each
 # offload kind (stage 3 + cpu offload with its parameter shards in host RAM too: the last

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..zero.estimate import estimate_memory
+from ..zero.planning.estimate import estimate_memory
 from ..zero.stats import KINDS
 from .data import VOCAB_SIZE, get_batch, load_corpus
 from .model import GPT, GPTConfig
@@ -72,7 +72,7 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                ("--lr", float, 1e-3, "AdamW learning rate"),
                ("--weight-decay", float, 0.1, "AdamW weight decay"),
                # auto: ZeroOptimizer sizes its buckets from the model (see [Note: buckets sized
-               # from the model] in zkernels/zero/buckets.py), DDP takes its own default.
+               # from the model] in zkernels/zero/planning/buckets.py), DDP takes its own default.
                ("--bucket-bytes", _bucket_bytes, "auto",
                 "gradient bucket size in bytes (DDP and ZeRO), or auto"),
                ("--seed", int, 0, "seed of the init and of the batches"),
@@ -160,7 +160,7 @@ class _ZeroRung:
     def __init__(self, model, args, rung: Rung, offload_dir: str):
         try:
             from zkernels import ZeroOptimizer
-            from zkernels.zero.offload_config import OffloadConfig
+            from zkernels.zero.planning.offload_config import OffloadConfig
         except ImportError as exc:
             raise RuntimeError("this zkernels has no ZeroOptimizer: run the demo with "
                                "--rungs ddp") from exc

@@ -1,18 +1,24 @@
 """ZeRO stage 1/2/3 optimizer, with CPU/NVMe offload (see ``optimizer.py``).
 
-Building blocks (see [Note: parameters and state] in ``units.py`` and [Note: the stage
-registry] in ``policy.py``): ``policy`` (StagePolicy, OffloadPolicy, STAGES, OFFLOADS, RUNGS),
-``units`` (FlatParamUnit, ReplicatedParams, ShardedParams), ``shard_state`` (ShardState),
-``update`` (DeviceUpdate; offload: ``host_update.HostUpdate``, ``nvme_update.NvmeUpdate``,
-built by ``placement``, configured by ``OffloadConfig``), ``grad_reducers`` (gradient
-strategies), ``stage3`` (the gather schedule); the bucketed reduce-scatter lives in
-``zkernels.comm.bucketed``.
+The folder follows the design (see [Note: parameters and state] in ``parameters/units.py`` and
+[Note: the stage registry] in ``planning/policy.py``):
+
+- ``planning/``: the stage and offload registry (StagePolicy, OffloadPolicy, STAGES,
+  OFFLOADS, RUNGS), buckets, stage-3 units, the memory estimator and the ladder;
+- ``parameters/``: param groups, flat parameter units and their gather policies (replicated,
+  sharded, host-sharded), stage 3's gather schedule;
+- ``gradients/``: the gradient strategies (reduction during backward), precision and loss
+  scaling, clipping, the non-finite policy;
+- ``state/``: ShardState and the update strategies that place it (device, host RAM, NVMe),
+  their configuration and copies, the optimizer's state_dict;
+- ``optimizer.py`` composes them; ``stats.py`` counts the bytes held. The bucketed
+  reduce-scatter lives in ``zkernels.comm.bucketed``.
 """
-from .nonfinite import NonFiniteGradientError
-from .offload_config import OffloadConfig
+from .gradients.nonfinite import NonFiniteGradientError
+from .planning.offload_config import OffloadConfig
 from .optimizer import ZeroOptimizer, resolve_stage
-from .policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
-from .precision import LossScaleConfig, MixedPrecision
+from .planning.policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
+from .gradients.precision import LossScaleConfig, MixedPrecision
 
 __all__ = ["ZeroOptimizer", "resolve_stage", "OffloadConfig", "LossScaleConfig", "MixedPrecision",
            "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS",

@@ -1,7 +1,7 @@
 """``ZeroOptimizer``: ZeRO stage 1/2/3 AdamW as a ``torch.optim.Optimizer``.
 
 The class is thin glue (see [Note: parameters and state] in ``units.py``): the stage's
-:class:`~zkernels.zero.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
+:class:`~zkernels.zero.planning.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
 units (``units.py``, cut by ``buckets.py``) own the compute copy through their gather policy;
 the update strategy (``update.py``) owns the ShardStates (master, moments) and their
 placement; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers this
@@ -20,21 +20,21 @@ import torch.nn as nn
 
 from .. import ops as _ops
 from ..comm import MeteredComm, VolumeMeter, make_comm
-from . import state as _state
-from .auto import resolve_auto_placement
-from .buckets import align_numel, bucket_capacities, plan_buckets
-from .clip import grad_scale_and_overflow
-from .grad_reducers import make_grad_reducer
-from .nonfinite import NonFiniteGradientError, check_policy, locate
-from .param_wait import ParamGatherWaiter
-from .params import frozen_params, resolve_param_groups
-from .policy import STAGES, implemented_stages
-from .precision import LossScaleConfig, LossScaler, MixedPrecision
+from .state import state_dict as _state
+from .planning.auto import resolve_auto_placement
+from .planning.buckets import align_numel, bucket_capacities, plan_buckets
+from .gradients.clip import grad_scale_and_overflow
+from .gradients.grad_reducers import make_grad_reducer
+from .gradients.nonfinite import NonFiniteGradientError, check_policy, locate
+from .parameters.param_wait import ParamGatherWaiter
+from .parameters.groups import frozen_params, resolve_param_groups
+from .planning.policy import STAGES, implemented_stages
+from .gradients.precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_by_location
-from .stage3 import GatherSchedule, build_units
-from .units import build_replicated_unit, param_names
-from .offload_config import OffloadConfig
-from .placement import (check_offload_args, check_offload_params, check_offload_stage,
+from .parameters.stage3 import GatherSchedule, build_units
+from .parameters.units import build_replicated_unit, param_names
+from .planning.offload_config import OffloadConfig
+from .state.placement import (check_offload_args, check_offload_params, check_offload_stage,
                         make_update_strategy)
 
 
@@ -88,7 +88,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             units, and between uses a parameter has no storage (read it inside
             ``opt.gathered()``).
         stage: 1, 2, 3 or "auto" (the lowest rung whose estimate fits the device, see
-            ``zkernels/zero/auto.py``; logs its choice at INFO). With "auto", ``offload``
+            ``zkernels/zero/planning/auto.py``; logs its choice at INFO). With "auto", ``offload``
             limits the rungs to that kind; left None, CPU offload is offered on a GPU, and
             NVMe offload too when ``offload_dir`` is given.
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
@@ -103,7 +103,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``nvme_update.py``). Stages 2 and up (stage 1 raises ValueError).
         offload_dir: with "nvme", an existing folder; the run's files go in a folder of
             its own inside, removed by :meth:`close`.
-        offload_config: an :class:`~zkernels.zero.offload_config.OffloadConfig` (pinning,
+        offload_config: an :class:`~zkernels.zero.planning.offload_config.OffloadConfig` (pinning,
             sub-group size, the NVMe host budget, ...); default ``OffloadConfig()``.
         bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
             (stages 1-2; stage 3 reduces one unit at a time). None (default): sized from the
@@ -122,7 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             built); see ``zkernels.comm.make_comm``.
         nonfinite: what a step with an inf/NaN gradient does outside fp16's loss scaling:
             ``"skip"`` it on every rank (counted in ``stats()["overflow_skips"]``, logged at
-            WARNING) or ``"raise"`` :class:`~zkernels.zero.nonfinite.NonFiniteGradientError`
+            WARNING) or ``"raise"`` :class:`~zkernels.zero.gradients.nonfinite.NonFiniteGradientError`
             on every rank; see [Note: non-finite gradients outside fp16].
         timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds:
             a collective not done within it (a rank died, raised or is stuck) raises
@@ -153,17 +153,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (see [Note: lazy parameter gathers] in ``param_wait.py``).
 
     Attributes:
-        policy: the stage's :class:`~zkernels.zero.policy.StagePolicy`.
+        policy: the stage's :class:`~zkernels.zero.planning.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
-        units: the :class:`~zkernels.zero.units.FlatParamUnit` list, in launch order.
+        units: the :class:`~zkernels.zero.parameters.units.FlatParamUnit` list, in launch order.
         frozen_units: stage 3: the frozen parameters' flat units (gathered with their unit,
             no state; see [Note: frozen parameters at stage 3] in ``units.py``); else empty.
         shard_update: the update strategy (``DeviceUpdate``, ``HostUpdate`` or
             ``NvmeUpdate``: see ``placement.py``); its ``states`` are the per-unit
-            :class:`~zkernels.zero.shard_state.ShardState`.
+            :class:`~zkernels.zero.state.shard_state.ShardState`.
         offload: the offload kind (None, "cpu", "nvme").
         reducer: the gradient strategy.
-        schedule: stage 3's :class:`~zkernels.zero.stage3.GatherSchedule` (None below).
+        schedule: stage 3's :class:`~zkernels.zero.parameters.stage3.GatherSchedule` (None below).
     """
 
     def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
@@ -466,7 +466,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return None
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state (see ``zkernels/zero/state.py``)."""
+        """This rank's optimizer state (see ``zkernels/zero/state/state_dict.py``)."""
         self.wait_params()
         return _state.state_dict(self)
 

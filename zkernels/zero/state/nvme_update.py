@@ -33,15 +33,15 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..ops import OpSet
+from ...ops import OpSet
 from .host_update import host_scalar
-from .offload_config import IO_ALIGN, NUM_NVME_BUFFERS, OffloadConfig
-from .param_offload import HostParamStore, HostShardedParams
+from ..planning.offload_config import IO_ALIGN, NUM_NVME_BUFFERS, OffloadConfig
+from ..parameters.param_offload import HostParamStore, HostShardedParams
 from .shard_state import ShardState
 from .swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty, log, make_run_folder,
                    probe_direct_io, remove_run_folder, round_up)
 from .transfer import Copier
-from .units import FlatParamUnit, ShardedParams
+from ..parameters.units import FlatParamUnit, ShardedParams
 from .update import GradScale
 
 ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block

@@ -3,7 +3,7 @@ all-gather per flat unit, the next one prefetched) and free it as soon as it is 
 
 [Note: stage-3 gather schedule]
 Units come from ``unit_plan.py``; each is one or more FlatParamUnits (one per param group,
-usually one) whose gather policy is :class:`~zkernels.zero.units.ShardedParams`.
+usually one) whose gather policy is :class:`~zkernels.zero.parameters.units.ShardedParams`.
 
 - Forward: a unit's forward pre-hook gathers it (waiting for a prefetch in flight) and
   prefetches the unit predicted to run next (the order of the previous forward, module order
@@ -66,10 +66,10 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..comm.base import CollectiveError, Comm, Handle
-from ..layout import FlatLayout
-from ..ops import OpSet
-from .unit_plan import ROOT_NAME, plan_units
+from ...comm.base import CollectiveError, Comm, Handle
+from ...layout import FlatLayout
+from ...ops import OpSet
+from ..planning.unit_plan import ROOT_NAME, plan_units
 from .units import FlatParamUnit, build_frozen_unit, build_sharded_unit, frozen_compute_dtype
 
 

@@ -15,7 +15,7 @@ side only:
   the shards into the full buffer. A sharded policy (stage 3) keeps only this rank's compute
   shard persistently and allocates the full buffer in ``ensure_gathered``, frees it in ``free``
   (the interface is :class:`GatherPolicy`); the unit is the same object either way.
-- a :class:`~zkernels.zero.shard_state.ShardState` is the optimizer side: this rank's fp32
+- a :class:`~zkernels.zero.state.shard_state.ShardState` is the optimizer side: this rank's fp32
   master shard, AdamW moments and step count of one unit. The update strategy
   (``update.py``) allocates the states (so it decides where they live: the device today,
   host or NVMe with offload), receives the reduced gradient shard per unit, and writes the
@@ -34,9 +34,9 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..comm.base import Comm, Handle
-from ..layout import FlatLayout
-from ..ops import OpSet
+from ...comm.base import Comm, Handle
+from ...layout import FlatLayout
+from ...ops import OpSet
 
 
 class _Done:

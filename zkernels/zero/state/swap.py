@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .offload_config import IO_ALIGN
+from ..planning.offload_config import IO_ALIGN
 
 log = logging.getLogger("zkernels.offload")
 

@@ -29,7 +29,7 @@ from typing import Dict, Sequence, Tuple
 
 import torch.nn as nn
 
-from ..comm.base import Handle
+from ...comm.base import Handle
 from .units import FlatParamUnit
 
 

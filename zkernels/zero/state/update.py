@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 
-from ..ops import OpSet
+from ...ops import OpSet
 from .shard_state import ShardState
-from .units import FlatParamUnit, ShardedParams
+from ..parameters.units import FlatParamUnit, ShardedParams
 
 GradScale = Union[None, float, torch.Tensor]
 
@@ -36,7 +36,7 @@ class UpdateStrategy(Protocol):
 
     def sharded_params(self, params, layout, rank: int, compute_shard: torch.Tensor):
         """Stage 3: the gather policy of a unit whose persistent compute shard is
-        ``compute_shard`` (on the device): :class:`~zkernels.zero.units.ShardedParams`, or,
+        ``compute_shard`` (on the device): :class:`~zkernels.zero.parameters.units.ShardedParams`, or,
         with ``offload_params``, one that keeps the shard in host RAM
         (``param_offload.HostShardedParams``)."""
 

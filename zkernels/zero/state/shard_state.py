@@ -11,7 +11,7 @@ from typing import Iterator, Tuple
 
 import torch
 
-from ..layout import FlatLayout
+from ...layout import FlatLayout
 
 
 @dataclass

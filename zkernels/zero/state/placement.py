@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from .. import ops as _ops
-from ..ops import OpSet
-from .offload_config import OffloadConfig
-from .policy import OFFLOADS, STAGES, StagePolicy
+from ... import ops as _ops
+from ...ops import OpSet
+from ..planning.offload_config import OffloadConfig
+from ..planning.policy import OFFLOADS, STAGES, StagePolicy
 
 
 def check_offload_args(offload, offload_dir, offload_config, auto: bool = False) -> None:

@@ -53,8 +53,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from ..layout import FlatLayout
-from .transfer import Copier, Fence
+from ...layout import FlatLayout
+from ..state.transfer import Copier, Fence
 from .units import ShardedParams
 
 
@@ -63,7 +63,7 @@ class HostShardedParams(ShardedParams):
     [Note: parameter offload]).
 
     Args:
-        params, layout: as :class:`~zkernels.zero.units.ShardedParams`.
+        params, layout: as :class:`~zkernels.zero.parameters.units.ShardedParams`.
         shard: this rank's slice of the full buffer.
         host_shard: [shard_numel] compute dtype, host RAM (the store's buffer): the
             ``compute_shard`` the update writes.
@@ -94,7 +94,7 @@ class HostParamStore:
     """Owner of the host parameter shards of one optimizer (see [Note: parameter offload]).
 
     Args:
-        copier: the offload strategy's :class:`~zkernels.zero.transfer.Copier` (its stream or
+        copier: the offload strategy's :class:`~zkernels.zero.state.transfer.Copier` (its stream or
             thread carries the copies; its ``host_empty`` pins).
     """
 

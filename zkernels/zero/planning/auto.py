@@ -1,6 +1,6 @@
 """``stage="auto"``: measure the memory a rank may use and climb the ladder until it fits.
 
-The decision itself is :func:`zkernels.zero.estimate.choose_rung` (pure arithmetic); this
+The decision itself is :func:`zkernels.zero.planning.estimate.choose_rung` (pure arithmetic); this
 module measures the budget, makes every rank agree on it, and turns the chosen rung into a
 stage the optimizer implements or a clear error.
 

@@ -44,13 +44,13 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..comm.base import Comm
-from ..comm.bucketed import BucketedReduceScatter
-from ..comm.reduce_pool import ReducePool
-from ..ops import OpSet
-from .policy import StagePolicy
+from ...comm.base import Comm
+from ...comm.bucketed import BucketedReduceScatter
+from ...comm.reduce_pool import ReducePool
+from ...ops import OpSet
+from ..planning.policy import StagePolicy
 from .precision import MixedPrecision
-from .units import FlatParamUnit
+from ..parameters.units import FlatParamUnit
 
 
 class GradReducer(Protocol):

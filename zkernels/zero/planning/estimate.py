@@ -297,7 +297,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         num_param_groups: optimizer param groups; from stage 2 on, each group beyond the first
             may keep one partly filled bucket waiting, so it adds one reduce buffer.
         nvme_buffer_bytes, nvme_master, sub_group_numel: as in
-            :class:`~zkernels.zero.offload_config.OffloadConfig` (the NVMe host budget, master
+            :class:`~zkernels.zero.planning.offload_config.OffloadConfig` (the NVMe host budget, master
             on disk, the CPU offload sub-group).
         offload_params: stage 3 with offload: the parameter shards in host RAM too.
         frozen_numel: with a count Ψ, how many of them are frozen (default 0): e.g. a LoRA

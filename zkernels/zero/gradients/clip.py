@@ -24,8 +24,8 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
-from ..comm.base import Comm
-from ..ops import OpSet
+from ...comm.base import Comm
+from ...ops import OpSet
 from .nonfinite import on_nonfinite
 
 GradScale = Union[None, float, torch.Tensor]

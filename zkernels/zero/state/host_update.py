@@ -41,12 +41,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..ops import OpSet
-from .offload_config import OffloadConfig
-from .param_offload import HostParamStore, HostShardedParams
+from ...ops import OpSet
+from ..planning.offload_config import OffloadConfig
+from ..parameters.param_offload import HostParamStore, HostShardedParams
 from .shard_state import ShardState
 from .transfer import Copier, Fence
-from .units import FlatParamUnit, ShardedParams
+from ..parameters.units import FlatParamUnit, ShardedParams
 from .update import GradScale
 
 
@@ -122,7 +122,7 @@ class HostUpdate:
 
     Attributes:
         placement: "cpu".
-        param_store: the :class:`~zkernels.zero.param_offload.HostParamStore` (None without
+        param_store: the :class:`~zkernels.zero.parameters.param_offload.HostParamStore` (None without
             ``offload_params``).
         states: one :class:`ShardState` per unit, its tensors in host RAM.
         grad_sink: the :class:`HostGradShards` the stage-2 reducer fills.

@@ -1,6 +1,6 @@
 """The ladder's decision: the lowest rung whose estimate fits a memory budget (pure arithmetic).
 
-``stage="auto"`` (:mod:`zkernels.zero.auto`) and ``python -m zkernels plan`` both decide here.
+``stage="auto"`` (:mod:`zkernels.zero.planning.auto`) and ``python -m zkernels plan`` both decide here.
 Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 2 and 3 with offload to
 host RAM, then to NVMe. A stage-3 offload rung that does not fit is tried again with
 ``offload_params`` (the parameter shards in host RAM too: ``param_offload.py``) before the

@@ -1,5 +1,5 @@
 """How stages 1-2 cut the trainable parameters into flat rank-aligned buckets (each becomes
-one :class:`~zkernels.zero.units.FlatParamUnit`, the unit one reduce-scatter moves).
+one :class:`~zkernels.zero.parameters.units.FlatParamUnit`, the unit one reduce-scatter moves).
 
 See [Note: rank-aligned flat buffers] in ``zkernels/layout.py``. Buckets never mix param
 groups, so every hyperparameter is uniform over a bucket and AdamW runs once per bucket shard.
@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..layout import FlatLayout
+from ...layout import FlatLayout
 
 ALIGN_BYTES = 16  # every tensor and shard starts 16-byte aligned for vector loads
 
