@@ -114,6 +114,9 @@ class MemoryEstimate:
         host_device_bytes: bytes copied between host and device per step (offload).
         disk_io_bytes: bytes read plus written on disk per step (nvme offload).
         offload_params: stage 3's parameter shards are in host RAM too.
+        shard_size: hybrid sharding's K (None: the states are sharded over all N ranks).
+        comm_across_groups_bytes: the part of ``comm_bytes`` sent across shard groups (the
+            all-reduce of the gradient shard; 0 without hybrid sharding).
     """
 
     stage: int
@@ -133,6 +136,14 @@ class MemoryEstimate:
     host_device_bytes: int
     disk_io_bytes: int
     offload_params: bool = False
+    shard_size: Optional[int] = None
+    comm_across_groups_bytes: int = 0
+
+    @property
+    def comm_within_group_bytes(self) -> int:
+        """The part of ``comm_bytes`` sent within the shard group (all of it, unless
+        hybrid)."""
+        return self.comm_bytes - self.comm_across_groups_bytes
 
     @property
     def model_states_bytes(self) -> int:
@@ -202,7 +213,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES,
                     nvme_master: bool = True,
                     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
-                    offload_params: bool = False) -> MemoryEstimate:
+                    offload_params: bool = False,
+                    shard_size: Optional[int] = None) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -231,6 +243,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             :class:`~zkernels.zero.offload_config.OffloadConfig` (the NVMe host budget, master
             on disk, the CPU offload sub-group).
         offload_params: stage 3 with offload: the parameter shards in host RAM too.
+        shard_size: hybrid sharding (``ZeroOptimizer(shard_size=K)``): the states are
+            sharded over groups of K ranks (K divides N) and replicated across the N/K
+            groups: every byte per rank is the formula with N replaced by K, the traffic
+            within the group too, plus an all-reduce of the gradient shard (Ψ/K elements in
+            the reduce dtype) across the N/K groups (stages 1-3; stage 0 shards nothing).
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -256,6 +273,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
     p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
     n_psi, big_n = num_params, world_size
+    # Hybrid sharding: the formulas below see the shard group's K ranks.
+    groups = _num_groups(shard_size, world_size) if stage != 0 else 1
+    if stage == 0:
+        _num_groups(shard_size, world_size)   # checked all the same
+    big_n = world_size // groups
     if bucket_bytes is None:
         bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
     mixed = pdt != torch.float32
@@ -330,14 +352,30 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
     else:               # one reduce-scatter, one or two all-gathers
         comm = (r + policy.gathers_per_step * p) * n_psi * frac
+    # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
+    across = 2 * r * shard * (groups - 1) / groups
+    comm += across
     h2d = 0 if offload is None else g * shard + \
         (policy.gathers_per_step if offload_params else 1) * p * shard
     disk_io = 0 if offload != "nvme" else 2 * sum(disk.values())
     return MemoryEstimate(
-        stage=stage, offload=offload, num_params=n_psi, world_size=big_n,
+        stage=stage, offload=offload, num_params=n_psi, world_size=world_size,
         params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],
         optimizer_states_bytes=kinds["optimizer_states"], buffers_bytes=kinds["buffers"],
         transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
         host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
         comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io,
-        offload_params=offload_params)
+        offload_params=offload_params,
+        shard_size=None if shard_size is None else big_n,
+        comm_across_groups_bytes=int(round(across)))
+
+
+def _num_groups(shard_size, world_size: int) -> int:
+    """N/K, the number of shard groups (1 without hybrid sharding).
+
+    Raises:
+        TypeError, ValueError: ``shard_size`` is not an int >= 1 dividing ``world_size``.
+    """
+    from ..comm.hybrid import check_shard_size
+    k = check_shard_size(shard_size, world_size)
+    return 1 if k is None else world_size // k

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops as _ops
-from ..comm import MeteredComm, VolumeMeter, make_comm
+from ..comm import VolumeMeter, make_metered_comm
 from . import state as _state
 from .auto import resolve_auto_placement
 from .buckets import align_numel, bucket_capacities, plan_buckets
@@ -111,7 +111,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
-            rank).
+            rank), or a ``DeviceMesh`` (1-D: its group; 2-D: as ``mesh``).
+        shard_size: hybrid sharding (FSDP2's HSDP): shard state, gradients and (stage 3)
+            parameters over groups of K consecutive ranks and replicate across the N/K groups;
+            each reduced gradient shard is all-reduced across groups (2Ψ/K elements per rank
+            per step), and memory per rank is the stage's formula with N replaced by K. K must
+            divide N; K = N is plain ZeRO, K = 1 keeps the whole state on every rank (DDP
+            with a replicated optimizer). See [Note: hybrid sharding is a group shape] in
+            ``zkernels/comm/hybrid.py``.
+        mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` (dim 0 replicate, dim 1
+            shard), as ``fully_shard(mesh=...)`` takes it: hybrid sharding over its groups.
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
         memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
             measured free device memory less 10% headroom).
@@ -175,7 +184,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  reshard_after_forward: bool = True, check_paths: bool = True,
                  offload_config: Optional[OffloadConfig] = None,
                  offload_params: bool = False,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, shard_size: Optional[int] = None,
+                 mesh=None) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
         # strategy of the kind asked for.
         auto = isinstance(stage, str) and stage == "auto"
@@ -210,8 +220,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except RuntimeError as exc:
             raise RuntimeError(f"ops_backend={ops_backend!r}: {exc}") from exc
         self.meter = VolumeMeter()
-        self.comm = MeteredComm(make_comm(process_group, device, comm_backend, timeout),
-                                self.meter)
+        # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
+        # sharding is a group shape] in zkernels/comm/hybrid.py.
+        self.comm = make_metered_comm(process_group, device, comm_backend, timeout, self.meter,
+                                      shard_size=shard_size, mesh=mesh)
         n = self.comm.world_size
         if auto:
             self.stage, offload, offload_params = resolve_auto_placement(
@@ -467,11 +479,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Returns:
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
-            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
+            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total",
+            "within_group", "across_groups"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
             "total"}, "memory_location_bytes": {"device", "host", "disk"}, "offload": None or
             {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
             "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
+            ``comm_bytes``' ``within_group`` and ``across_groups`` split its total by where
+            it went (hybrid sharding: the cross-group all-reduces; otherwise all within).
             ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
             ``memory_location_bytes`` splits the total by location: host RAM is what the
             offload strategy allocated there, disk the measured sizes of its files. The offload
@@ -501,7 +516,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             offload = {"kind": self.offload, **where, **upd.last_step}
         out = {"step": self._num_steps, "overflow_skips": self._overflow_skips,
                "loss_scale": self.scaler.scale if self.scaler is not None else None,
-               "comm_bytes": self.meter.last_step(), "memory_bytes": mem,
+               "comm_bytes": {**self.meter.last_step(), **self.meter.last_step_scopes()},
+               "memory_bytes": mem,
                "memory_location_bytes": where, "offload": offload}
         if self.schedule is not None:
             last = self._gather_stats or {"all_gathers": 0, "peak_gathered_bytes": 0}
