@@ -1,0 +1,66 @@
+"""Hybrid sharding (``shard_size=K``, a 2-D DeviceMesh): 4 gloo ranks as 2 groups of 2, in one
+spawn running every check of ``_hybrid_checks.CHECKS``, each reported as its own test; and
+the estimator and the meter without ranks."""
+import pytest
+import torch
+
+import zkernels as zk
+from tests.zero._harness import battery_results, make_model
+from tests.zero._hybrid_checks import CHECKS, battery
+from zkernels.comm import VolumeMeter
+
+
+@pytest.fixture(scope="module")
+def results():
+    return battery_results(CHECKS, battery, timeout=600.0)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_check(results, check):
+    error = results(4)[check]
+    assert error is None, f"{check} failed on 2 groups of 2 ranks:\n{error}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_estimate_is_the_formula_with_n_replaced_by_k(stage):
+    model = make_model()
+    hyb = zk.estimate_memory(model, 8, stage, shard_size=2, param_dtype=torch.bfloat16)
+    plain = zk.estimate_memory(model, 2, stage, param_dtype=torch.bfloat16)
+    for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes",
+                 "buffers_bytes", "device_bytes"):
+        assert getattr(hyb, kind) == getattr(plain, kind), kind
+    psi = sum(p.numel() for p in model.parameters())
+    # Across groups: the fp32 gradient shard all-reduced over G = 4 groups, 2 (G-1)/G.
+    assert hyb.comm_across_groups_bytes == round(2 * 4 * -(-psi // 2) * 3 / 4)
+    assert hyb.comm_within_group_bytes == plain.comm_bytes
+    assert hyb.shard_size == 2 and hyb.world_size == 8
+    full = zk.estimate_memory(model, 8, stage, shard_size=8)
+    assert full.comm_across_groups_bytes == 0
+    assert full.device_bytes == zk.estimate_memory(model, 8, stage).device_bytes
+
+
+@pytest.mark.parametrize("bad, err", [(3, ValueError), (0, ValueError), (True, TypeError)])
+def test_estimate_refuses_bad_shard_size(bad, err):
+    with pytest.raises(err, match="shard_size"):
+        zk.estimate_memory(1000, 8, 2, shard_size=bad)
+
+
+def test_meter_splits_the_total_by_scope():
+    meter = VolumeMeter()
+    meter.record("reduce_scatter", 1200, 4)
+    meter.record("all_reduce", 800, 2, scope="across_groups")
+    meter.close_step()
+    assert meter.last_step() == {"reduce_scatter": 900, "all_gather": 0, "all_reduce": 800,
+                                 "total": 1700}
+    assert meter.last_step_scopes() == {"within_group": 900, "across_groups": 800}
+    with pytest.raises(ValueError, match="scope"):
+        meter.record("all_reduce", 8, 2, scope="between")
+
+
+def test_plan_shard_size(capsys):
+    from zkernels.plan import main
+    assert main(["--params", "7e9", "--world-size", "16", "--shard-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "within" in out and "across" in out and "K = 8" in out
+    assert main(["--params", "7e9", "--world-size", "16", "--shard-size", "5"]) == 2
+    assert "shard_size=5 must divide" in capsys.readouterr().err
