@@ -21,6 +21,11 @@ old checkpoint whole at ``PATH.zk-old``: ``load`` falls back to it and the next 
 back first. At no moment is a half-written folder at ``PATH``.
 
 All ranks must see one filesystem at ``PATH`` (a shared filesystem across nodes).
+
+With hybrid sharding (``shard_size=K``) the shard files are numbered within the shard group
+(``shard-RRRRR-of-KKKKK``) and written by the first replica only, so each shard is written
+once; rank 0 of the world prepares, writes the model file and publishes, and every rank of
+the world takes part in each phase's agreement.
 """
 from __future__ import annotations
 

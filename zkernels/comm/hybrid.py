@@ -217,14 +217,14 @@ def make_metered_comm(process_group, device, backend: str, timeout, meter, *,
     from .local import LocalComm
     from .meter import MeteredComm
     from .select import make_comm
-    if _is_mesh(process_group):
+    if is_device_mesh(process_group):
         if mesh is not None:
             raise ValueError("pass the DeviceMesh as process_group= or mesh=, not both")
         process_group, mesh = None, process_group
         if mesh.ndim == 1:
             process_group, mesh = mesh.get_group(), None
     elif mesh is not None:
-        if not _is_mesh(mesh):
+        if not is_device_mesh(mesh):
             raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
                             f"{type(mesh).__name__}")
         if process_group is not None:
@@ -254,7 +254,8 @@ def make_metered_comm(process_group, device, backend: str, timeout, meter, *,
                       MeteredComm(world, meter, scope="within_group"))
 
 
-def _is_mesh(obj) -> bool:
+def is_device_mesh(obj) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh``."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # a torch without device meshes has none to pass

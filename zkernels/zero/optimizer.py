@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from .. import ops as _ops
 from ..comm import VolumeMeter, make_metered_comm
+from ..comm.hybrid import is_device_mesh
 from . import state as _state
 from .auto import resolve_auto_placement
 from .buckets import align_numel, bucket_capacities, plan_buckets
@@ -229,7 +230,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.stage, offload, offload_params = resolve_auto_placement(
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                memory_budget_bytes=memory_budget_bytes, group=process_group,
+                memory_budget_bytes=memory_budget_bytes,
+                group=None if is_device_mesh(process_group) else process_group,
                 num_param_groups=len(groups), model=model, offload=offload,
                 offload_dir=offload_dir, offload_params=True if offload_params else None)
             if offload != "nvme":
