@@ -184,6 +184,46 @@ def bad_shard_size(rank, ws):
         zk.ZeroOptimizer(make_model(), stage=2, mesh=_mesh(ws), shard_size=4)
 
 
+def secondary_shards(rank, ws, *, steps=3):
+    """reshard_after_forward=2 on 4 ranks (plain stage 3): parity with AdamW; after forward
+    every unit holds a secondary chunk of 1/2 its padded size (4 B x padded / 2) and nothing
+    else beyond the shards; the backward gathers run over 2 ranks (4 B x padded x 1/2 each)
+    while the forward ones run over 4 (x 3/4); between steps nothing extra is held."""
+    model = make_model()
+    ref = clone_model(model)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                           reshard_after_forward=2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    shard = sum(u.layout.shard_numel for u in opt.units)
+    padded = [u.layout.padded_numel for u in opt.units]
+    for step, batch in enumerate(make_batches(steps, ws * 2)):
+        loss = model(*chunk(batch, rank))
+        held = opt.stats()["memory_bytes"]["params"]
+        assert held == 4 * shard + sum(4 * p // 2 for p in padded), (step, held)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.stats()["memory_bytes"]["params"] == 4 * shard
+        reference_grads(ref, batch, ws, 1)
+        ropt.step()
+        ropt.zero_grad()
+        with opt.gathered():
+            assert_params_close(model, ref, step, **tol(torch.float32))
+    _train(model, opt, rank, ws, make_batches(2, ws * 2, seed=3))
+    comm = opt.stats()["comm_bytes"]
+    forward = sum(4 * p * (ws - 1) // ws for p in padded)
+    backward = sum(4 * p * (2 - 1) // 2 for p in padded)
+    assert comm["all_gather"] == forward + backward, (comm, forward, backward)
+    assert comm["reduce_scatter"] == forward, comm
+    assert opt.stats()["gather"]["reshard_after_forward"] == 2
+    import pytest
+    for bad in (3, 4, 1):
+        with pytest.raises(ValueError, match=f"reshard_after_forward={bad} must divide"):
+            zk.ZeroOptimizer(make_model(), stage=3, reshard_after_forward=bad)
+    with pytest.raises(ValueError, match="applies only to stage=3"):
+        zk.ZeroOptimizer(make_model(), stage=2, reshard_after_forward=2)
+
+
 CHECKS = {
     "stage1": partial(parity, stage=1),
     "stage2_clip": partial(parity, stage=2, clip=0.05),
@@ -192,6 +232,7 @@ CHECKS = {
     "stage2_offload_cpu": partial(parity, stage=2, offload="cpu", steps=3),
     "checkpoint_hybrid_to_plain3_and_back": checkpoint_across_shapes,
     "bad_shard_size": bad_shard_size,
+    "stage3_secondary_shards": secondary_shards,
 }
 
 

@@ -13,7 +13,7 @@ goes through one :class:`~zkernels.ops.OpSet` chosen at construction (``ops_back
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,7 @@ from .params import resolve_param_groups
 from .policy import STAGES, implemented_stages
 from .precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_by_location
+from .secondary import SecondaryShard, check_reshard_after_forward, secondary_comm
 from .stage3 import GatherSchedule, build_units
 from .units import build_replicated_unit, param_names
 from .offload_config import OffloadConfig
@@ -144,6 +145,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reshard_after_forward: stage 3: free each unit after its forward and gather it again
             for backward (True: 3Ψ per step) or keep it from forward to backward (False: 2Ψ,
             every unit gathered at the end of forward); see [Note: stage-3 gather schedule].
+            An int R (FSDP2's integer, ZeRO++'s hpZ; R divides the shard group's K, 1 < R <
+            K): after forward keep a chunk over R consecutive ranks, so the backward gather
+            runs within those R ranks (pΨ(R-1)/R instead of pΨ(K-1)/K) for pΨ/R more memory
+            from forward to backward ([Note: secondary shards] in ``secondary.py``).
         check_paths: stage 3: before each all-gather, check that every rank gathers the same
             unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
         offload_params: stage 3 with ``offload``: keep the parameter shards (compute dtype)
@@ -182,7 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, timeout=None,
                  nonfinite: str = "skip", units=None,
-                 reshard_after_forward: bool = True, check_paths: bool = True,
+                 reshard_after_forward: Union[bool, int] = True, check_paths: bool = True,
                  offload_config: Optional[OffloadConfig] = None,
                  offload_params: bool = False,
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
@@ -195,8 +200,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
                              f"stage={stage!r}")
         self.stage = None if auto else resolve_stage(stage)
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got "
+        if not isinstance(reshard_after_forward, (bool, int)):
+            raise TypeError(f"reshard_after_forward must be a bool or an int, got "
                             f"{type(reshard_after_forward).__name__}")
         if self.stage in (1, 2) and (units is not None or not reshard_after_forward):
             raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
@@ -242,6 +247,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy = STAGES[self.stage]
         check_offload_stage(offload, self.policy)
         self.offload_params = check_offload_params(offload_params, offload, self.policy)
+        reshard_after_forward = check_reshard_after_forward(
+            reshard_after_forward, self.comm.world_size, self.policy.shards_params)
+        if not isinstance(reshard_after_forward, bool) and self.offload_params:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward} keeps a device "
+                             f"copy for backward; it does not combine with offload_params=True")
         if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
             # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
             # forward for its backward; freeing a unit after forward and gathering it again
@@ -314,6 +324,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # (count, free), see [Note: stage-3 gather schedule].
             self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward,
                                            check_paths=check_paths)
+            if not isinstance(reshard_after_forward, bool):  # [Note: secondary shards]
+                second = secondary_comm(self.comm, reshard_after_forward, device,
+                                        comm_backend, timeout, self.meter)
+                for u in self.units:
+                    u.gather.secondary = SecondaryShard(
+                        second, u.layout.padded_numel, u.gather.compute_shard.dtype, device)
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
             else None
         self._model = model
@@ -526,7 +542,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out["gather"] = {**last, "gathered_bytes": self.schedule.live_bytes(),
                              "limit_bytes": self.schedule.limit_bytes,
                              "units": [u.name for u in self.schedule.units if u.flats],
-                             "reshard_after_forward": self.schedule.reshard_after_forward}
+                             "reshard_after_forward": (self.schedule.reshard_to or
+                                                       self.schedule.reshard_after_forward)}
         return out
 
 
