@@ -25,20 +25,23 @@ SMALL_BUCKET = 3000  # bytes: several buckets at stages 1-2
 K = 2                # ranks per shard group
 
 
-def _mesh(ws):
+def _mesh(ws, k=K):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (ws // K, K), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (ws // k, k), mesh_dim_names=("replicate", "shard"))
 
 
-def _opt(model, stage, *, form="shard_size", clip=None, **kw):
-    hybrid = dict(shard_size=K) if form == "shard_size" else dict(mesh=_mesh(dist.get_world_size()))
+def _opt(model, stage, *, form="shard_size", clip=None, k=K, **kw):
+    """``form``: ``shard_size=k``, ``mesh=`` a 2-D mesh, or the mesh as ``process_group=``."""
+    ws = dist.get_world_size()
+    hybrid = {"shard_size": dict(shard_size=k), "mesh": dict(mesh=_mesh(ws, k)),
+              "process_group": dict(process_group=_mesh(ws, k))}[form]
     if stage != 3:
         kw.setdefault("bucket_bytes", SMALL_BUCKET)
     return zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             max_grad_norm=clip, **hybrid, **kw)
 
 
-def _check_traffic_and_memory(opt, ws, stage, offload):
+def _check_traffic_and_memory(opt, ws, stage, offload, K=K):
     """The last step's bytes, exact against the layouts, and bytes held: the formula with N
     replaced by K (the layouts are over K ranks)."""
     g = ws // K
@@ -75,14 +78,14 @@ def _check_traffic_and_memory(opt, ws, stage, offload):
     assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
 
 
-def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=None):
-    """Hybrid ZeRO (2 groups of 2) == torch.optim.AdamW on one process over all 4 ranks'
-    batch: loss and every parameter each step to fp32 round-off; then the traffic and memory
-    of the last step."""
+def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=None, k=K):
+    """Hybrid ZeRO (2 groups of 2; ``k=1``: 4 groups of 1, every state whole on every rank)
+    == torch.optim.AdamW on one process over all 4 ranks' batch: loss and every parameter
+    each step to fp32 round-off; then the traffic and memory of the last step."""
     model = make_model()
     ref = clone_model(model)
     kw = dict(offload=offload) if offload else {}
-    opt = _opt(model, stage, form=form, clip=clip, **kw)
+    opt = _opt(model, stage, form=form, clip=clip, k=k, **kw)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     clipped = 0
     for step, batch in enumerate(make_batches(steps, ws * 2)):
@@ -103,7 +106,7 @@ def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=No
         assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
     # Stage 3's gathered() above is counted in the next step: measure a step after a clean one.
     _train(model, opt, rank, ws, make_batches(2, ws * 2, seed=3))
-    _check_traffic_and_memory(opt, ws, stage, offload)
+    _check_traffic_and_memory(opt, ws, stage, offload, K=k)
     opt.close()
 
 
@@ -229,6 +232,8 @@ CHECKS = {
     "stage2_clip": partial(parity, stage=2, clip=0.05),
     "stage3": partial(parity, stage=3),
     "stage3_mesh": partial(parity, stage=3, form="mesh"),
+    "stage1_mesh_as_process_group": partial(parity, stage=1, steps=3, form="process_group"),
+    "stage2_shard_size_1": partial(parity, stage=2, steps=3, k=1),
     "stage2_offload_cpu": partial(parity, stage=2, offload="cpu", steps=3),
     "checkpoint_hybrid_to_plain3_and_back": checkpoint_across_shapes,
     "bad_shard_size": bad_shard_size,
