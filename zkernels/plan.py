@@ -178,7 +178,11 @@ def parse_args(argv):
                                                      "B"])
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
                     help="also write the rows as JSON to this file (its folder must exist)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.shard_size is not None and args.world_size % args.shard_size:
+        ap.error(f"--shard-size must divide --world-size ({args.world_size}), got "
+                 f"{args.shard_size}")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:

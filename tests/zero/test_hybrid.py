@@ -62,5 +62,7 @@ def test_plan_shard_size(capsys):
     assert main(["--params", "7e9", "--world-size", "16", "--shard-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "within" in out and "across" in out and "K = 8" in out
-    assert main(["--params", "7e9", "--world-size", "16", "--shard-size", "5"]) == 2
-    assert "shard_size=5 must divide" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--params", "7e9", "--world-size", "16", "--shard-size", "5"])
+    assert exc.value.code == 2
+    assert "--shard-size must divide --world-size (16), got 5" in capsys.readouterr().err
