@@ -66,3 +66,61 @@ def test_plan_shard_size(capsys):
         main(["--params", "7e9", "--world-size", "16", "--shard-size", "5"])
     assert exc.value.code == 2
     assert "--shard-size must divide --world-size (16), got 5" in capsys.readouterr().err
+
+
+class _FakeHandle:
+    def __init__(self, log, what):
+        self.log, self.what, self.finished = log, what, False
+
+    def done(self):
+        return self.finished
+
+    def wait(self):
+        self.log.append(f"wait {self.what}")
+
+
+class _FakeComm:
+    """Records launches; handles say done only when the test says so."""
+
+    def __init__(self, log, name, rank, world_size):
+        self.log, self.name, self.rank, self.world_size = log, name, rank, world_size
+        self.handles = []
+
+    def _launch(self, what):
+        self.log.append(f"{self.name} {what}")
+        self.handles.append(_FakeHandle(self.log, f"{self.name} {what}"))
+        return self.handles[-1]
+
+    def reduce_scatter(self, output, input, *, average=False, tag=None):
+        return self._launch(f"rs {tag}")
+
+    def all_gather(self, output, input, *, tag=None):
+        return self._launch(f"ag {tag}")
+
+    def all_reduce(self, tensor, *, op="sum", tag=None):
+        return self._launch(f"ar {tag}")
+
+
+def test_cross_group_all_reduce_starts_once_its_reduce_scatter_is_done():
+    """[Note: hybrid sharding is a group shape]: the all-reduce of bucket 0's shard starts at
+    the next collective after its reduce-scatter is done, before anyone waits; bucket 1's,
+    still in flight then, starts in its wait(); launches follow reduce-scatter order."""
+    from zkernels.comm import HybridComm, num_averaged
+    log = []
+    shard, rep = _FakeComm(log, "shard", 1, 2), _FakeComm(log, "rep", 0, 3)
+    hc = HybridComm(shard, rep, _FakeComm(log, "world", 1, 6))
+    assert (hc.rank, hc.world_size, hc.replica_rank, hc.num_replicas) == (1, 2, 0, 3)
+    assert num_averaged(hc) == 6
+    buf = torch.zeros(4)
+    h0 = hc.reduce_scatter(buf[:2], buf, tag="b0")
+    h1 = hc.reduce_scatter(buf[2:], buf, tag="b1")
+    assert not any(e.startswith("rep") for e in log)
+    shard.handles[0].finished = True
+    hc.all_gather(buf, buf[:2], tag="u")
+    assert log == ["shard rs b0", "shard rs b1", "wait shard rs b0", "rep ar b0", "shard ag u"]
+    h1.wait()
+    assert log[5:] == ["wait shard rs b1", "rep ar b1", "wait rep ar b1"]
+    h0.wait()
+    assert log[8:] == ["wait rep ar b0"]
+    with pytest.raises(ValueError, match="is not the world's"):
+        HybridComm(shard, rep, _FakeComm(log, "world", 0, 4))

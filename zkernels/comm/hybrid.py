@@ -15,11 +15,12 @@ average is over all N ranks: the gradient strategies pre-divide by :func:`num_av
 (N), not by the group's K.
 
 The cross-group all-reduce is launched as soon as the reduce-scatter is seen complete, not
-at ``wait()``: on CUDA at once (stream order makes it wait for the reduce-scatter); on CPU
-(gloo), whose reduce-scatter completes on the host, whenever this comm is next used for any
-collective (the next bucket's reduce-scatter, a stage-3 gather) and finds it done, at the
-latest in ``wait()``. Launches follow reduce-scatter order, so every replica issues the same
-all-reduces in the same order.
+at ``wait()``: whenever this comm is next used for any collective (the next bucket's
+reduce-scatter, a stage-3 gather) and finds it done (``Handle.done()``: gloo's work, or the
+CUDA event, queried without blocking), at the latest in ``wait()``. Launching it at once would
+make the compute stream (on CUDA) or the host (gloo, whose reduce-scatter is summed in
+``wait()``) wait for the reduce-scatter in the middle of backward. Launches follow
+reduce-scatter order, so every replica issues the same all-reduces in the same order.
 
 Because the shards are identical across replicas after the all-reduce, everything computed
 from them agrees across all N ranks with collectives inside the group only: the sum of
@@ -118,10 +119,7 @@ class HybridComm:
         self.progress()
         within = self.shard.reduce_scatter(output, input, average=average, tag=tag)
         h = _AcrossGroups(within, output, self.replicate, average, tag)
-        if output.is_cuda:
-            h.launch()  # stream-ordered: nothing blocks the host
-        else:
-            self._pending.append(h)
+        self._pending.append(h)
         return h
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
