@@ -62,7 +62,7 @@ OFFLOAD_SET = ("ddp", "zk_stage2", "zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2
 HYBRID_SET = ("ddp", "fsdp2", "zk_stage3", "fsdp2_hsdp", "zk_stage3_hybrid", "zk_stage2",
               "zk_stage2_hybrid")
 KNOWN_METHODS = ALL_METHODS + tuple(m for m in OFFLOAD_SET + HYBRID_SET
-                                    if m not in ALL_METHODS)
+                                    + ("fsdp2_hpz", "zk_stage3_hpz") if m not in ALL_METHODS)
 # --dtype bfloat16 applies to the stage 1-2 rows and their torch peers (autocast); the
 # stage-3 and offload rows are fp32 only.
 BF16_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2")
@@ -338,7 +338,8 @@ def _hybrid_verdict(rows) -> None:
     """Issue 16's bar: zkernels hybrid stage 3 no slower than FSDP2 HSDP in the same run
     (``--shard-size``); both rows' bytes within and across groups."""
     by = {r["method"]: r for r in rows if "error" not in r}
-    for ours, peer in (("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp")):
+    for ours, peer in (("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp"),
+                       ("zk_stage3_hpz", "fsdp2_hpz")):
         zk, fs = by.get(ours), by.get(peer)
         if not (zk and fs):
             continue
