@@ -122,5 +122,13 @@ def test_cross_group_all_reduce_starts_once_its_reduce_scatter_is_done():
     assert log[5:] == ["wait shard rs b1", "rep ar b1", "wait rep ar b1"]
     h0.wait()
     assert log[8:] == ["wait rep ar b0"]
+    # Waited out of order: the earlier reduce-scatter's all-reduce still starts first.
+    del log[:]
+    h2 = hc.reduce_scatter(buf[:2], buf, tag="b2")
+    h3 = hc.reduce_scatter(buf[2:], buf, tag="b3")
+    h3.wait()
+    assert log == ["shard rs b2", "shard rs b3", "wait shard rs b2", "rep ar b2",
+                   "wait shard rs b3", "rep ar b3", "wait rep ar b3"]
+    h2.wait()
     with pytest.raises(ValueError, match="is not the world's"):
         HybridComm(shard, rep, _FakeComm(log, "world", 0, 4))

@@ -31,7 +31,7 @@ inf or NaN on any rank reaches every replica's shard through the all-reduce).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Optional, Tuple
+from typing import Callable, Deque, Optional, Tuple
 
 import torch
 
@@ -49,9 +49,11 @@ class _AcrossGroups:
     across groups (see [Note: hybrid sharding is a group shape])."""
 
     def __init__(self, within: Handle, output: torch.Tensor, across: Comm,
-                 average: bool, tag: Optional[str]) -> None:
+                 average: bool, tag: Optional[str],
+                 launch_through: Callable[["_AcrossGroups"], None]) -> None:
         self._within, self._output, self._across = within, output, across
         self._average, self._tag = average, tag
+        self._launch_through = launch_through   # the earlier ones' all-reduces go first
         self._handle: Optional[Handle] = None
 
     def ready(self) -> bool:
@@ -68,6 +70,7 @@ class _AcrossGroups:
             self._handle = self._across.all_reduce(self._output, op="sum", tag=self._tag)
 
     def wait(self) -> None:
+        self._launch_through(self)
         self.launch()
         self._handle.wait()
         if self._average and self._across.world_size > 1:
@@ -118,9 +121,16 @@ class HybridComm:
                        average: bool = False, tag: Optional[str] = None) -> Handle:
         self.progress()
         within = self.shard.reduce_scatter(output, input, average=average, tag=tag)
-        h = _AcrossGroups(within, output, self.replicate, average, tag)
+        h = _AcrossGroups(within, output, self.replicate, average, tag, self._launch_through)
         self._pending.append(h)
         return h
+
+    def _launch_through(self, h: _AcrossGroups) -> None:
+        """Start the all-reduces of every pending reduce-scatter up to ``h``, in order (a
+        handle waited before an earlier one must not reorder the replicate group's
+        collectives)."""
+        while h in self._pending:
+            self._pending.popleft().launch()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    tag: Optional[str] = None) -> Handle:
