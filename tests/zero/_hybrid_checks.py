@@ -78,27 +78,42 @@ def _check_traffic_and_memory(opt, ws, stage, offload, K=K):
     assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
 
 
-def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=None, k=K):
+def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=None, k=K,
+           micro=1):
     """Hybrid ZeRO (2 groups of 2; ``k=1``: 4 groups of 1, every state whole on every rank)
     == torch.optim.AdamW on one process over all 4 ranks' batch: loss and every parameter
-    each step to fp32 round-off; then the traffic and memory of the last step."""
+    each step to fp32 round-off; then the traffic and memory of the last step. ``micro``:
+    micro-batches per step, all but the last under ``no_sync`` (nothing sent there)."""
     model = make_model()
     ref = clone_model(model)
     kw = dict(offload=offload) if offload else {}
     opt = _opt(model, stage, form=form, clip=clip, k=k, **kw)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     clipped = 0
-    for step, batch in enumerate(make_batches(steps, ws * 2)):
-        loss = model(*chunk(batch, rank))
-        loss.backward()
+    for step, batch in enumerate(make_batches(steps, ws * 2 * micro)):
+        local = 0.0
+        for m in range(micro):
+            if m < micro - 1:
+                with opt.no_sync():
+                    loss = model(*chunk(batch, rank * micro + m)) / micro
+                    loss.backward()
+                # no_sync: no reduction, so nothing crosses the groups (stage 3 still gathers,
+                # within the group)
+                sent = opt.meter.current_step()
+                assert sent["reduce_scatter"] == 0, sent
+                assert opt.meter.current_step_scopes()["across_groups"] == 0
+            else:
+                loss = model(*chunk(batch, rank * micro + m)) / micro
+                loss.backward()
+            local += loss.item()
         opt.step()
         opt.zero_grad()
-        rlosses = reference_grads(ref, batch, ws, 1)
+        rlosses = reference_grads(ref, batch, ws, micro)
         if clip is not None:
             clipped += int(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip) > clip)
         ropt.step()
         ropt.zero_grad()
-        torch.testing.assert_close(world_mean(loss.item(), ws), sum(rlosses) / ws,
+        torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
                                    **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
         with opt.gathered():
             assert_params_close(model, ref, step, **tol(torch.float32))
@@ -234,6 +249,7 @@ CHECKS = {
     "stage3_mesh": partial(parity, stage=3, form="mesh"),
     "stage1_mesh_as_process_group": partial(parity, stage=1, steps=3, form="process_group"),
     "stage2_shard_size_1": partial(parity, stage=2, steps=3, k=1),
+    "stage3_accumulate": partial(parity, stage=3, steps=3, micro=2),
     "stage2_offload_cpu": partial(parity, stage=2, offload="cpu", steps=3),
     "checkpoint_hybrid_to_plain3_and_back": checkpoint_across_shapes,
     "bad_shard_size": bad_shard_size,

@@ -60,6 +60,10 @@ class VolumeMeter:
         self._last_scopes, self._current_scopes = (self._current_scopes,
                                                    dict.fromkeys(SCOPES, 0))
 
+    def current_step_scopes(self) -> Dict[str, int]:
+        """``{"within_group", "across_groups"}`` since the last :meth:`close_step`."""
+        return dict(self._current_scopes)
+
     def last_step_scopes(self) -> Dict[str, int]:
         """``{"within_group", "across_groups"}`` bytes of the last closed step (they add up
         to :meth:`last_step`'s total)."""
