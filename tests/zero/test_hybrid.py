@@ -132,3 +132,20 @@ def test_cross_group_all_reduce_starts_once_its_reduce_scatter_is_done():
     h2.wait()
     with pytest.raises(ValueError, match="is not the world's"):
         HybridComm(shard, rep, _FakeComm(log, "world", 0, 4))
+
+
+def test_estimate_secondary_shards():
+    """reshard_after_forward=R in the estimate: backward gathers over R ranks, the secondary
+    chunks p·Ψ/R transient; bad R named."""
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    base = zk.estimate_memory(model, 8, 3)
+    hpz = zk.estimate_memory(model, 8, 3, secondary_size=2)
+    assert abs(hpz.comm_bytes - (base.comm_bytes - 4 * psi * (7 / 8 - 1 / 2))) <= 1
+    assert hpz.transient_bytes == base.transient_bytes + 4 * -(-psi // 2)
+    assert hpz.device_bytes == base.device_bytes + 4 * -(-psi // 2)
+    assert hpz.held_device_bytes == base.held_device_bytes   # nothing between steps
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide"):
+        zk.estimate_memory(model, 8, 3, secondary_size=3)
+    with pytest.raises(ValueError, match="applies only to stage=3"):
+        zk.estimate_memory(model, 8, 2, secondary_size=2)

@@ -214,7 +214,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     nvme_master: bool = True,
                     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
                     offload_params: bool = False,
-                    shard_size: Optional[int] = None) -> MemoryEstimate:
+                    shard_size: Optional[int] = None,
+                    secondary_size: Optional[int] = None) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -248,6 +249,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             groups: every byte per rank is the formula with N replaced by K, the traffic
             within the group too, plus an all-reduce of the gradient shard (Ψ/K elements in
             the reduce dtype) across the N/K groups (stages 1-3; stage 0 shards nothing).
+        secondary_size: stage 3 with ``reshard_after_forward=R`` (an int): each unit's
+            backward gather runs within R ranks, p·Ψ·(R-1)/R instead of p·Ψ·(K-1)/K, and the
+            secondary chunks (p·Ψ/R at the end of forward) add to the transient bytes (see
+            [Note: secondary shards] in ``secondary.py``).
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -352,6 +357,12 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
     else:               # one reduce-scatter, one or two all-gathers
         comm = (r + policy.gathers_per_step * p) * n_psi * frac
+    if secondary_size is not None:
+        from .secondary import check_reshard_after_forward
+        check_reshard_after_forward(secondary_size, big_n, policy.shards_params)
+        comm -= p * n_psi * (frac - (secondary_size - 1) / secondary_size)
+        kinds["transient"] += p * _div(n_psi, secondary_size)
+        device["transient"] = kinds["transient"]
     # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
     across = 2 * r * shard * (groups - 1) / groups
     comm += across
