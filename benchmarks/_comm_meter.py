@@ -19,6 +19,12 @@ reducer without a Python comm hook, functional collectives) are NOT seen: the be
 DDP through a Python comm hook and checks that every method it reports was seen.
 When one wrapped entry point calls another (``all_gather_into_tensor`` forwards to
 ``all_gather_single`` in torch 2.13) only the outermost call counts.
+
+[Note: scopes]
+With ``shard_size=K`` (``--shard-size``: hybrid sharding, K consecutive ranks per group, as a
+node) every byte also counts toward a scope: ``within_group`` when the collective's group lies
+inside one block of K consecutive ranks, ``across_groups`` otherwise (a replicate group, or
+any group spanning blocks, e.g. the world: DDP's all-reduce crosses the groups whole).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "other")
+SCOPES = ("within_group", "across_groups")
 
 
 def _nbytes(t) -> int:
@@ -119,19 +126,30 @@ class CommMeter:
     returns ``{"bytes": {kind: int, ..., "total": int}, "calls": {entry_point: int}}``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shard_size=None) -> None:
+        self.shard_size = shard_size
         self.enabled = False
         self._local = threading.local()
         self.reset()
 
     def reset(self) -> None:
         self._bytes = {k: 0.0 for k in KINDS}
+        self._scopes = {k: 0.0 for k in SCOPES}
         self._calls: Dict[str, int] = {}
 
     def snapshot(self) -> dict:
         out = {k: int(round(v)) for k, v in self._bytes.items()}
         out["total"] = sum(out[k] for k in KINDS)
-        return {"bytes": out, "calls": dict(self._calls)}
+        return {"bytes": out, "calls": dict(self._calls),
+                "scopes": {k: int(round(v)) for k, v in self._scopes.items()}}
+
+    def _scope(self, group) -> str:
+        """See [Note: scopes]."""
+        if self.shard_size is None:
+            return "within_group"
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        return "within_group" if len({r // self.shard_size for r in ranks}) == 1 \
+            else "across_groups"
 
     def _wrap(self, name: str, orig: Callable) -> Callable:
         sig = inspect.signature(orig)
@@ -144,6 +162,7 @@ class CommMeter:
                 bound.apply_defaults()
                 kind, nbytes = count(bound.arguments)
                 self._bytes[kind] += nbytes
+                self._scopes[self._scope(bound.arguments.get("group"))] += nbytes
                 self._calls[name] = self._calls.get(name, 0) + 1
             self._local.depth = depth + 1
             try:

@@ -322,12 +322,17 @@ class FSDP2CPUOffloadMethod(FSDP2Method):
 
 def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
           on_bucket: Callable[[int], None], offload_dir: Optional[str] = None,
-          batch_size: int = 8, param_dtype: Optional[torch.dtype] = None):
+          batch_size: int = 8, param_dtype: Optional[torch.dtype] = None,
+          shard_size: Optional[int] = None):
     """A fresh model (identical on every rank) wrapped by method ``name``. ``param_dtype``
     (None: fp32): the stage 1-2 zkernels rows get ``param_dtype=``, the torch rows run under
     autocast (the stage-3 and offload rows stay fp32).
 
     Raises MethodUnavailable when the method cannot run here."""
+    from _zero_step_hybrid import HYBRID_METHODS, build_hybrid
+    if name in HYBRID_METHODS:  # --shard-size: groups of K ranks (_zero_step_hybrid.py)
+        torch.manual_seed(seed)
+        return build_hybrid(name, GPT(cfg), lr, world_size, shard_size)
     method = _build(name, cfg, seed, lr, world_size, on_bucket, offload_dir, batch_size,
                     param_dtype)
     if isinstance(method, _TorchMethod):

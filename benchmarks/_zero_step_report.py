@@ -48,6 +48,13 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
     row["comm_bytes_per_rank"] = {k: statistics.fmean(b[k] for b in by_rank) for k in comm_keys}
     row["comm_bytes_by_rank"] = by_rank
     row["comm_calls_per_step_rank0"] = per_rank[0]["meter"][-1]["calls"]
+    if any(s.get("scopes", {}).get("across_groups") for r in per_rank for s in r["meter"]) \
+            or "hybrid" in name or "hsdp" in name:
+        # --shard-size: the bytes within the shard group and across groups (_comm_meter.py)
+        scopes = [_median_by_key([s["scopes"] for s in r["meter"]],
+                                 ("within_group", "across_groups")) for r in per_rank]
+        row["comm_scopes_per_rank"] = {k: statistics.fmean(c[k] for c in scopes)
+                                       for k in ("within_group", "across_groups")}
     if any(_varies([s["bytes"] for s in r["meter"]], "total") for r in per_rank):
         row["notes"].append("traffic varied between timed steps (median reported)")
     if row["comm_bytes_per_rank"]["total"] == 0 and world_size > 1:
@@ -191,6 +198,10 @@ def format_table(rows: List[dict]) -> str:
                          f"{_mb(z['total'])} (RS {_mb(z['reduce_scatter'])}, AG "
                          f"{_mb(z['all_gather'])}, AR {_mb(z['all_reduce'])}); meter: "
                          f"{_mb(c['total'])}")
+        if "comm_scopes_per_rank" in r:
+            sc = r["comm_scopes_per_rank"]
+            notes.append(f"{r['method']}: sent MiB/rank/step within the shard group "
+                         f"{_mb(sc['within_group'])}, across groups {_mb(sc['across_groups'])}")
         if "ddp_hook_all_reduce_bytes_per_rank" in r:
             notes.append(f"{r['method']}: DDP comm hook buckets -> all-reduce MiB/rank/step "
                          f"{_mb(r['ddp_hook_all_reduce_bytes_per_rank'])}; meter: "

@@ -50,7 +50,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
             methods[name] = build(name, cfg, opts["seed"], opts["lr"], world_size,
                                   bucket_log.append, offload_dir=opts.get("offload_dir"),
                                   batch_size=opts["batch_size"],
-                                  param_dtype=_param_dtype(opts))
+                                  param_dtype=_param_dtype(opts),
+                                  shard_size=opts.get("shard_size"))
         except MethodUnavailable as exc:
             error = str(exc)
         except Exception:  # noqa: BLE001 - reported in the table, the run goes on
@@ -106,7 +107,7 @@ def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=opts["pg_timeout_s"]))
-        meter = CommMeter()
+        meter = CommMeter(shard_size=opts.get("shard_size"))
         try:
             with meter.installed():
                 result = _run(rank, world_size, opts, meter)

@@ -5,6 +5,7 @@ FSDP2 and zkernels ZeRO stage 1/2 side by side, with step time, bytes sent and m
     python benchmarks/zero_step.py --config demo --methods ddp,zk_stage1,zk_stage2 --repeats 3
     python benchmarks/zero_step.py --config large --dtype bfloat16 --repeats 3
     python benchmarks/zero_step.py --steps 3 --config tiny --methods ddp,zk_stage2
+    python benchmarks/zero_step.py --world-size 4 --shard-size 2   # hybrid: FSDP2 HSDP beside
 
 Prints a table and writes JSON (``--json``, default ``bench_results/zero_step.json``):
 ``{"meta": {machine, cpu, threads_per_rank, versions, git revision, UTC time, config,
@@ -30,6 +31,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +58,11 @@ OFFLOAD_SET = ("ddp", "zk_stage2", "zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2
                "ds_stage2_nvme", "zk_stage3", "zk_stage3_cpu", "zk_stage3_cpu_params",
                "zk_stage3_nvme", "zk_stage3_nvme_params", "ds_stage3_cpu",
                "ds_stage3_cpu_params", "fsdp2", "fsdp2_cpu_offload")
-KNOWN_METHODS = ALL_METHODS + tuple(m for m in OFFLOAD_SET if m not in ALL_METHODS)
+# --shard-size K: hybrid sharding (groups of K ranks, replicated across), beside the plain rows.
+HYBRID_SET = ("ddp", "fsdp2", "zk_stage3", "fsdp2_hsdp", "zk_stage3_hybrid", "zk_stage2",
+              "zk_stage2_hybrid")
+KNOWN_METHODS = ALL_METHODS + tuple(m for m in OFFLOAD_SET + HYBRID_SET
+                                    + ("fsdp2_hpz", "zk_stage3_hpz") if m not in ALL_METHODS)
 # --dtype bfloat16 applies to the stage 1-2 rows and their torch peers (autocast); the
 # stage-3 and offload rows are fp32 only.
 BF16_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2")
@@ -83,6 +89,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-budget", type=int, default=256 * 1024, help="host RAM bytes of "
                    "zkernels' NVMe slots (default 256 KiB: the small GPT's moments per rank "
                    "are >10x that)")
+    p.add_argument("--shard-size", type=int, default=None, metavar="K",
+                   help="hybrid sharding: groups of K consecutive ranks (K divides "
+                   "--world-size); default methods " + ",".join(HYBRID_SET) + "; every row's "
+                   "bytes are split within / across groups")
     p.add_argument("--json", default="bench_results/zero_step.json", help="output path")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -90,8 +100,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0,
                    help="kill every rank after this long instead of hanging")
     args = p.parse_args(argv)
+    if args.shard_size is not None and (args.shard_size < 1
+                                        or args.world_size % args.shard_size):
+        p.error(f"--shard-size must be >= 1 and divide --world-size ({args.world_size}), got "
+                f"{args.shard_size}")
     if args.methods is None:
-        args.methods = ",".join(ALL_METHODS if args.dtype == "float32" else BF16_METHODS)
+        args.methods = ",".join(HYBRID_SET if args.shard_size is not None else
+                                ALL_METHODS if args.dtype == "float32" else BF16_METHODS)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.offload:
         methods = list(OFFLOAD_SET)
@@ -228,7 +243,7 @@ def main(argv=None) -> int:
     opts = {"model": config["model"], "batch_size": config["batch_size"],
             "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
-            "dtype": args.dtype,
+            "dtype": args.dtype, "shard_size": args.shard_size,
             "pg_timeout_s": min(120.0, args.timeout_s)}
     cleanup = None
     if any("_nvme" in m for m in args.methods):
@@ -249,6 +264,7 @@ def main(argv=None) -> int:
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "backend": "gloo", "device": "cpu", "world_size": n, "dtype": args.dtype,
+        "shard_size": args.shard_size,
         "repeats": args.repeats,
         "config": args.config, "model": config["model"], "batch_size_per_rank":
             config["batch_size"], "num_params": num_params,
@@ -308,6 +324,7 @@ def main(argv=None) -> int:
                 + (f"; {r['memory_verdict']}" if "memory_verdict" in r else ""))
             print(f"{r['method']}: {verdict}")
     _stage3_verdict(rows, num_params, n)
+    _hybrid_verdict(rows)
     _offload_verdicts(rows, meta)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -315,6 +332,27 @@ def main(argv=None) -> int:
                                "runs": runs[:-1]}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _hybrid_verdict(rows) -> None:
+    """Issue 16's bar: zkernels hybrid stage 3 no slower than FSDP2 HSDP in the same run
+    (``--shard-size``); both rows' bytes within and across groups."""
+    by = {r["method"]: r for r in rows if "error" not in r}
+    for ours, peer in (("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp"),
+                       ("zk_stage3_hpz", "fsdp2_hpz")):
+        zk, fs = by.get(ours), by.get(peer)
+        if not (zk and fs):
+            continue
+        ratio = zk["step_time_s"]["median"] / fs["step_time_s"]["median"]
+        paired = statistics.median(a / b for a, b in zip(zk["step_times_s"], fs["step_times_s"]))
+        zk[f"step_time_ratio_to_{peer}"] = ratio
+        zk[f"step_time_ratio_to_{peer}_paired"] = paired
+        zs, fsc = zk.get("comm_scopes_per_rank", {}), fs.get("comm_scopes_per_rank", {})
+        print(f"{ours} vs {peer}: x{ratio:.3f} (paired per-step x{paired:.3f}): "
+              f"{'no slower' if paired <= 1.0 else 'SLOWER'}; MiB/rank/step within/across: "
+              f"{zs.get('within_group', 0) / 2**20:.3f}/{zs.get('across_groups', 0) / 2**20:.3f}"
+              f" vs {fsc.get('within_group', 0) / 2**20:.3f}/"
+              f"{fsc.get('across_groups', 0) / 2**20:.3f}")
 
 
 def _offload_verdicts(rows, meta) -> None:

@@ -65,12 +65,15 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  bucket_bytes: Optional[int],
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
-                 frozen_dtype=None):
+                 frozen_dtype=None, shard_size: Optional[int] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
     ``frozen_numel``: with a parameter count, how many of them are frozen (a module counts its
-    own), see [Note: frozen parameters in the estimate] in ``zero/estimate.py``."""
+    own), see [Note: frozen parameters in the estimate] in ``zero/planning/estimate.py``.
+    ``shard_size``: hybrid sharding's K (the rungs shard over K ranks, data parallel
+    nothing)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-              grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes)
+              grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
+              shard_size=shard_size)
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
@@ -97,6 +100,9 @@ def render(rows, choice, unit_name: str = "GB", reduce_dtype=None) -> str:
     unit = _UNITS[unit_name.lower()]
     cols = ["rung", "params", "grads", "master", "optim", "states", "buffers", "transient",
             "device", "host", "disk", "comm/step", "reduce"]
+    hybrid = any(e.shard_size is not None for e in rows)
+    if hybrid:  # hybrid sharding: where the bytes go (the cross-group link is the slow one)
+        cols[-1:-1] = ["within", "across"]
     chosen = None if choice is None or isinstance(choice, Exception) else \
         (*choice[0], choice[1].offload_params)
     reduce_name = _dtype_name(reduce_dtype) if reduce_dtype is not None else "fp32"
@@ -106,6 +112,8 @@ def render(rows, choice, unit_name: str = "GB", reduce_dtype=None) -> str:
         vals = [e.params_bytes, e.grads_bytes, e.master_bytes, e.optimizer_states_bytes,
                 e.model_states_bytes, e.buffers_bytes, e.transient_bytes, e.device_bytes,
                 e.host_bytes, e.disk_bytes, e.comm_bytes]
+        if hybrid:
+            vals += [e.comm_within_group_bytes, e.comm_across_groups_bytes]
         body.append([f"{mark} {e.name}"] + [_fmt(v, unit) for v in vals] + [reduce_name])
     widths = [max(len(r[i]) for r in body + [cols]) for i in range(len(cols))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
@@ -184,6 +192,10 @@ def parse_args(argv):
                     "loaded in (fp32, default; bf16 for a base loaded in bf16): their bytes at "
                     "data parallel and stages 1-2; stage 3 keeps them in --param-dtype")
     ap.add_argument("--world-size", type=positive_int, required=True, help="ranks N")
+    ap.add_argument("--shard-size", type=positive_int, default=None, metavar="K",
+                    help="hybrid sharding: shard over groups of K ranks (K divides N), "
+                    "replicate across the N/K groups; adds the bytes sent within and across "
+                    "groups")
     ap.add_argument("--param-dtype", default="bf16", help="compute dtype: bf16 (default), "
                     "fp16, or fp32 (no master copy)")
     ap.add_argument("--reduce-dtype", default="fp32", help="gradient reduction dtype of every "
@@ -208,7 +220,11 @@ def parse_args(argv):
                                                      "B"])
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
                     help="also write the rows as JSON to this file (its folder must exist)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.shard_size is not None and args.world_size % args.shard_size:
+        ap.error(f"--shard-size must divide --world-size ({args.world_size}), got "
+                 f"{args.shard_size}")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -235,7 +251,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             bucket_bytes=args.bucket_bytes, device_bytes=args.device_memory,
             headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk,
             frozen_numel=frozen,
-            frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None)
+            frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None,
+            shard_size=args.shard_size)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
@@ -253,6 +270,12 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"stages 1-2 reduce-scatter them in {r} and all-gather the params in {p} "
           f"((r + p)·Ψ: " + ("equal to data parallel's, the paper's 2Ψ" if r == p else
                              "the paper's 2Ψ when r = p") + "), times (N-1)/N")
+    if args.shard_size is not None:
+        k = args.shard_size
+        print(f"hybrid: the rungs shard over groups of K = {k} ranks (bytes per rank: N -> K) "
+              f"and replicate across {args.world_size // k} groups; within = the group's "
+              f"collectives times (K-1)/K, across = the all-reduce of the gradient shard "
+              f"(2·r·Ψ/K times (G-1)/G, G = N/K)")
     if how:
         print(f"Ψ of {args.model}: {how}")
     print(render(rows, choice, args.unit, rdt))

@@ -27,11 +27,12 @@ def agree(view, error: Optional[BaseException], what: str, then: str,
             intact"``).
         error_type: the exception raised on the ranks that did not fail themselves.
     """
-    flags = torch.zeros(view.world_size, dtype=torch.float32, device=view.device)
+    everyone = view.everyone  # all ranks, also with hybrid sharding
+    flags = torch.zeros(everyone.world_size, dtype=torch.float32, device=view.device)
     if error is not None:
-        flags[view.rank] = 1.0
+        flags[everyone.rank] = 1.0
     try:
-        view.comm.all_reduce(flags).wait()
+        everyone.all_reduce(flags).wait()
     except Exception as exc:  # noqa: BLE001 - a dead or hung peer, whatever the backend says
         raise error_type(f"{what}: a peer rank did not answer ({type(exc).__name__}: "
                          f"{exc}); {then}") from (error or exc)

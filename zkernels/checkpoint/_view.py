@@ -188,6 +188,13 @@ class OptimizerView:
         # Unmetered: checkpoint traffic is not a training step's.
         self.comm = getattr(opt.comm, "inner", opt.comm)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        # Hybrid sharding: rank and world_size above are within the shard group (they name
+        # the shard files); every replica holds the same shards, so only the first replica
+        # writes them, each shard once. ``everyone`` (all N ranks) agrees on each phase and
+        # its rank 0 leads (see zkernels/comm/hybrid.py).
+        self.everyone = getattr(self.comm, "world", self.comm)
+        self.writes_shards = getattr(self.comm, "replica_rank", 0) == 0
+        self.leads = self.everyone.rank == 0
         self.device = opt.units[0].device
 
     def describe(self) -> Dict[str, object]:

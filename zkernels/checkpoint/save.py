@@ -21,6 +21,11 @@ old checkpoint whole at ``PATH.zk-old``: ``load`` falls back to it and the next 
 back first. At no moment is a half-written folder at ``PATH``.
 
 All ranks must see one filesystem at ``PATH`` (a shared filesystem across nodes).
+
+With hybrid sharding (``shard_size=K``) the shard files are numbered within the shard group
+(``shard-RRRRR-of-KKKKK``) and written by the first replica only, so each shard is written
+once; rank 0 of the world prepares, writes the model file and publishes, and every rank of
+the world takes part in each phase's agreement.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from .errors import CheckpointError, SaveAbortedError
 
 TMP_SUFFIX = ".zk-tmp"
 OLD_SUFFIX = ".zk-old"
+_MODEL_INDEX = "model-index.json"   # the leader's model.safetensors index, until the merge
 
 
 def _index_file(rank: int, world_size: int) -> str:
@@ -77,7 +83,7 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
     intact = f"the previous checkpoint at {path} (if any) is intact"
     error: Optional[BaseException] = None
     state = None
-    if view.rank == 0:
+    if view.leads:
         try:
             state = _model_state(view, model_extra)   # refuse what cannot be stored first
             _prepare(path, tmp, old)
@@ -87,21 +93,27 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
 
     error = None
     try:
-        index = _write_shard(view, tmp, fsync)
-        if view.rank == 0:
-            index["model"] = _write_model(view, tmp, state, fsync)
-        _write_json(os.path.join(tmp, _index_file(view.rank, view.world_size)), index, fsync)
+        # Hybrid sharding: one replica writes the shards (view.writes_shards), the leader
+        # the model file (its index goes beside the shards' as a file of its own).
+        if view.writes_shards:
+            index = _write_shard(view, tmp, fsync)
+            _write_json(os.path.join(tmp, _index_file(view.rank, view.world_size)), index,
+                        fsync)
+        if view.leads:
+            _write_json(os.path.join(tmp, _MODEL_INDEX),
+                        {"model": _write_model(view, tmp, state, fsync)}, fsync)
     except BaseException as exc:  # noqa: BLE001
         error = exc
     agree(view, error, f"writing the shards of {path}", intact, SaveAbortedError)
 
     error = None
-    if view.rank == 0:
+    if view.leads:
         try:
             body = manifest.dumps(_merge(view, tmp))
             _write_bytes(os.path.join(tmp, manifest.MANIFEST), body, fsync)
             for r in range(view.world_size):
                 os.remove(os.path.join(tmp, _index_file(r, view.world_size)))
+            os.remove(os.path.join(tmp, _MODEL_INDEX))
             _publish(tmp, path, old, fsync)
         except BaseException as exc:  # noqa: BLE001
             error = exc
@@ -223,14 +235,14 @@ def _merge(view: OptimizerView, tmp: str) -> Dict[str, Any]:
     for name, fz in view.frozen.items():  # [Note: frozen pieces]
         params[name] = {"shape": list(fz.shape), "dtype": dtype_name(fz.dtype), "group": None,
                         "frozen": True, "pieces": []}
-    model_index = None
     for r in range(view.world_size):
         with open(os.path.join(tmp, _index_file(r, view.world_size))) as f:
             index = json.load(f)
         files[index["file"]] = index["entry"]
         for piece in index["pieces"]:
             params[piece.pop("name")]["pieces"].append(dict(piece, file=index["file"]))
-        model_index = index.get("model", model_index)
+    with open(os.path.join(tmp, _MODEL_INDEX)) as f:
+        model_index = json.load(f)["model"]
     files[manifest.MODEL_FILE] = model_index["entry"]
     for p in params.values():
         p["pieces"].sort(key=lambda q: q["start"])

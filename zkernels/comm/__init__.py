@@ -1,10 +1,12 @@
 """Bucketed asynchronous collectives behind one interface (see ``base``)."""
 from .base import CollectiveError, Comm, Handle
 from .bucketed import BucketedReduceScatter
+from .hybrid import HybridComm, make_metered_comm, num_averaged
 from .local import LocalComm
 from .meter import MeteredComm, VolumeMeter
 from .reduce_pool import ReducePool
 from .select import make_comm
 
 __all__ = ["CollectiveError", "Comm", "Handle", "LocalComm", "MeteredComm", "VolumeMeter",
-           "make_comm", "ReducePool", "BucketedReduceScatter"]
+           "make_comm", "ReducePool", "BucketedReduceScatter",
+           "HybridComm", "make_metered_comm", "num_averaged"]

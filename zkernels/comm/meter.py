@@ -7,6 +7,13 @@ all-gather of a full buffer of ``B`` bytes, and ``2 * B * (N - 1) / N`` for an a
 (a reduce-scatter followed by an all-gather). ``B`` is the full (unsharded) buffer: the
 reduce-scatter's input, the all-gather's output, the all-reduce's tensor. Rank-aligned buffers
 divide by ``N``, so the counts are exact integers for them; tiny all-reduces round down.
+
+[Note: traffic scopes]
+With hybrid sharding (``hybrid.py``) each collective also counts toward a scope: its shard
+group's collectives ``"within_group"``, the cross-group all-reduces ``"across_groups"`` (over
+a slower link: between nodes). Without it everything is within the one group. The kinds and
+their total keep their meaning (bytes per kind, whatever the group); the scopes split the
+same total a second way.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch
 from .base import Comm, Handle
 
 KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+SCOPES = ("within_group", "across_groups")
 
 
 class VolumeMeter:
@@ -30,17 +38,36 @@ class VolumeMeter:
     def __init__(self) -> None:
         self._current: Dict[str, int] = dict.fromkeys(KINDS, 0)
         self._last: Dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._current_scopes: Dict[str, int] = dict.fromkeys(SCOPES, 0)
+        self._last_scopes: Dict[str, int] = dict.fromkeys(SCOPES, 0)
 
-    def record(self, kind: str, buffer_bytes: int, world_size: int) -> None:
-        """Count one collective over a full buffer of ``buffer_bytes`` (see [Note: ring volume])."""
+    def record(self, kind: str, buffer_bytes: int, world_size: int,
+               scope: str = "within_group") -> None:
+        """Count one collective over a full buffer of ``buffer_bytes`` (see [Note: ring
+        volume]) toward ``scope`` (see [Note: traffic scopes])."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         factor = 2 if kind == "all_reduce" else 1
-        self._current[kind] += factor * buffer_bytes * (world_size - 1) // world_size
+        sent = factor * buffer_bytes * (world_size - 1) // world_size
+        self._current[kind] += sent
+        self._current_scopes[scope] += sent
 
     def close_step(self) -> None:
         """Make the counts so far the last step's and start counting afresh."""
         self._last, self._current = self._current, dict.fromkeys(KINDS, 0)
+        self._last_scopes, self._current_scopes = (self._current_scopes,
+                                                   dict.fromkeys(SCOPES, 0))
+
+    def current_step_scopes(self) -> Dict[str, int]:
+        """``{"within_group", "across_groups"}`` since the last :meth:`close_step`."""
+        return dict(self._current_scopes)
+
+    def last_step_scopes(self) -> Dict[str, int]:
+        """``{"within_group", "across_groups"}`` bytes of the last closed step (they add up
+        to :meth:`last_step`'s total)."""
+        return dict(self._last_scopes)
 
     def current_step(self) -> Dict[str, int]:
         """Counts since the last :meth:`close_step` (e.g. what backward has sent so far)."""
@@ -63,23 +90,26 @@ def _nbytes(t: torch.Tensor) -> int:
 class MeteredComm:
     """A :class:`Comm` that counts every collective into ``meter`` before delegating it."""
 
-    def __init__(self, inner: Comm, meter: VolumeMeter) -> None:
+    def __init__(self, inner: Comm, meter: VolumeMeter, scope: str = "within_group") -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.inner = inner
         self.meter = meter
+        self.scope = scope
         self.rank = inner.rank
         self.world_size = inner.world_size
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        average: bool = False, tag: Optional[str] = None) -> Handle:
-        self.meter.record("reduce_scatter", _nbytes(input), self.world_size)
+        self.meter.record("reduce_scatter", _nbytes(input), self.world_size, self.scope)
         return self.inner.reduce_scatter(output, input, average=average, tag=tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    tag: Optional[str] = None) -> Handle:
-        self.meter.record("all_gather", _nbytes(output), self.world_size)
+        self.meter.record("all_gather", _nbytes(output), self.world_size, self.scope)
         return self.inner.all_gather(output, input, tag=tag)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:
-        self.meter.record("all_reduce", _nbytes(tensor), self.world_size)
+        self.meter.record("all_reduce", _nbytes(tensor), self.world_size, self.scope)
         return self.inner.all_reduce(tensor, op=op, tag=tag)

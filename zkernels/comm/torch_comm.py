@@ -68,6 +68,16 @@ class _Work:
         self._work, self._event, self._device = work, event, device
         self._keep, self._after, self._fail = keep, after, fail
 
+    def done(self) -> bool:
+        """Whether the collective is complete, without blocking (``wait()`` still finishes
+        it: the gloo reduce-scatter's sum runs there). Hybrid sharding asks, to start the
+        cross-group all-reduce early (see ``zkernels/comm/hybrid.py``)."""
+        if self._keep is None:
+            return True
+        if self._work is not None:
+            return self._work.is_completed()
+        return self._event is None or self._event.query()
+
     def wait(self) -> None:
         if self._keep is None:
             return

@@ -13,13 +13,14 @@ goes through one :class:`~zkernels.ops.OpSet` chosen at construction (``ops_back
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from .. import ops as _ops
-from ..comm import MeteredComm, VolumeMeter, make_comm
+from ..comm import VolumeMeter, make_metered_comm
+from ..comm.hybrid import is_device_mesh
 from .state import state_dict as _state
 from .planning.auto import resolve_auto_placement
 from .planning.buckets import align_numel, bucket_capacities, plan_buckets
@@ -28,9 +29,10 @@ from .gradients.grad_reducers import make_grad_reducer
 from .gradients.nonfinite import NonFiniteGradientError, check_policy, locate
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.groups import frozen_params, resolve_param_groups
-from .planning.policy import STAGES, implemented_stages
+from .planning.policy import STAGES, check_reshard_after_forward, implemented_stages
 from .gradients.precision import LossScaleConfig, LossScaler, MixedPrecision
 from .stats import memory_by_location
+from .parameters.secondary import SecondaryShard, secondary_comm
 from .parameters.stage3 import GatherSchedule, build_units
 from .parameters.units import build_replicated_unit, param_names
 from .planning.offload_config import OffloadConfig
@@ -113,7 +115,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
-            rank).
+            rank), or a ``DeviceMesh`` (1-D: its group; 2-D: as ``mesh``).
+        shard_size: hybrid sharding (FSDP2's HSDP): shard state, gradients and (stage 3)
+            parameters over groups of K consecutive ranks and replicate across the N/K groups;
+            each reduced gradient shard is all-reduced across groups (2Ψ/K elements per rank
+            per step), and memory per rank is the stage's formula with N replaced by K. K must
+            divide N; K = N is plain ZeRO, K = 1 keeps the whole state on every rank (DDP
+            with a replicated optimizer). See [Note: hybrid sharding is a group shape] in
+            ``zkernels/comm/hybrid.py``.
+        mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` (dim 0 replicate, dim 1
+            shard), as ``fully_shard(mesh=...)`` takes it: hybrid sharding over its groups.
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
         memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
             measured free device memory less 10% headroom).
@@ -136,6 +147,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reshard_after_forward: stage 3: free each unit after its forward and gather it again
             for backward (True: 3Ψ per step) or keep it from forward to backward (False: 2Ψ,
             every unit gathered at the end of forward); see [Note: stage-3 gather schedule].
+            An int R (FSDP2's integer, ZeRO++'s hpZ; R divides the shard group's K, 1 < R <
+            K): after forward keep a chunk over R consecutive ranks, so the backward gather
+            runs within those R ranks (pΨ(R-1)/R instead of pΨ(K-1)/K) for pΨ/R more memory
+            from forward to backward ([Note: secondary shards] in ``secondary.py``).
         check_paths: stage 3: before each all-gather, check that every rank gathers the same
             unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
         offload_params: stage 3 with ``offload``: keep the parameter shards (compute dtype)
@@ -176,10 +191,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, timeout=None,
                  nonfinite: str = "skip", units=None,
-                 reshard_after_forward: bool = True, check_paths: bool = True,
+                 reshard_after_forward: Union[bool, int] = True, check_paths: bool = True,
                  offload_config: Optional[OffloadConfig] = None,
                  offload_params: bool = False,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, shard_size: Optional[int] = None,
+                 mesh=None) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
         # strategy of the kind asked for.
         auto = isinstance(stage, str) and stage == "auto"
@@ -188,8 +204,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
                              f"stage={stage!r}")
         self.stage = None if auto else resolve_stage(stage)
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got "
+        if not isinstance(reshard_after_forward, (bool, int)):
+            raise TypeError(f"reshard_after_forward must be a bool or an int, got "
                             f"{type(reshard_after_forward).__name__}")
         if self.stage in (1, 2) and (units is not None or not reshard_after_forward):
             raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
@@ -214,14 +230,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except RuntimeError as exc:
             raise RuntimeError(f"ops_backend={ops_backend!r}: {exc}") from exc
         self.meter = VolumeMeter()
-        self.comm = MeteredComm(make_comm(process_group, device, comm_backend, timeout),
-                                self.meter)
+        # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
+        # sharding is a group shape] in zkernels/comm/hybrid.py.
+        self.comm = make_metered_comm(process_group, device, comm_backend, timeout, self.meter,
+                                      shard_size=shard_size, mesh=mesh)
         n = self.comm.world_size
         if auto:
             self.stage, offload, offload_params = resolve_auto_placement(
                 [p for g in groups for p in g["params"]], world_size=n,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                memory_budget_bytes=memory_budget_bytes, group=process_group,
+                memory_budget_bytes=memory_budget_bytes,
+                group=None if is_device_mesh(process_group) else process_group,
                 num_param_groups=len(groups), model=model, offload=offload,
                 offload_dir=offload_dir, offload_params=True if offload_params else None)
             if offload != "nvme":
@@ -234,6 +253,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offload_params = check_offload_params(offload_params, offload, self.policy)
         if self.policy.shards_params:
             frozen_params(model, device)  # sharded with their unit: check them now
+        reshard_after_forward = check_reshard_after_forward(
+            reshard_after_forward, self.comm.world_size, self.policy.shards_params)
+        if not isinstance(reshard_after_forward, bool) and self.offload_params:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward} keeps a device "
+                             f"copy for backward; it does not combine with offload_params=True")
         if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
             # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
             # forward for its backward; freeing a unit after forward and gathering it again
@@ -308,6 +332,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # (count, free), see [Note: stage-3 gather schedule].
             self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward,
                                            check_paths=check_paths)
+            if not isinstance(reshard_after_forward, bool):  # [Note: secondary shards]
+                second = secondary_comm(self.comm, reshard_after_forward, device,
+                                        comm_backend, timeout, self.meter)
+                for u in self.units:
+                    u.gather.secondary = SecondaryShard(
+                        second, u.layout.padded_numel, u.gather.compute_shard.dtype, device)
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
             else None
         self._model = model
@@ -480,7 +510,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Returns:
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
-            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total"},
+            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total",
+            "within_group", "across_groups"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
             "total"}, "step_peak_bytes": {"buffers", "gathered_params", "total"},
             "memory_location_bytes": {"device", "host", "disk"},
@@ -488,6 +519,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "offload": None or
             {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
             "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
+            ``comm_bytes``' ``within_group`` and ``across_groups`` split its total by where
+            it went (hybrid sharding: the cross-group all-reduces; otherwise all within).
             ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
             ``memory_location_bytes`` splits the total by location: host RAM is what the
             offload strategy allocated there, disk the measured sizes of its files;
@@ -530,8 +563,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "total": mem["total"] + transient}
         out = {"step": self._num_steps, "overflow_skips": self._overflow_skips,
                "loss_scale": self.scaler.scale if self.scaler is not None else None,
-               "comm_bytes": self.meter.last_step(), "memory_bytes": mem,
-               "step_peak_bytes": peak,
+               "comm_bytes": {**self.meter.last_step(), **self.meter.last_step_scopes()},
+               "memory_bytes": mem, "step_peak_bytes": peak,
                "memory_location_bytes": where, "memory_bytes_by_location": split,
                "offload": offload}
         if self.schedule is not None:
@@ -539,7 +572,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out["gather"] = {**last, "gathered_bytes": self.schedule.live_bytes(),
                              "limit_bytes": self.schedule.limit_bytes,
                              "units": [u.name for u in self.schedule.units if u.flats],
-                             "reshard_after_forward": self.schedule.reshard_after_forward}
+                             "reshard_after_forward": (self.schedule.reshard_to or
+                                                       self.schedule.reshard_after_forward)}
         return out
 
 

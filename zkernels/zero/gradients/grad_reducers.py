@@ -46,6 +46,7 @@ import torch
 
 from ...comm.base import Comm
 from ...comm.bucketed import BucketedReduceScatter
+from ...comm.hybrid import num_averaged
 from ...comm.reduce_pool import ReducePool
 from ...ops import OpSet
 from ..planning.policy import StagePolicy
@@ -212,7 +213,7 @@ class FullGradReducer:
             self._handles.append(self._comm.reduce_scatter(out, g))
             self._shards[bi] = out
             return
-        n = self._comm.world_size
+        n = num_averaged(self._comm)  # all N ranks, also with hybrid sharding
         buf = self._pool.acquire(b.layout.padded_numel)
         self._ops.bucket_pack([g], buf, [0], scale=1.0 / n)
         self._shards[bi] = None
@@ -252,7 +253,7 @@ class FullGradReducer:
         self._drain()
         shards = list(self._shards)
         self._forget()
-        return shards, (float(self._comm.world_size) if self._direct else 1.0)
+        return shards, (float(num_averaged(self._comm)) if self._direct else 1.0)
 
     def held_grads(self) -> List[torch.Tensor]:
         return list(self.grads)
@@ -291,7 +292,7 @@ class ShardedGradReducer:
         # faster than calling the backend function directly with the checks skipped in Python
         # (1.1 vs 1.4 us at 256 elements, 2.7 vs 3.3 us at 16K, one thread).
         self._offsets = [[[o] for o in b.layout.offsets[:len(b.params)]] for b in buckets]
-        self._scale = 1.0 / comm.world_size
+        self._scale = 1.0 / num_averaged(comm)  # all N ranks, also with hybrid sharding
         # One open (partly filled) bucket per group can wait for an earlier one: see
         # plan_buckets. More buffers than that, or than buckets, would only hold memory.
         # The hooks (and the reduce-scatter's callback) hold the reducer weakly and go away

@@ -139,7 +139,9 @@ class GatherSchedule:
     Args:
         units: the GatherUnits in module order, the root last.
         comm: the collectives (metered).
-        reshard_after_forward: free a unit after its forward (True) or keep it for backward.
+        reshard_after_forward: free a unit after its forward (True) or keep it for backward
+            (False), or an int R: keep a chunk over R ranks for backward ([Note: secondary
+            shards] in ``secondary.py``; the units' gather policies hold them).
         check_paths: check before each all-gather that every rank gathers the same unit
             (see [Note: divergent paths]).
         limit_bytes: bound on gathered bytes a prefetch may bring the total to (default: the
@@ -155,6 +157,8 @@ class GatherSchedule:
         self.root = self.units[-1]
         self.comm = comm
         self.reshard_after_forward = bool(reshard_after_forward)
+        self.reshard_to = None if isinstance(reshard_after_forward, bool) \
+            else int(reshard_after_forward)
         others = [u.nbytes for u in self.units[:-1]]
         self.limit_bytes = int(limit_bytes if limit_bytes is not None
                                else self.root.nbytes + 2 * max(others, default=0))
@@ -273,6 +277,8 @@ class GatherSchedule:
         if u.pins == 0:
             for f in u.flats:
                 f.gather.free()
+                if self.reshard_to is not None:
+                    f.gather.drop_secondary()
         u.keep_for_backward = False
 
     def free_all(self) -> None:
@@ -309,7 +315,11 @@ class GatherSchedule:
             if not self.reshard_after_forward and u.flats:
                 u.keep_for_backward = True
         if u.active == 0 and not u.keep_for_backward:
-            self.free(u)
+            if self.reshard_to is not None and tensors and u.pins == 0:
+                for f in u.flats:   # backward gathers from the secondary group
+                    f.gather.reshard()
+            else:
+                self.free(u)
         if u.is_root and u.active == 0:
             self._fwd.end()
             for v in self.units:  # prefetched but not run: nothing stays gathered

@@ -156,6 +156,8 @@ class ShardedParams:
         self._empty = torch.empty(0, dtype=compute_shard.dtype, device=self.device)
         self._pending: Optional[_Gathering] = None
         self._gathered = True  # storage allocated (values valid once any gather finished)
+        # reshard_after_forward=R: the chunk kept from forward to backward (secondary.py)
+        self.secondary = None
         self.free()
 
     @property
@@ -183,8 +185,24 @@ class ShardedParams:
         for p, v in zip(self._params, self._views):
             p.data = v
         self._gathered = True
-        self._pending = _Gathering(self, self._issue_gather(comm, tag))
+        if self.secondary is not None and self.secondary.valid:  # within the smaller group
+            self._pending = _Gathering(self, self.secondary.gather_into(self._full, tag))
+        else:
+            self._pending = _Gathering(self, self._issue_gather(comm, tag))
         return self._pending
+
+    def reshard(self) -> None:
+        """After forward with ``reshard_after_forward=R``: keep this rank's chunk over the
+        secondary group, then free (see [Note: secondary shards] in ``secondary.py``)."""
+        if self.secondary is not None and self._gathered:
+            if self._pending is not None:
+                self._pending.wait()
+            self.secondary.keep(self._full)
+        self.free()
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def _issue_gather(self, comm: Comm, tag: Optional[str]) -> Handle:
         """Start the all-gather of the shards into the (allocated) full buffer; a policy whose
@@ -205,12 +223,14 @@ class ShardedParams:
         ``ensure_gathered`` reads the new shards."""
         if self._gathered:
             self.free()
+        self.drop_secondary()
         return _Done()
 
     def held(self) -> List[torch.Tensor]:
-        """Parameter storage held (for ``stats()``): the shard, and the full buffer while
-        gathered."""
-        return [self.compute_shard] + ([self._full] if self._gathered else [])
+        """Parameter storage held (for ``stats()``): the shard, the full buffer while
+        gathered, and a secondary chunk while kept."""
+        return [self.compute_shard] + ([self._full] if self._gathered else []) + \
+            (self.secondary.held() if self.secondary is not None else [])
 
 
 @dataclass

@@ -85,7 +85,8 @@ import torch
 
 from .buckets import auto_bucket_bytes
 from .offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
-from .policy import NUM_REDUCE_BUFFERS, STAGES, offload_policy, stage_policy
+from .policy import (NUM_REDUCE_BUFFERS, STAGES, check_reshard_after_forward, offload_policy,
+                     stage_policy)
 from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
@@ -138,6 +139,9 @@ class MemoryEstimate:
             kind lives (the device's ``transient`` included; the host's ``staging`` is the
             offload strategy's staging buffers or NVMe slot arena, which ``stats()`` counts
             as host ``buffers``). Left out of comparisons and hashing.
+        shard_size: hybrid sharding's K (None: the states are sharded over all N ranks).
+        comm_across_groups_bytes: the part of ``comm_bytes`` sent across shard groups (the
+            all-reduce of the gradient shard; 0 without hybrid sharding).
     """
 
     stage: int
@@ -159,11 +163,19 @@ class MemoryEstimate:
     offload_params: bool = False
     frozen_numel: int = 0
     by_location: Dict[str, Dict[str, int]] = field(default_factory=dict, compare=False)
+    shard_size: Optional[int] = None
+    comm_across_groups_bytes: int = 0
 
     @property
     def trainable_numel(self) -> int:
         """Parameters with a gradient and optimizer state: ``num_params - frozen_numel``."""
         return self.num_params - self.frozen_numel
+
+    @property
+    def comm_within_group_bytes(self) -> int:
+        """The part of ``comm_bytes`` sent within the shard group (all of it, unless
+        hybrid)."""
+        return self.comm_bytes - self.comm_across_groups_bytes
 
     @property
     def model_states_bytes(self) -> int:
@@ -270,7 +282,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     nvme_master: bool = True,
                     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
                     offload_params: bool = False, frozen_numel: Optional[int] = None,
-                    frozen_dtype=None) -> MemoryEstimate:
+                    frozen_dtype=None, shard_size: Optional[int] = None,
+                    secondary_size: Optional[int] = None) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -304,6 +317,15 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             over a 7B base, ``estimate_memory(7e9 + 4e6, ..., frozen_numel=7e9)``; see
             [Note: frozen parameters in the estimate]. A module counts its own.
         frozen_dtype: with ``frozen_numel``, the frozen parameters' dtype (default fp32).
+        shard_size: hybrid sharding (``ZeroOptimizer(shard_size=K)``): the states are
+            sharded over groups of K ranks (K divides N) and replicated across the N/K
+            groups: every byte per rank is the formula with N replaced by K, the traffic
+            within the group too, plus an all-reduce of the gradient shard (Ψ/K elements in
+            the reduce dtype) across the N/K groups (stages 1-3; stage 0 shards nothing).
+        secondary_size: stage 3 with ``reshard_after_forward=R`` (an int): each unit's
+            backward gather runs within R ranks, p·Ψ·(R-1)/R instead of p·Ψ·(K-1)/K, and the
+            secondary chunks (p·Ψ/R at the end of forward) add to the transient bytes (see
+            [Note: secondary shards] in ``parameters/secondary.py``).
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -328,10 +350,16 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     rdt = parse_dtype(reduce_dtype, "reduce_dtype") or torch.float32
     gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
     p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
+    # Everything below scales with the trainable parameters; frozen ones are added to params.
+    n_psi, big_n = num_params, world_size
+    # Hybrid sharding: the formulas below see the shard group's K ranks.
+    groups = _num_groups(shard_size, world_size) if stage != 0 else 1
+    if stage == 0:
+        _num_groups(shard_size, world_size)   # checked all the same
+    big_n = world_size // groups
     n_frozen, frozen_whole, frozen_sharded = _frozen_split(
         model_or_num_params, num_params, frozen_numel, frozen_dtype, pdt)
-    # Everything below scales with the trainable parameters; frozen ones are added to params.
-    n_psi, big_n = num_params - n_frozen, world_size
+    n_psi = num_params - n_frozen
     if bucket_bytes is None:
         bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
     mixed = pdt != torch.float32
@@ -409,16 +437,37 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     else:               # one reduce-scatter, one or two all-gathers (stage 3: frozen too)
         gathered = n_psi + (n_frozen if policy.shards_params else 0)
         comm = (r * n_psi + policy.gathers_per_step * p * gathered) * frac
+    if secondary_size is not None:
+        check_reshard_after_forward(secondary_size, big_n, policy.shards_params)
+        comm -= p * gathered * (frac - (secondary_size - 1) / secondary_size)
+        kinds["transient"] += p * _div(gathered, secondary_size)
+        device["transient"] = kinds["transient"]
+    # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
+    across = 2 * r * shard * (groups - 1) / groups
+    comm += across
     h2d = 0 if offload is None else g * shard + \
         (policy.gathers_per_step * (p * shard + frozen_shard) if offload_params
          else p * shard)
     disk_io = 0 if offload != "nvme" else 2 * sum(disk.values())
     return MemoryEstimate(
-        stage=stage, offload=offload, num_params=num_params, world_size=big_n,
+        stage=stage, offload=offload, num_params=num_params, world_size=world_size,
         params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],
         optimizer_states_bytes=kinds["optimizer_states"], buffers_bytes=kinds["buffers"],
         transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
         host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
         comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io,
         offload_params=offload_params, frozen_numel=n_frozen,
-        by_location={"device": device, "host": host, "disk": disk})
+        by_location={"device": device, "host": host, "disk": disk},
+        shard_size=None if shard_size is None else big_n,
+        comm_across_groups_bytes=int(round(across)))
+
+
+def _num_groups(shard_size, world_size: int) -> int:
+    """N/K, the number of shard groups (1 without hybrid sharding).
+
+    Raises:
+        TypeError, ValueError: ``shard_size`` is not an int >= 1 dividing ``world_size``.
+    """
+    from ...comm.hybrid import check_shard_size
+    k = check_shard_size(shard_size, world_size)
+    return 1 if k is None else world_size // k

@@ -50,6 +50,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
                 rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
                 offload_params: Optional[bool] = None,
                 frozen_numel: Optional[int] = None,
+                shard_size: Optional[int] = None,
                 ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
     """Lowest rung whose device bytes per rank fit ``budget_bytes * (1 - headroom)``.
 
@@ -68,6 +69,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
         offload_params: None (a stage-3 offload rung is tried without, then with the
             parameter shards in host RAM), True (only with: rungs that cannot take it are
             skipped) or False (never).
+        shard_size: hybrid sharding's K, as in :func:`estimate_memory`.
 
     Returns:
         ``((stage, offload), estimate, reason)``: the rung, its estimate (its
@@ -101,7 +103,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
                               bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,
                               max_tensor_numel=max_tensor_numel,
                               num_param_groups=num_param_groups, offload_params=op,
-                              frozen_numel=frozen_numel)
+                              frozen_numel=frozen_numel, shard_size=shard_size)
         misses = []
         if est.device_bytes > usable:
             misses.append(f"{_gb(est.device_bytes)} on the device")

@@ -169,3 +169,26 @@ def offload_policy(offload) -> OffloadPolicy:
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
     return OFFLOADS[offload]
+
+
+def check_reshard_after_forward(value, shard_size: int, stage_shards_params: bool):
+    """``reshard_after_forward`` as a bool or an int R (1 < R < K, R divides K).
+
+    Raises:
+        TypeError: neither a bool nor an int.
+        ValueError: an int at a stage that keeps parameters whole, or not a divisor of K
+            strictly between 1 and K.
+    """
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward must be a bool or an int (ranks of the "
+                        f"secondary shard group), got {type(value).__name__}")
+    if not stage_shards_params:
+        raise ValueError(f"reshard_after_forward={value} applies only to stage=3")
+    if not (1 < value < shard_size and shard_size % value == 0):
+        raise ValueError(f"reshard_after_forward={value} must divide the shard group's "
+                         f"{shard_size} ranks and lie strictly between 1 and {shard_size} (a "
+                         f"smaller group to reshard to after forward, as FSDP2 asks; True or "
+                         f"False otherwise)")
+    return value

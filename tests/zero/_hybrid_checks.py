@@ -1,0 +1,261 @@
+"""Hybrid sharding's checks (``shard_size=K`` and the 2-D ``DeviceMesh`` form), run on every
+rank of one 4-rank spawn: 2 shard groups of 2 ranks ({0, 1}, {2, 3}), replicated across.
+
+Each check compares with single-process ``torch.optim.AdamW`` over the whole world's batch
+(the same-order reference of ``_harness.py``: all 4 ranks' micro-batches, averaged over 4),
+and the traffic and memory with the layouts the optimizer built (over K = 2 ranks).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import zkernels as zk
+from tests.conftest import tol
+from tests.zero._harness import (EPS, LR, assert_params_close, chunk, clone_model, make_batches,
+                                 make_model, reference_grads, run_checks, world_mean)
+
+BETAS = (0.9, 0.95)
+WD = 0.1
+SMALL_BUCKET = 3000  # bytes: several buckets at stages 1-2
+K = 2                # ranks per shard group
+
+
+def _mesh(ws, k=K):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (ws // k, k), mesh_dim_names=("replicate", "shard"))
+
+
+def _opt(model, stage, *, form="shard_size", clip=None, k=K, **kw):
+    """``form``: ``shard_size=k``, ``mesh=`` a 2-D mesh, or the mesh as ``process_group=``."""
+    ws = dist.get_world_size()
+    hybrid = {"shard_size": dict(shard_size=k), "mesh": dict(mesh=_mesh(ws, k)),
+              "process_group": dict(process_group=_mesh(ws, k))}[form]
+    if stage != 3:
+        kw.setdefault("bucket_bytes", SMALL_BUCKET)
+    return zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            max_grad_norm=clip, **hybrid, **kw)
+
+
+def _check_traffic_and_memory(opt, ws, stage, offload, K=K):
+    """The last step's bytes, exact against the layouts, and bytes held: the formula with N
+    replaced by K (the layouts are over K ranks)."""
+    g = ws // K
+    padded = sum(u.layout.padded_numel for u in opt.units)
+    shard = sum(u.layout.shard_numel for u in opt.units)
+    assert all(u.layout.world_size == K for u in opt.units), "layouts are over the group"
+    assert padded == K * shard
+    assert opt.comm.rank == dist.get_rank() % K and opt.comm.replica_rank == dist.get_rank() // K
+    comm = opt.stats()["comm_bytes"]
+    rs = padded * 4 * (K - 1) // K                   # fp32 reduce-scatter within the group
+    gathers = 2 if stage == 3 else 1                 # stage 3 gathers in forward and backward
+    ag = gathers * padded * 4 * (K - 1) // K
+    # The cross-group all-reduce of each reduced shard (ring: 2 x bytes x (G-1)/G, per bucket).
+    across = sum(2 * u.layout.shard_numel * 4 * (g - 1) // g for u in opt.units)
+    # Within the group: the 4-byte norm/flag all-reduce and, at stage 3, the 16-byte path
+    # checks (one per gather and one as step() begins).
+    checks = gathers * len(opt.units) + 1 if stage == 3 else 0
+    small = (checks * 16 + 4) * 2 * (K - 1) // K
+    assert comm["reduce_scatter"] == rs, comm
+    assert comm["all_gather"] == ag, comm
+    assert comm["across_groups"] == across, (comm, across)
+    assert comm["within_group"] == rs + ag + small, comm
+    assert comm["all_reduce"] == across + small, comm
+    assert comm["total"] == comm["within_group"] + comm["across_groups"], comm
+    mem = opt.stats()["memory_bytes"]
+    assert mem["optimizer_states"] == 8 * shard, mem
+    assert mem["params"] == (4 * shard if stage == 3 else 4 * padded), mem
+    assert mem["grads"] == (4 * padded if stage == 1 else 4 * shard), mem
+    assert mem["master"] == (4 * shard if offload else 0), mem
+    est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, offload=offload)
+    plain = zk.estimate_memory(make_model(), K, stage, offload=offload)
+    for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):
+        assert getattr(est, kind) == getattr(plain, kind), kind
+    assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
+
+
+def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=None, k=K,
+           micro=1):
+    """Hybrid ZeRO (2 groups of 2; ``k=1``: 4 groups of 1, every state whole on every rank)
+    == torch.optim.AdamW on one process over all 4 ranks' batch: loss and every parameter
+    each step to fp32 round-off; then the traffic and memory of the last step. ``micro``:
+    micro-batches per step, all but the last under ``no_sync`` (nothing sent there)."""
+    model = make_model()
+    ref = clone_model(model)
+    kw = dict(offload=offload) if offload else {}
+    opt = _opt(model, stage, form=form, clip=clip, k=k, **kw)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    clipped = 0
+    for step, batch in enumerate(make_batches(steps, ws * 2 * micro)):
+        local = 0.0
+        for m in range(micro):
+            if m < micro - 1:
+                with opt.no_sync():
+                    loss = model(*chunk(batch, rank * micro + m)) / micro
+                    loss.backward()
+                # no_sync: no reduction, so nothing crosses the groups (stage 3 still gathers,
+                # within the group)
+                sent = opt.meter.current_step()
+                assert sent["reduce_scatter"] == 0, sent
+                assert opt.meter.current_step_scopes()["across_groups"] == 0
+            else:
+                loss = model(*chunk(batch, rank * micro + m)) / micro
+                loss.backward()
+            local += loss.item()
+        opt.step()
+        opt.zero_grad()
+        rlosses = reference_grads(ref, batch, ws, micro)
+        if clip is not None:
+            clipped += int(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip) > clip)
+        ropt.step()
+        ropt.zero_grad()
+        torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
+                                   **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
+        with opt.gathered():
+            assert_params_close(model, ref, step, **tol(torch.float32))
+    if clip is not None:
+        assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
+    # Stage 3's gathered() above is counted in the next step: measure a step after a clean one.
+    _train(model, opt, rank, ws, make_batches(2, ws * 2, seed=3))
+    _check_traffic_and_memory(opt, ws, stage, offload, K=k)
+    opt.close()
+
+
+def _train(model, opt, rank, ws, batches):
+    for batch in batches:
+        model(*chunk(batch, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _states(opt):
+    return [t.clone() for st in opt.shard_update.states
+            for t in opt.shard_update.state_tensors(st.unit_index)]
+
+
+def checkpoint_across_shapes(rank, ws):
+    """Hybrid 2x2 stage 3 saved after 2 steps, loaded as plain stage 2 on 3 ranks (rank 3
+    idle), saved again there, loaded back as hybrid 2x2 stage 3: every parameter and every
+    state element comes back bit for bit, and the next step is the one the first run takes.
+    Each shard is written once (by the first replica)."""
+    batches = make_batches(3, ws * 2, seed=5)
+    root = None
+    if rank == 0:
+        root = tempfile.mkdtemp(prefix="zk-hybrid-ckpt-")
+    box = [root]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    first, second = os.path.join(root, "hybrid"), os.path.join(root, "plain3")
+    three = dist.new_group([0, 1, 2])
+    model = make_model()
+    opt = _opt(model, 3)
+    _train(model, opt, rank, ws, batches[:2])
+    zk.checkpoint.save(opt, first)
+    shard_files = sorted(f for f in os.listdir(first) if f.startswith("shard-"))
+    assert shard_files == ["shard-00000-of-00002.safetensors",
+                           "shard-00001-of-00002.safetensors"], shard_files
+    with opt.gathered():
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    states = _states(opt)
+    if rank < 3:
+        plain = make_model(seed=7)
+        popt = zk.ZeroOptimizer(plain, stage=2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                process_group=three, bucket_bytes=SMALL_BUCKET)
+        zk.checkpoint.load(popt, first)
+        for n, p in plain.named_parameters():
+            assert torch.equal(p, saved[n]), f"{n} differs after loading hybrid into N=3"
+        zk.checkpoint.save(popt, second)
+        popt.close()
+    dist.barrier()
+    back = make_model(seed=9)
+    bopt = _opt(back, 3)
+    zk.checkpoint.load(bopt, second)
+    with bopt.gathered():
+        for n, p in back.named_parameters():
+            assert torch.equal(p, saved[n]), f"{n} differs after the round trip"
+    for a, b in zip(states, _states(bopt)):
+        assert torch.equal(a, b), "optimizer state differs after the round trip"
+    _train(model, opt, rank, ws, batches[2:])
+    _train(back, bopt, rank, ws, batches[2:])
+    with opt.gathered(), bopt.gathered():
+        for (n, p), q in zip(model.named_parameters(), back.parameters()):
+            assert torch.equal(p, q), f"{n}: the step after the round trip differs"
+    dist.barrier()
+    if rank == 0:
+        import shutil
+        shutil.rmtree(root)
+
+
+def bad_shard_size(rank, ws):
+    """shard_size that does not divide N, < 1, or not an int: errors naming it."""
+    import pytest
+    for bad, err, match in ((3, ValueError, "shard_size=3 must divide"),
+                            (0, ValueError, "shard_size must be >= 1"),
+                            (2.0, TypeError, "shard_size must be an int")):
+        with pytest.raises(err, match=match):
+            zk.ZeroOptimizer(make_model(), stage=2, shard_size=bad)
+    with pytest.raises(ValueError, match="disagrees with the mesh"):
+        zk.ZeroOptimizer(make_model(), stage=2, mesh=_mesh(ws), shard_size=4)
+
+
+def secondary_shards(rank, ws, *, steps=3):
+    """reshard_after_forward=2 on 4 ranks (plain stage 3): parity with AdamW; after forward
+    every unit holds a secondary chunk of 1/2 its padded size (4 B x padded / 2) and nothing
+    else beyond the shards; the backward gathers run over 2 ranks (4 B x padded x 1/2 each)
+    while the forward ones run over 4 (x 3/4); between steps nothing extra is held."""
+    model = make_model()
+    ref = clone_model(model)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                           reshard_after_forward=2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    shard = sum(u.layout.shard_numel for u in opt.units)
+    padded = [u.layout.padded_numel for u in opt.units]
+    for step, batch in enumerate(make_batches(steps, ws * 2)):
+        loss = model(*chunk(batch, rank))
+        held = opt.stats()["memory_bytes"]["params"]
+        assert held == 4 * shard + sum(4 * p // 2 for p in padded), (step, held)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.stats()["memory_bytes"]["params"] == 4 * shard
+        reference_grads(ref, batch, ws, 1)
+        ropt.step()
+        ropt.zero_grad()
+        with opt.gathered():
+            assert_params_close(model, ref, step, **tol(torch.float32))
+    _train(model, opt, rank, ws, make_batches(2, ws * 2, seed=3))
+    comm = opt.stats()["comm_bytes"]
+    forward = sum(4 * p * (ws - 1) // ws for p in padded)
+    backward = sum(4 * p * (2 - 1) // 2 for p in padded)
+    assert comm["all_gather"] == forward + backward, (comm, forward, backward)
+    assert comm["reduce_scatter"] == forward, comm
+    assert opt.stats()["gather"]["reshard_after_forward"] == 2
+    import pytest
+    for bad in (3, 4, 1):
+        with pytest.raises(ValueError, match=f"reshard_after_forward={bad} must divide"):
+            zk.ZeroOptimizer(make_model(), stage=3, reshard_after_forward=bad)
+    with pytest.raises(ValueError, match="applies only to stage=3"):
+        zk.ZeroOptimizer(make_model(), stage=2, reshard_after_forward=2)
+
+
+CHECKS = {
+    "stage1": partial(parity, stage=1),
+    "stage2_clip": partial(parity, stage=2, clip=0.05),
+    "stage3": partial(parity, stage=3),
+    "stage3_mesh": partial(parity, stage=3, form="mesh"),
+    "stage1_mesh_as_process_group": partial(parity, stage=1, steps=3, form="process_group"),
+    "stage2_shard_size_1": partial(parity, stage=2, steps=3, k=1),
+    "stage3_accumulate": partial(parity, stage=3, steps=3, micro=2),
+    "stage2_offload_cpu": partial(parity, stage=2, offload="cpu", steps=3),
+    "checkpoint_hybrid_to_plain3_and_back": checkpoint_across_shapes,
+    "bad_shard_size": bad_shard_size,
+    "stage3_secondary_shards": secondary_shards,
+}
+
+
+def battery(rank, world_size):
+    return run_checks(CHECKS, rank, world_size)
