@@ -312,6 +312,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._named = list(model.named_parameters())
         self._num_steps = 0
         self._overflow_skips = 0
+        self._step_was_skipped = False
         self._scaled_backward = False
         self._gather_stats = None
 
@@ -370,6 +371,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._overflow_skips, self._num_steps = self._overflow_skips + 1, self._num_steps + 1
             self.meter.close_step()
             raise
+        self._step_was_skipped = skip
         if skip:
             self._overflow_skips += 1
         else:
@@ -401,6 +403,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_update.finish_step()
         for h in handles:
             h.wait()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` changed nothing because a gradient was inf or NaN (fp16's
+        loss scaling, or ``nonfinite="skip"``). Accelerate's optimizers carry the same name, and
+        ``transformers.Trainer`` reads it to hold the LR schedule back on a skipped step."""
+        return self._step_was_skipped
 
     @contextlib.contextmanager
     def gathered(self, module: Optional[nn.Module] = None) -> Iterator[None]:

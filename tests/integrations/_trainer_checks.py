@@ -1,0 +1,172 @@
+"""ZeroTrainer against transformers.Trainer with DDP + AdamW (rank side; module-level for
+spawned ranks). A tiny Llama from a config (random init, nothing downloaded: see
+tests/zero/_hf_checks.py), fixed-length random token rows, 4 optimizer steps of 2 accumulated
+micro-batches, a linear LR schedule with warmup and clipping by max_grad_norm: everything a
+Trainer configures on the optimizer runs in each step.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from tests.conftest import tol
+from tests.zero._hf_checks import SEQ, VOCAB, make_hf
+
+try:
+    # Where deepspeed is installed, Trainer imports it, and deepspeed.comm binds the world
+    # group as a default argument of its barriers when imported: after init_process_group that
+    # keeps the group alive past destroy_process_group() (see [Note: process group teardown]
+    # in zkernels/comm/select.py). A spawned rank imports this module before the harness makes
+    # the group, so imported here its defaults stay None.
+    import deepspeed.comm  # noqa: F401
+except ImportError:
+    pass
+
+STEPS = 4
+MICRO = 2          # per-device batch at 2 ranks
+ACCUM = 2
+MAX_GRAD_NORM = 0.5
+BUCKET = 2 ** 13   # several buckets over the tiny model
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """``n`` rows of ``SEQ`` random tokens, as causal-LM inputs and labels."""
+
+    def __init__(self, n: int, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def dataset() -> TokenRows:
+    """One epoch is exactly ``STEPS`` steps of the global batch (2 ranks x MICRO x ACCUM)."""
+    return TokenRows(STEPS * 2 * MICRO * ACCUM)
+
+
+def _distributed_env(rank: int, ws: int) -> None:
+    """What torchrun sets, so that TrainingArguments / Accelerate see the gloo group the
+    harness made."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(ws))
+
+
+def training_args(out: str, ws: int = 2, **kw):
+    from transformers import TrainingArguments
+    base = dict(output_dir=out, per_device_train_batch_size=MICRO * 2 // ws,
+                gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=3e-3,
+                lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.1,
+                adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6,
+                max_grad_norm=MAX_GRAD_NORM, logging_steps=1, save_strategy="no",
+                report_to=[], disable_tqdm=True, seed=0, use_cpu=True, optim="adamw_torch",
+                dataloader_num_workers=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def losses(trainer, after: int = 0):
+    """{global step: logged loss} (the world mean of the step's loss) for steps > after."""
+    return {h["step"]: h["loss"] for h in trainer.state.log_history
+            if "loss" in h and h["step"] > after}
+
+
+def _release(trainer) -> None:
+    """Drop a trainer and whatever holds the process group (DDP) before teardown."""
+    trainer.accelerator.free_memory()
+    del trainer
+    gc.collect()
+
+
+def trainer_parity(rank: int, ws: int, stages, tmp: str):
+    """ZeroTrainer at each of ``stages`` == Trainer with DDP + AdamW: the logged loss of every
+    step, then every parameter after the last step, within tol(float32). Returns
+    ``{"ddp": losses, stage: losses}`` for the parent."""
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Trainer
+
+    from zkernels.integrations.transformers import ZeroTrainer, full_state_dict
+    _distributed_env(rank, ws)
+    ref = Trainer(model=make_hf("llama"), args=training_args(os.path.join(tmp, "ddp")),
+                  train_dataset=dataset())
+    ref.train()
+    assert isinstance(ref.model_wrapped, DistributedDataParallel), type(ref.model_wrapped)
+    out = {"ddp": losses(ref)}
+    assert len(out["ddp"]) == STEPS, ref.state.log_history
+    norms = [h["grad_norm"] for h in ref.state.log_history if "grad_norm" in h]
+    assert max(norms) > MAX_GRAD_NORM, f"clipping never acts: grad norms {norms}"
+    expected = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    _release(ref)
+
+    for stage in stages:
+        trainer = ZeroTrainer(model=make_hf("llama"),
+                              args=training_args(os.path.join(tmp, f"zero{stage}")),
+                              train_dataset=dataset(),
+                              zero_config={"stage": stage, "bucket_bytes": BUCKET})
+        trainer.train()
+        assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)
+        assert trainer.optimizer.stage == stage
+        got = losses(trainer)
+        assert sorted(got) == sorted(out["ddp"]), (got, out["ddp"])
+        for step, loss in got.items():
+            torch.testing.assert_close(loss, out["ddp"][step], **tol(torch.float32),
+                                       msg=lambda m, s=step: f"stage {stage}, step {s}: {m}")
+        full = full_state_dict(trainer.optimizer)
+        for n, q in expected.items():
+            torch.testing.assert_close(full[n], q, **tol(torch.float32),
+                                       msg=lambda m, n=n: f"stage {stage}, {n}: {m}")
+        out[stage] = got
+        trainer.optimizer.close()
+        _release(trainer)
+    return out
+
+
+def trainer_save(rank: int, ws: int, stage: int, tmp: str):
+    """ZeroTrainer at ``ws`` ranks, a checkpoint every 2 steps; then ``save_model``, which
+    ``from_pretrained`` loads with the trained weights. Returns the losses by step."""
+    from transformers import AutoModelForCausalLM
+
+    from zkernels.integrations.transformers import ZeroTrainer, full_state_dict
+    if ws > 1:
+        _distributed_env(rank, ws)
+    trainer = ZeroTrainer(model=make_hf("llama"),
+                          args=training_args(os.path.join(tmp, "run"), ws, save_strategy="steps",
+                                             save_steps=2),
+                          train_dataset=dataset(), zero_config={"stage": stage})
+    trainer.train()
+    final = os.path.join(tmp, "final")
+    trainer.save_model(final)
+    full = full_state_dict(trainer.optimizer, keep=rank == 0)
+    if rank == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(final)
+        assert type(loaded).__name__ == "LlamaForCausalLM"
+        state = loaded.state_dict()
+        assert sorted(state) == sorted(full), (sorted(state), sorted(full))
+        for k, v in state.items():
+            assert torch.equal(v, full[k]), k   # bit-exact: a copy of the parameters
+    got = losses(trainer)
+    trainer.optimizer.close()
+    _release(trainer)
+    return got
+
+
+def trainer_resume(rank: int, ws: int, stage: int, tmp: str, checkpoint: str):
+    """ZeroTrainer at ``ws`` ranks resuming from ``checkpoint``; the losses of the steps it
+    ran (those after the checkpoint's)."""
+    from zkernels.integrations.transformers import ZeroTrainer
+    if ws > 1:
+        _distributed_env(rank, ws)
+    trainer = ZeroTrainer(model=make_hf("llama", seed=7),   # other weights: the checkpoint's win
+                          args=training_args(os.path.join(tmp, "resumed"), ws),
+                          train_dataset=dataset(), zero_config={"stage": stage})
+    trainer.train(resume_from_checkpoint=checkpoint)
+    start = int(checkpoint.rstrip("/").rsplit("-", 1)[1])
+    got = losses(trainer, after=start)
+    trainer.optimizer.close()
+    _release(trainer)
+    return got
