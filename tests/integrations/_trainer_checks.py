@@ -170,3 +170,35 @@ def trainer_resume(rank: int, ws: int, stage: int, tmp: str, checkpoint: str):
     trainer.optimizer.close()
     _release(trainer)
     return got
+
+
+def trainer_fp16(rank: int, ws: int, stage: int, tmp: str, fp32_losses):
+    """``fp16=True``: fp16 compute parameters with dynamic loss scaling, backward through
+    ``opt.backward`` (``step()`` raises on an unscaled backward). The curve stays within
+    fp16's tolerance of the fp32 one, the scale is still the initial one (no overflow here)."""
+    from zkernels.integrations.transformers import ZeroTrainer
+    _distributed_env(rank, ws)
+    trainer = ZeroTrainer(model=make_hf("llama"),
+                          args=training_args(os.path.join(tmp, "fp16"), fp16=True),
+                          train_dataset=dataset(), zero_config={"stage": stage})
+    trainer.train()
+    opt = trainer.optimizer
+    assert opt.precision.param_dtype == torch.float16
+    assert next(trainer.model.parameters()).dtype == torch.float16
+    stats = opt.stats()
+    assert stats["loss_scale"] is not None and stats["overflow_skips"] == 0, stats
+    got = losses(trainer)
+    assert sorted(got) == sorted(fp32_losses), got
+    for step, loss in got.items():
+        torch.testing.assert_close(loss, fp32_losses[step], **tol(torch.float16),
+                                   msg=lambda m, s=step: f"fp16 step {s}: {m}")
+    opt.close()
+    _release(trainer)
+    return got
+
+
+def battery(rank: int, ws: int, stages, tmp: str):
+    """trainer_parity at every stage, then trainer_fp16 at the highest, in one spawn."""
+    out = trainer_parity(rank, ws, stages, tmp)
+    out["fp16"] = trainer_fp16(rank, ws, max(stages), tmp, out["ddp"])
+    return out

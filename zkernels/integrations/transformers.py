@@ -73,9 +73,19 @@ SCHEDULER_NAME = "scheduler.pt"  # Trainer's file name for the LR scheduler's st
 _FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon",
               "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
               "param_dtype": "bf16 / fp16", "param_groups": "weight_decay (Trainer's groups)"}
+# The Trainer methods ZeroTrainer overrides; a Trainer without one would run its own version
+# inline (clipping local gradients, wrapping in DDP) and train wrongly rather than fail.
+_TRAINER_HOOKS = ("_build_accelerator_args", "create_optimizer", "_wrap_model", "training_step",
+                  "_clip_grad_norm", "_get_grad_norm", "_save_optimizer_and_scheduler",
+                  "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model")
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
 
 
 def read_zero_config(zero_config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
@@ -222,6 +232,12 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args, zero_config=None, **kwargs) -> None:
+        missing = [m for m in _TRAINER_HOOKS if not callable(getattr(Trainer, m, None))]
+        if missing:
+            raise RuntimeError(f"ZeroTrainer needs a transformers.Trainer with {missing} "
+                               f"(transformers 5; tested with 5.24), found transformers "
+                               f"{_transformers_version()}: without them Trainer would clip "
+                               f"and wrap the model itself")
         self.zero_config = read_zero_config(zero_config)
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
