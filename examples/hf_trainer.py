@@ -19,6 +19,7 @@ import argparse
 import json
 
 import torch
+import torch.distributed as dist
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM,
                           TrainingArguments)
 
@@ -94,6 +95,8 @@ def main() -> None:
         out = loaded.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
         print(f"saved to {final}; sample: {decode(out[0].tolist())!r}", flush=True)
     opt.close()
+    if dist.is_initialized():   # end as every torch.distributed program should (README)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -127,28 +127,48 @@ def trainer_parity(rank: int, ws: int, stages, tmp: str):
 
 
 def trainer_save(rank: int, ws: int, stage: int, tmp: str):
-    """ZeroTrainer at ``ws`` ranks, a checkpoint every 2 steps; then ``save_model``, which
-    ``from_pretrained`` loads with the trained weights. Returns the losses by step."""
+    """ZeroTrainer at ``ws`` ranks, evaluated and checkpointed every 2 steps, keeping the best
+    checkpoint (``load_best_model_at_end``); then ``save_model``, which ``from_pretrained``
+    loads: the best checkpoint's weights, bit for bit, and ``evaluate()`` (a forward that
+    gathers every unit at stage 3) gives the loaded model's loss. Returns the losses by step."""
+    import safetensors.torch
     from transformers import AutoModelForCausalLM
 
     from zkernels.integrations.transformers import ZeroTrainer, full_state_dict
     if ws > 1:
         _distributed_env(rank, ws)
+    evalset = TokenRows(4 * ws, seed=2)
     trainer = ZeroTrainer(model=make_hf("llama"),
                           args=training_args(os.path.join(tmp, "run"), ws, save_strategy="steps",
-                                             save_steps=2),
-                          train_dataset=dataset(), zero_config={"stage": stage})
+                                             save_steps=2, eval_strategy="steps", eval_steps=2,
+                                             per_device_eval_batch_size=2,
+                                             load_best_model_at_end=True,
+                                             metric_for_best_model="eval_loss",
+                                             # the higher loss wins: checkpoint-2 (4.5927 vs
+                                             # 4.5899 at step 4), so loading it is seen
+                                             greater_is_better=True),
+                          train_dataset=dataset(), eval_dataset=evalset,
+                          zero_config={"stage": stage})
     trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and best.endswith("checkpoint-2"), best
     final = os.path.join(tmp, "final")
     trainer.save_model(final)
     full = full_state_dict(trainer.optimizer, keep=rank == 0)
+    metrics = trainer.evaluate()
     if rank == 0:
+        best_weights = safetensors.torch.load_file(os.path.join(best, "model.safetensors"))
         loaded = AutoModelForCausalLM.from_pretrained(final)
         assert type(loaded).__name__ == "LlamaForCausalLM"
         state = loaded.state_dict()
         assert sorted(state) == sorted(full), (sorted(state), sorted(full))
         for k, v in state.items():
             assert torch.equal(v, full[k]), k   # bit-exact: a copy of the parameters
+            if k in best_weights:
+                assert torch.equal(v, best_weights[k]), f"{k} is not the best checkpoint's"
+        with torch.no_grad():
+            expected = loaded(input_ids=evalset.rows, labels=evalset.rows).loss.item()
+        torch.testing.assert_close(metrics["eval_loss"], expected, **tol(torch.float32))
     got = losses(trainer)
     trainer.optimizer.close()
     _release(trainer)

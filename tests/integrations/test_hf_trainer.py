@@ -30,7 +30,8 @@ def test_zero_trainer_matches_trainer_with_ddp(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_resume_at_another_world_size(tmp_path):
-    """Stage 3 at 2 ranks, checkpoints at steps 2 and 4; resumed from step 2 at 1 rank (twice
+    """Stage 3 at 2 ranks, evaluated and checkpointed at steps 2 and 4 (the best one loaded at
+    the end, saved and evaluated: see trainer_save); resumed from step 2 at 1 rank (twice
     the per-device batch: the same global batches), steps 3-4 repeat the 2-rank losses."""
     stage = max(implemented_stages())
     saved = run_ranks(trainer_save, 2, stage, str(tmp_path), timeout=300.0)[0]

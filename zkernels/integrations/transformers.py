@@ -44,6 +44,10 @@ or a path to a JSON file of one): ``stage``, ``offload``, ``offload_dir``, ``off
   :meth:`save_model`. ``resume_from_checkpoint`` restores the zkernels checkpoint into the
   new optimizer (parameters, masters, moments, step counts, loss scale, frozen parameters
   and buffers), whatever world size and stage it was saved with.
+- ``load_best_model_at_end`` loads the best checkpoint's ``zero/`` folder (optimizer state
+  included, as DeepSpeed's integration loads its engine checkpoint). ``evaluate``/``predict``
+  run the model as it is: at stage 3 forward gathers each unit, so every rank evaluates (as
+  Trainer does under torchrun anyway).
 - :meth:`save_model` writes ``save_pretrained`` output (safetensors + config) from the full
   parameters: at stage 3 gathered one unit at a time (``opt.gathered``'s machinery, so a rank
   holds one unit beyond its shards), copied to the CPU on the saving ranks. Collective.
