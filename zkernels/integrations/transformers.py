@@ -79,9 +79,10 @@ _FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": 
               "param_dtype": "bf16 / fp16", "param_groups": "weight_decay (Trainer's groups)"}
 # The Trainer methods ZeroTrainer overrides; a Trainer without one would run its own version
 # inline (clipping local gradients, wrapping in DDP) and train wrongly rather than fail.
-_TRAINER_HOOKS = ("_build_accelerator_args", "create_optimizer", "_wrap_model", "training_step",
-                  "_clip_grad_norm", "_get_grad_norm", "_save_optimizer_and_scheduler",
-                  "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model")
+_TRAINER_HOOKS = ("create_accelerator_and_postprocess", "_build_accelerator_args",
+                  "create_optimizer", "_wrap_model", "training_step", "_clip_grad_norm",
+                  "_get_grad_norm", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                  "_load_optimizer_and_scheduler", "_load_best_model")
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -252,8 +253,6 @@ class ZeroTrainer(Trainer):
                              f"{self.args.n_gpu} GPUs: launch with torchrun --nproc-per-node")
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer, self.model)
-        # [Note: what ZeroTrainer changes in Trainer]: backward goes through opt.backward.
-        self.accelerator.backward = self._zero_backward
         self.add_callback(_ZeroGrad)
 
     @staticmethod
@@ -267,6 +266,12 @@ class ZeroTrainer(Trainer):
                              "model than the one given to ZeroTrainer")
 
     # -- optimizer and wrapping ------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # [Note: what ZeroTrainer changes in Trainer]: backward goes through opt.backward (on
+        # every accelerator Trainer makes: hyper-parameter search makes new ones).
+        self.accelerator.backward = self._zero_backward
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         out = super()._build_accelerator_args(**kwargs)
