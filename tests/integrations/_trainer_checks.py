@@ -70,10 +70,11 @@ def training_args(out: str, ws: int = 2, **kw):
     return TrainingArguments(**base)
 
 
-def losses(trainer, after: int = 0):
-    """{global step: logged loss} (the world mean of the step's loss) for steps > after."""
-    return {h["step"]: h["loss"] for h in trainer.state.log_history
-            if "loss" in h and h["step"] > after}
+def losses(trainer, after: int = 0, key: str = "loss"):
+    """{global step: logged loss} (the world mean of the step's loss) for steps > after (or
+    another logged value: ``key="grad_norm"``)."""
+    return {h["step"]: h[key] for h in trainer.state.log_history
+            if key in h and h["step"] > after}
 
 
 def _release(trainer) -> None:
@@ -98,8 +99,8 @@ def trainer_parity(rank: int, ws: int, stages, tmp: str):
     assert isinstance(ref.model_wrapped, DistributedDataParallel), type(ref.model_wrapped)
     out = {"ddp": losses(ref)}
     assert len(out["ddp"]) == STEPS, ref.state.log_history
-    norms = [h["grad_norm"] for h in ref.state.log_history if "grad_norm" in h]
-    assert max(norms) > MAX_GRAD_NORM, f"clipping never acts: grad norms {norms}"
+    norms = losses(ref, key="grad_norm")
+    assert max(norms.values()) > MAX_GRAD_NORM, f"clipping never acts: grad norms {norms}"
     expected = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
     _release(ref)
 
@@ -116,6 +117,11 @@ def trainer_parity(rank: int, ws: int, stages, tmp: str):
         for step, loss in got.items():
             torch.testing.assert_close(loss, out["ddp"][step], **tol(torch.float32),
                                        msg=lambda m, s=step: f"stage {stage}, step {s}: {m}")
+        got_norms = losses(trainer, key="grad_norm")   # global, before clipping, as DDP's
+        assert sorted(got_norms) == sorted(norms), (got_norms, norms)
+        for step, norm in got_norms.items():
+            torch.testing.assert_close(norm, norms[step], **tol(torch.float32),
+                                       msg=lambda m, s=step: f"stage {stage}, step {s} norm: {m}")
         full = full_state_dict(trainer.optimizer)
         for n, q in expected.items():
             torch.testing.assert_close(full[n], q, **tol(torch.float32),

@@ -36,8 +36,10 @@ or a path to a JSON file of one): ``stage``, ``offload``, ``offload_dir``, ``off
   calls ``opt.zero_grad()`` right after ``opt.step()`` (``on_optimizer_step``).
 - Clipping happens inside ``opt.step()`` over the global norm of every shard; Trainer's own
   ``clip_grad_norm_`` over ``model.parameters()`` would see only local or missing gradients,
-  so it is skipped and ``grad_norm`` is not logged. A step skipped on an inf/NaN gradient
-  (``opt.step_was_skipped``) holds the LR schedule back, as Accelerate does for fp16.
+  so it is skipped, and the ``grad_norm`` logged is the optimizer's (``opt.last_grad_norm``:
+  the pre-clip global norm, what ``clip_grad_norm_`` returns under DDP). A step skipped on an
+  inf/NaN gradient (``opt.step_was_skipped``) holds the LR schedule back, as Accelerate does
+  for fp16.
 - Checkpoints (``save_steps``): ``checkpoint-N/zero/`` is a ``zkernels.checkpoint`` folder
   (each rank writes its shards; loads at any world size and stage), beside Trainer's
   ``scheduler.pt``, RNG states and ``trainer_state.json``, and the consolidated weights of
@@ -82,7 +84,8 @@ _FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": 
 _TRAINER_HOOKS = ("create_accelerator_and_postprocess", "_build_accelerator_args",
                   "create_optimizer", "_wrap_model", "training_step", "_clip_grad_norm",
                   "_get_grad_norm", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
-                  "_load_optimizer_and_scheduler", "_load_best_model")
+                  "_load_optimizer_and_scheduler", "_load_best_model",
+                  "_maybe_log_save_evaluate")
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -324,7 +327,12 @@ class ZeroTrainer(Trainer):
         return None   # clipped inside opt.step() by the global norm across shards
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return None   # the global norm exists only inside opt.step(); not logged
+        return None   # the global norm exists only inside opt.step(): logged from there
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        if isinstance(self.optimizer, ZeroOptimizer):
+            grad_norm = self.optimizer.last_grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # -- saving and resuming ---------------------------------------------------------------
 
