@@ -79,3 +79,24 @@ def test_zero_config_errors(tmp_path):
     adamw = torch.optim.AdamW(model.parameters())
     with pytest.raises(TypeError, match="must be a zkernels.ZeroOptimizer.*AdamW"):
         ZeroTrainer(model=model, args=args, optimizers=(adamw, None))
+
+
+@pytest.mark.parametrize("stage", implemented_stages())
+def test_full_state_dict_is_the_model_state_dict(stage):
+    """full_state_dict (what save_model writes): every key of model.state_dict(), bit-exact,
+    a frozen parameter included (whether stage 3 shards it or not), tied keys one
+    tensor. One process: no group, one rank."""
+    from tests.zero._hf_checks import make_hf
+    from zkernels import ZeroOptimizer
+    from zkernels.integrations.transformers import full_state_dict
+    model = make_hf("llama_tied")
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = ZeroOptimizer(model, stage=stage)
+    full = full_state_dict(opt)
+    assert sorted(full) == sorted(expected)
+    for k, v in expected.items():
+        assert torch.equal(full[k], v), k
+    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
+    assert full_state_dict(opt, keep=False) is None
+    opt.close()

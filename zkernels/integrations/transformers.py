@@ -67,9 +67,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as zk_checkpoint
-from ..zero import ZeroOptimizer
-from ..zero.offload_config import OffloadConfig
-from ..zero.precision import LossScaleConfig
+from ..zero import LossScaleConfig, OffloadConfig, ZeroOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -190,23 +188,21 @@ def full_state_dict(opt: ZeroOptimizer, keep: bool = True) -> Optional[Dict[str,
         if keep and id(t) not in copies:
             copies[id(t)] = t.detach().to("cpu", copy=True).contiguous()
 
-    params = {id(p) for p in model.parameters()}
     if opt.schedule is None:
         opt.wait_params()
     else:
         for unit in opt.schedule.units:
             if not unit.flats:
                 continue
+            held = {id(p) for f in unit.flats for p in f.params}   # frozen ones included
             with opt.schedule.gathered([unit]):
                 for t in refs.values():
-                    if id(t) in unit.param_ids:
+                    if id(t) in held:
                         copy(t)
-        missing = [k for k, t in refs.items() if id(t) in params and id(t) not in copies]
-        if keep and missing:
-            raise RuntimeError(f"stage 3: parameters {missing[:5]} are in no unit, so they "
-                               f"cannot be gathered")
     for t in refs.values():
-        copy(t)   # stages 1-2 every parameter; at stage 3 the buffers
+        # Stages 1-2: every parameter. Stage 3: the buffers, and any parameter no unit holds
+        # (one zkernels leaves unsharded, e.g. frozen where it does not shard those): full.
+        copy(t)
     if not keep:
         return None
     return {k: copies[id(t)] for k, t in refs.items()}
