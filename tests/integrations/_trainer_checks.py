@@ -84,10 +84,16 @@ def _release(trainer) -> None:
     gc.collect()
 
 
-def trainer_parity(rank: int, ws: int, stages, tmp: str):
-    """ZeroTrainer at each of ``stages`` == Trainer with DDP + AdamW: the logged loss of every
-    step, then every parameter after the last step, within tol(float32). Returns
-    ``{"ddp": losses, stage: losses}`` for the parent."""
+def rung_name(cfg: dict) -> str:
+    """``stage3+cpu+params`` for ``{"stage": 3, "offload": "cpu", "offload_params": True}``."""
+    return "+".join([f"stage{cfg['stage']}"] + ([cfg["offload"]] if cfg.get("offload") else [])
+                    + (["params"] if cfg.get("offload_params") else []))
+
+
+def trainer_parity(rank: int, ws: int, rungs, tmp: str):
+    """ZeroTrainer at each rung (a ``zero_config``) == Trainer with DDP + AdamW: the logged
+    loss and gradient norm of every step, then every parameter after the last step, within
+    tol(float32). Returns ``{"ddp": losses, rung_name: losses}`` for the parent."""
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer
 
@@ -104,14 +110,15 @@ def trainer_parity(rank: int, ws: int, stages, tmp: str):
     expected = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
     _release(ref)
 
-    for stage in stages:
+    for cfg in rungs:
+        stage = name = rung_name(cfg)
         trainer = ZeroTrainer(model=make_hf("llama"),
-                              args=training_args(os.path.join(tmp, f"zero{stage}")),
-                              train_dataset=dataset(),
-                              zero_config={"stage": stage, "bucket_bytes": BUCKET})
+                              args=training_args(os.path.join(tmp, name)),
+                              train_dataset=dataset(), zero_config=dict(cfg, bucket_bytes=BUCKET))
         trainer.train()
         assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)
-        assert trainer.optimizer.stage == stage
+        opt = trainer.optimizer
+        assert (opt.stage, opt.offload) == (cfg["stage"], cfg.get("offload")), name
         got = losses(trainer)
         assert sorted(got) == sorted(out["ddp"]), (got, out["ddp"])
         for step, loss in got.items():
@@ -126,7 +133,7 @@ def trainer_parity(rank: int, ws: int, stages, tmp: str):
         for n, q in expected.items():
             torch.testing.assert_close(full[n], q, **tol(torch.float32),
                                        msg=lambda m, n=n: f"stage {stage}, {n}: {m}")
-        out[stage] = got
+        out[name] = got
         trainer.optimizer.close()
         _release(trainer)
     return out
@@ -223,8 +230,8 @@ def trainer_fp16(rank: int, ws: int, stage: int, tmp: str, fp32_losses):
     return got
 
 
-def battery(rank: int, ws: int, stages, tmp: str):
-    """trainer_parity at every stage, then trainer_fp16 at the highest, in one spawn."""
-    out = trainer_parity(rank, ws, stages, tmp)
-    out["fp16"] = trainer_fp16(rank, ws, max(stages), tmp, out["ddp"])
+def battery(rank: int, ws: int, rungs, tmp: str):
+    """trainer_parity at every rung, then trainer_fp16 at the highest stage, in one spawn."""
+    out = trainer_parity(rank, ws, rungs, tmp)
+    out["fp16"] = trainer_fp16(rank, ws, max(r["stage"] for r in rungs), tmp, out["ddp"])
     return out

@@ -1,8 +1,8 @@
 """ZeroTrainer (zkernels.integrations.transformers) on 2 gloo ranks with a tiny Llama: the loss
-of every step and the final parameters equal transformers.Trainer with DDP + AdamW at every
-stage (accumulation, clipping, LR schedule included), fp16 trains through opt.backward, and a
-checkpoint saved at 2 ranks resumes at 1 rank on the same curve; save_model loads with
-from_pretrained. Rank side: _trainer_checks.py."""
+and gradient norm of every step and the final parameters equal transformers.Trainer with DDP +
+AdamW at every stage and with offload (accumulation, clipping, LR schedule included), fp16
+trains through opt.backward, and a checkpoint saved at 2 ranks resumes at 1 rank on the same
+curve; save_model loads with from_pretrained. Rank side: _trainer_checks.py."""
 import os
 
 import pytest
@@ -14,16 +14,21 @@ pytest.importorskip("accelerate")
 from tests._dist import run_ranks  # noqa: E402
 from tests._stages import implemented_stages  # noqa: E402
 from tests.conftest import tol  # noqa: E402
-from tests.integrations._trainer_checks import (STEPS, battery, trainer_resume,  # noqa: E402
-                                                trainer_save)
+from tests.integrations._trainer_checks import (STEPS, battery, rung_name,  # noqa: E402
+                                                trainer_resume, trainer_save)
 
 
 @pytest.mark.timeout(600)
 def test_zero_trainer_matches_trainer_with_ddp(tmp_path):
+    """Every stage, and the offload rungs (stage 2 with the optimizer states in host RAM,
+    stage 3 with the parameter shards there too)."""
     stages = implemented_stages()
-    per_rank = run_ranks(battery, 2, stages, str(tmp_path), timeout=540.0)
+    rungs = [{"stage": s} for s in stages] + [{"stage": 2, "offload": "cpu"}]
+    if 3 in stages:
+        rungs.append({"stage": 3, "offload": "cpu", "offload_params": True})
+    per_rank = run_ranks(battery, 2, rungs, str(tmp_path), timeout=540.0)
     out = per_rank[0]
-    assert sorted(k for k in out if isinstance(k, int)) == sorted(stages)
+    assert sorted(k for k in out if k.startswith("stage")) == sorted(map(rung_name, rungs))
     assert per_rank[1] == out   # every rank logs the same world-mean losses
     assert len(out["ddp"]) == STEPS and out["ddp"][STEPS] != out["ddp"][1]
 
