@@ -350,6 +350,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._named = list(model.named_parameters())
         self._num_steps = 0
         self._overflow_skips = 0
+        self._step_was_skipped = False
+        self._last_grad_norm: Optional[float] = None
         self._scaled_backward = False
         self._gather_stats = None
         self._buffer_peak = 0
@@ -388,6 +390,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Collective: every rank calls it. A step with an inf/NaN gradient on any rank (fp16)
         changes nothing on every rank and halves the loss scale."""
         loss = None
+        self._last_grad_norm = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -404,11 +407,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.max_grad_norm, self.shard_update.grad_ops, self.nonfinite,
                 self._num_steps + 1, lambda: locate(
                     shards, self.units, {id(p): n for n, p in self._named}, self.comm.rank),
-                comm_device=self._device)
+                comm_device=self._device, on_norm=self._set_grad_norm)
         except NonFiniteGradientError:  # counted as a skipped step, then raised
             self._overflow_skips, self._num_steps = self._overflow_skips + 1, self._num_steps + 1
             self._close_step()
             raise
+        self._step_was_skipped = skip
         if skip:
             self._overflow_skips += 1
         else:
@@ -444,6 +448,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_update.finish_step()
         for h in handles:
             h.wait()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` changed nothing because a gradient was inf or NaN (fp16's
+        loss scaling, or ``nonfinite="skip"``). Accelerate's optimizers carry the same name, and
+        ``transformers.Trainer`` reads it to hold the LR schedule back on a skipped step."""
+        return self._step_was_skipped
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm (every shard, before clipping) of the last ``step()``; None
+        before the first step and after a step skipped on an inf/NaN gradient. What
+        ``clip_grad_norm_`` returns over the full gradients, read from the all-reduce every step
+        makes anyway."""
+        return self._last_grad_norm
+
+    def _set_grad_norm(self, norm: float) -> None:
+        self._last_grad_norm = norm
 
     @contextlib.contextmanager
     def gathered(self, module: Optional[nn.Module] = None) -> Iterator[None]:

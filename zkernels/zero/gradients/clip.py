@@ -35,7 +35,8 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
                             loss_scale: Optional[float], max_grad_norm: Optional[float], ops: OpSet,
                             nonfinite: str = "skip", step: int = 0,
                             where: Callable[[], str] = lambda: "",
-                            comm_device: Optional[torch.device] = None
+                            comm_device: Optional[torch.device] = None,
+                            on_norm: Optional[Callable[[float], None]] = None
                             ) -> Tuple[GradScale, bool]:
     """What to divide the gradient shards by, and whether the step must be skipped.
 
@@ -52,6 +53,8 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
         where: says where the non-finite element is (called only to raise).
         comm_device: where ``comm``'s buffers live, when not the shards' device (CPU offload
             on a GPU: host shards, an NCCL all-reduce); the sum moves there and back.
+        on_norm: called with the global gradient norm before clipping (loss scale and divisor
+            taken out) when it is finite; it costs nothing more, the sum is read anyway.
 
     Returns:
         ``(grad_scale, skip)``: ``grad_scale`` is None (nothing to divide), a float, or a
@@ -69,10 +72,13 @@ def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: flo
         sq = on_comm.to(sq.device)
     else:
         comm.all_reduce(sq, op="sum").wait()
-    if not math.isfinite(float(sq.item())):
+    total = float(sq.item())
+    if not math.isfinite(total):
         if loss_scale is None:  # fp16's overflows are the loss scaler's business
             on_nonfinite(nonfinite, step, comm.rank, where)
         return None, True
+    if on_norm is not None:
+        on_norm(math.sqrt(total) / scale)
     if max_grad_norm is None:
         return (None if scale == 1.0 else scale), False
     norm = sq.sqrt() / scale

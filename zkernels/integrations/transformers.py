@@ -1,0 +1,377 @@
+"""``transformers.Trainer`` at any ZeRO rung: :class:`ZeroTrainer`, a drop-in subclass.
+
+    from zkernels.integrations.transformers import ZeroTrainer
+
+    trainer = ZeroTrainer(model=model, args=training_args, train_dataset=ds,
+                          zero_config={"stage": 3, "offload": "cpu", "offload_params": True})
+    trainer.train()                     # torchrun --nproc-per-node N train.py
+    trainer.save_model("out")           # AutoModelForCausalLM.from_pretrained("out") loads it
+
+Everything else is ``Trainer``'s and means what it means there. As with DeepSpeed's
+integration, the optimizer's hyper-parameters come from ``TrainingArguments``
+(``learning_rate``, ``adam_beta1``/``adam_beta2``, ``adam_epsilon``, ``weight_decay`` with
+Trainer's no-decay group for biases and norms, ``max_grad_norm`` clipped by the global norm
+across shards, ``bf16``/``fp16`` as the compute dtype with an fp32 master and, for fp16,
+dynamic loss scaling), the LR schedule is Trainer's own over the optimizer's param groups,
+and ``zero_config`` holds the rest of :class:`~zkernels.ZeroOptimizer`'s arguments (a dict,
+or a path to a JSON file of one): ``stage``, ``offload``, ``offload_dir``, ``offload_params``,
+``bucket_bytes``, ``reduce_dtype`` ("bf16", ...), ``units``, ``reshard_after_forward``, ...
+
+[Note: what ZeroTrainer changes in Trainer]
+- No DDP. Under torchrun Accelerate wraps a trainable model in ``DistributedDataParallel``,
+  whose all-reduce of every gradient would undo the sharding. :meth:`create_optimizer` builds
+  the ZeroOptimizer and marks the model and the optimizer as already prepared (Accelerate's
+  own guard against wrapping twice), so ``accelerator.prepare`` hands both back unchanged,
+  and ``_wrap_model`` never applies ``nn.DataParallel``. Accelerate still shards the data
+  loader across ranks, as under DDP.
+- Precision is the optimizer's: ``bf16``/``fp16`` become ``param_dtype`` (as DeepSpeed reads
+  them), and Accelerate's autocast and GradScaler are off. Backward goes through
+  ``opt.backward(loss)``, which applies fp16's loss scale; ``Trainer.training_step`` calls
+  ``self.accelerator.backward``, so this trainer's accelerator gets that one method replaced.
+- Gradient accumulation: the micro-steps before the last of each optimizer step run inside
+  ``opt.no_sync()`` (Trainer asks DDP the same through ``accelerator.no_sync``), so gradients
+  are reduced once per optimizer step; the loss is normalized by Trainer as with DDP.
+- Gradients live in the optimizer (stage 1's flat buffers, stage 2/3's reduced shards), so
+  ``model.zero_grad()``, which Trainer calls after each step, does not clear them: a callback
+  calls ``opt.zero_grad()`` right after ``opt.step()`` (``on_optimizer_step``).
+- Clipping happens inside ``opt.step()`` over the global norm of every shard; Trainer's own
+  ``clip_grad_norm_`` over ``model.parameters()`` would see only local or missing gradients,
+  so it is skipped, and the ``grad_norm`` logged is the optimizer's (``opt.last_grad_norm``:
+  the pre-clip global norm, what ``clip_grad_norm_`` returns under DDP). A step skipped on an
+  inf/NaN gradient (``opt.step_was_skipped``) holds the LR schedule back, as Accelerate does
+  for fp16.
+- Checkpoints (``save_steps``): ``checkpoint-N/zero/`` is a ``zkernels.checkpoint`` folder
+  (each rank writes its shards; loads at any world size and stage), beside Trainer's
+  ``scheduler.pt``, RNG states and ``trainer_state.json``, and the consolidated weights of
+  :meth:`save_model`. ``resume_from_checkpoint`` restores the zkernels checkpoint into the
+  new optimizer (parameters, masters, moments, step counts, loss scale, frozen parameters
+  and buffers), whatever world size and stage it was saved with.
+- ``load_best_model_at_end`` loads the best checkpoint's ``zero/`` folder (optimizer state
+  included, as DeepSpeed's integration loads its engine checkpoint). ``evaluate``/``predict``
+  run the model as it is: at stage 3 forward gathers each unit, so every rank evaluates (as
+  Trainer does under torchrun anyway).
+- :meth:`save_model` writes ``save_pretrained`` output (safetensors + config) from the full
+  parameters: at stage 3 gathered one unit at a time (``opt.gathered``'s machinery, so a rank
+  holds one unit beyond its shards), copied to the CPU on the saving ranks. Collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from .. import checkpoint as zk_checkpoint
+from ..zero import LossScaleConfig, OffloadConfig, ZeroOptimizer
+
+logger = logging.getLogger(__name__)
+
+ZERO_CHECKPOINT_DIR = "zero"    # checkpoint-N/zero: the zkernels.checkpoint folder
+SCHEDULER_NAME = "scheduler.pt"  # Trainer's file name for the LR scheduler's state
+# ZeroOptimizer arguments that TrainingArguments or Trainer own (see the module docstring).
+_FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon",
+              "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
+              "param_dtype": "bf16 / fp16", "param_groups": "weight_decay (Trainer's groups)"}
+# The Trainer methods ZeroTrainer overrides; a Trainer without one would run its own version
+# inline (clipping local gradients, wrapping in DDP) and train wrongly rather than fail.
+_TRAINER_HOOKS = ("create_accelerator_and_postprocess", "_build_accelerator_args",
+                  "create_optimizer", "_wrap_model", "training_step", "_clip_grad_norm",
+                  "_get_grad_norm", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                  "_load_optimizer_and_scheduler", "_load_best_model",
+                  "_maybe_log_save_evaluate")
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def read_zero_config(zero_config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+    """``zero_config`` as ZeroOptimizer keyword arguments.
+
+    Args:
+        zero_config: None (ZeroOptimizer's defaults: stage 1), a dict, or the path of a JSON
+            file holding one. ``reduce_dtype`` may be a name ("bf16", "fp32", ...),
+            ``offload_config`` and ``loss_scale`` dicts of their dataclasses' fields.
+
+    Raises:
+        ValueError: a key that ``TrainingArguments`` owns, or a bad dtype name.
+        TypeError: ``zero_config`` is not one of the above.
+    """
+    if zero_config is None:
+        return {}
+    if isinstance(zero_config, (str, os.PathLike)):
+        with open(zero_config) as f:
+            zero_config = json.load(f)
+    if not isinstance(zero_config, dict):
+        raise TypeError(f"zero_config must be None, a dict of ZeroOptimizer arguments or the "
+                        f"path of a JSON file of one, got {type(zero_config).__name__}")
+    cfg = dict(zero_config)
+    owned = sorted(k for k in cfg if k in _FROM_ARGS)
+    if owned:
+        raise ValueError(f"zero_config sets {owned}: ZeroTrainer takes "
+                         f"{', '.join(_FROM_ARGS[k] for k in owned)} from TrainingArguments")
+    if isinstance(cfg.get("reduce_dtype"), str):
+        name = cfg["reduce_dtype"]
+        if name not in _DTYPES:
+            raise ValueError(f"zero_config['reduce_dtype'] must be one of {sorted(_DTYPES)} or "
+                             f"a torch dtype, got {name!r}")
+        cfg["reduce_dtype"] = _DTYPES[name]
+    if isinstance(cfg.get("offload_config"), dict):
+        cfg["offload_config"] = OffloadConfig(**cfg["offload_config"])
+    if isinstance(cfg.get("loss_scale"), dict):
+        cfg["loss_scale"] = LossScaleConfig(**cfg["loss_scale"])
+    return cfg
+
+
+def optimizer_kwargs(args, zero_config: Dict[str, Any]) -> Dict[str, Any]:
+    """ZeroOptimizer keyword arguments (param groups aside) from ``TrainingArguments`` and the
+    parsed ``zero_config``.
+
+    Raises:
+        ValueError: ``args.optim`` is not an AdamW (ZeroOptimizer's update is AdamW).
+    """
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in _ADAMW:
+        raise ValueError(f"ZeroTrainer updates with zkernels' sharded AdamW: "
+                         f"TrainingArguments.optim must be one of {_ADAMW}, got {optim!r}")
+    param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    max_norm = args.max_grad_norm
+    return dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                max_grad_norm=float(max_norm) if max_norm and max_norm > 0 else None,
+                param_dtype=param_dtype, **zero_config)
+
+
+def _state_dict_refs(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model.state_dict(keep_vars=True)``'s keys and tensors (parameters and persistent
+    buffers under every name of every module), without calling it."""
+    refs = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                refs[prefix + n] = p
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                refs[prefix + n] = b
+    return refs
+
+
+@torch.no_grad()
+def full_state_dict(opt: ZeroOptimizer, keep: bool = True) -> Optional[Dict[str, torch.Tensor]]:
+    """The model's ``state_dict()`` with full parameters, copied to the CPU. Collective at
+    stage 3 (every rank gathers each unit in turn, so a rank holds one unit beyond its
+    shards at a time); tied keys share one tensor.
+
+    Args:
+        opt: the ZeroOptimizer that owns the model.
+        keep: whether this rank copies and returns the weights (False: it only takes part in
+            the gathers, and returns None).
+    """
+    model = opt.module
+    # key -> the Parameter or buffer itself; at stage 3 model.state_dict() refuses to run on
+    # sharded parameters, so its keys are listed the way it lists them.
+    refs = _state_dict_refs(model) if opt.schedule is not None else \
+        model.state_dict(keep_vars=True)
+    copies: Dict[int, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> None:
+        if keep and id(t) not in copies:
+            copies[id(t)] = t.detach().to("cpu", copy=True).contiguous()
+
+    if opt.schedule is None:
+        opt.wait_params()
+    else:
+        for unit in opt.schedule.units:
+            if not unit.flats:
+                continue
+            held = {id(p) for f in unit.flats for p in f.params}   # frozen ones included
+            with opt.schedule.gathered([unit]):
+                for t in refs.values():
+                    if id(t) in held:
+                        copy(t)
+    for t in refs.values():
+        # Stages 1-2: every parameter. Stage 3: the buffers, and any parameter no unit holds
+        # (one zkernels leaves unsharded, e.g. frozen where it does not shard those): full.
+        copy(t)
+    if not keep:
+        return None
+    return {k: copies[id(t)] for k, t in refs.items()}
+
+
+class _ZeroGrad(TrainerCallback):
+    """``opt.zero_grad()`` after every optimizer step (see [Note: what ZeroTrainer changes in
+    Trainer])."""
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if isinstance(optimizer, ZeroOptimizer):
+            optimizer.zero_grad()
+
+
+class ZeroTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer is a :class:`~zkernels.ZeroOptimizer`: any
+    rung (stage 1/2/3, CPU or NVMe offload) with the model unwrapped. See the module
+    docstring and [Note: what ZeroTrainer changes in Trainer].
+
+    Args:
+        *args, **kwargs: ``Trainer``'s. ``optimizers=(opt, scheduler)`` may pass a
+            ZeroOptimizer built over ``model`` (``zero_config`` then does not apply); any
+            other optimizer raises TypeError.
+        zero_config: ZeroOptimizer arguments besides those ``TrainingArguments`` set: a dict
+            or the path of a JSON file of one (see :func:`read_zero_config`); default stage 1.
+
+    Raises:
+        ValueError: DeepSpeed or FSDP is enabled too, or one process drives several GPUs
+            (``nn.DataParallel``: launch one process per GPU with torchrun instead).
+        TypeError: ``optimizers`` holds something other than a ZeroOptimizer.
+    """
+
+    def __init__(self, *args, zero_config=None, **kwargs) -> None:
+        missing = [m for m in _TRAINER_HOOKS if not callable(getattr(Trainer, m, None))]
+        if missing:
+            raise RuntimeError(f"ZeroTrainer needs a transformers.Trainer with {missing} "
+                               f"(transformers 5; tested with 5.24), found transformers "
+                               f"{_transformers_version()}: without them Trainer would clip "
+                               f"and wrap the model itself")
+        self.zero_config = read_zero_config(zero_config)
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("ZeroTrainer shards with zkernels: leave TrainingArguments' "
+                             "deepspeed and fsdp unset")
+        if self.args.n_gpu > 1:
+            raise ValueError(f"ZeroTrainer runs one device per process, this process sees "
+                             f"{self.args.n_gpu} GPUs: launch with torchrun --nproc-per-node")
+        if self.optimizer is not None:
+            self._check_optimizer(self.optimizer, self.model)
+        self.add_callback(_ZeroGrad)
+
+    @staticmethod
+    def _check_optimizer(opt, model) -> None:
+        if not isinstance(opt, ZeroOptimizer):
+            raise TypeError(f"ZeroTrainer's optimizer must be a zkernels.ZeroOptimizer (or "
+                            f"None: built from TrainingArguments and zero_config), got "
+                            f"{type(opt).__name__}")
+        if opt.module is not model:
+            raise ValueError("the ZeroOptimizer given in optimizers= was built over another "
+                             "model than the one given to ZeroTrainer")
+
+    # -- optimizer and wrapping ------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # [Note: what ZeroTrainer changes in Trainer]: backward goes through opt.backward (on
+        # every accelerator Trainer makes: hyper-parameter search makes new ones).
+        self.accelerator.backward = self._zero_backward
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        out = super()._build_accelerator_args(**kwargs)
+        out["mixed_precision"] = "no"   # the optimizer's param_dtype; no autocast, no GradScaler
+        return out
+
+    def create_optimizer(self, model: Optional[nn.Module] = None) -> ZeroOptimizer:
+        """Build the ZeroOptimizer over the model (in place: its parameters become views of
+        flat buffers, sharded at stage 3), with Trainer's decay / no-decay param groups and
+        the hyper-parameters of ``TrainingArguments``; keep Accelerate from wrapping either."""
+        model = self.model if model is None else model
+        if self.optimizer is None:
+            decay = set(self.get_decay_parameter_names(model))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay],
+                       "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            self.optimizer = ZeroOptimizer(
+                model, param_groups=[g for g in groups if g["params"]],
+                **optimizer_kwargs(self.args, self.zero_config))
+        self._check_optimizer(self.optimizer, model)
+        # Accelerate's guard against preparing twice: prepare() returns both unchanged, so the
+        # model is never wrapped in DDP and the optimizer is stepped directly.
+        model._is_accelerate_prepared = True
+        self.optimizer._is_accelerate_prepared = True
+        return self.optimizer
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        return model   # no nn.DataParallel, no DDP: the ZeroOptimizer reduces the gradients
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _zero_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        kwargs.pop("learning_rate", None)   # LOMO's; Trainer passes it for LOMO only
+        if isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.backward(loss, **kwargs)
+        else:   # a forward/backward before the optimizer exists (no ZeRO yet)
+            loss.backward(**kwargs)
+
+    def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Trainer's step; a micro-step that does not end an accumulation runs inside
+        ``opt.no_sync()`` (no communication), as DDP's does inside ``no_sync``."""
+        state = self.accelerator.gradient_state
+        sync = state.sync_gradients or state.plugin_kwargs.get("sync_each_batch", False)
+        ctx = contextlib.nullcontext() if sync else self.optimizer.no_sync()
+        with ctx:
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        return None   # clipped inside opt.step() by the global norm across shards
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None   # the global norm exists only inside opt.step(): logged from there
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        if isinstance(self.optimizer, ZeroOptimizer):
+            grad_norm = self.optimizer.last_grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    # -- saving and resuming ---------------------------------------------------------------
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Write ``save_pretrained`` output (weights as safetensors, config) of the full model
+        to ``output_dir`` on the saving rank(s). Collective once training has built the
+        ZeroOptimizer: every rank calls it."""
+        if not isinstance(self.optimizer, ZeroOptimizer):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = full_state_dict(self.optimizer, keep=self.args.should_save)
+        self._save(output_dir, state_dict=state_dict)   # returns at once off the saving ranks
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        zk_checkpoint.save(self.optimizer, os.path.join(output_dir, ZERO_CHECKPOINT_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    @staticmethod
+    def _zero_checkpoint(checkpoint: str) -> str:
+        path = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
+        if not os.path.isdir(path):
+            raise ValueError(f"{checkpoint} holds no zkernels checkpoint ({ZERO_CHECKPOINT_DIR}/): "
+                             f"ZeroTrainer resumes only from its own checkpoints, saved without "
+                             f"save_only_model")
+        return path
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # The weights come back with the optimizer's state in _load_optimizer_and_scheduler,
+        # once the ZeroOptimizer exists (at stage 3 the model's parameters are shards).
+        self._zero_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        zk_checkpoint.load(self.optimizer, self._zero_checkpoint(checkpoint))
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        zk_checkpoint.load(self.optimizer, self._zero_checkpoint(best))
