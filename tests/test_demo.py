@@ -281,6 +281,7 @@ def test_corpus_tokenizer_and_batches():
         assert torch.equal(y[:, :-1], x[:, 1:])
 
 
+@pytest.mark.slow  # fault timing: a rank that dies mid-run
 def test_demo_rank_failure_is_reported(tmp_path):
     # Every rank raises (a context longer than the corpus; the later --block-size wins): the launcher says so
     # and exits non-zero instead of hanging or printing a table.

@@ -64,7 +64,7 @@ def _measure_all(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_estimate_matches_stats(world_size):
     results = run_ranks(_measure_all, world_size)[0]
     model = GPT(CFG)    # fp32 module: the estimate counts its parameters and largest tensor
@@ -113,6 +113,7 @@ def _auto_rank(rank, world_size, budgets):
     return out
 
 
+@pytest.mark.slow  # stage='auto' on ranks; test_auto covers the choice in one process
 def test_optimizer_auto_on_ranks():
     model = GPT(DEEP)
     e1, e2, e3 = (estimate_memory(model, 2, s, bucket_bytes=BUCKET_BYTES) for s in (1, 2, 3))

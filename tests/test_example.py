@@ -27,6 +27,7 @@ def _run(cwd, nproc, *args):
     return proc.stdout
 
 
+@pytest.mark.slow  # the example trained twice (an example run stays in test_example_hf)
 def test_resume_matches_uninterrupted(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     elsewhere = tmp_path / "elsewhere"

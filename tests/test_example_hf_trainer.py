@@ -25,6 +25,7 @@ def _run(cmd, env):
     return proc.stdout
 
 
+@pytest.mark.slow  # the example under torchrun, then a resume (parity: tests/integrations)
 @pytest.mark.timeout(420)
 def test_hf_trainer_example(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

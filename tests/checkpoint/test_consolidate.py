@@ -123,6 +123,7 @@ print(status("VmHWM") - before)
 """
 
 
+@pytest.mark.slow  # a soak: a large model streamed under an RSS bound
 def test_consolidate_streams_a_model_4x_the_memory_limit(tmp_path):
     """Streaming export of a 100 MB model (fp32) stays under 25 MB above the process's
     baseline; the in-memory dict stays within the output plus that (see [Note: measuring

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_demo import LOSS_ATOL, ROOT, TINY
 
 
@@ -19,6 +21,7 @@ def _demo(cwd, *extra):
     return {r["name"]: r for r in json.loads(out.read_text())["rungs"]}
 
 
+@pytest.mark.slow  # three demo runs; resume at another world size is in test_resume
 def test_demo_saves_and_resumes_at_another_world_size(tmp_path):
     straight = _demo(tmp_path, "--steps", "6")
     _demo(tmp_path, "--steps", "3", "--ckpt-dir", "ck")

@@ -242,6 +242,7 @@ def test_replace_and_recover_interrupted_publish(tmp_path):
     assert _load(path) == 3 and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+@pytest.mark.slow  # fault timing: a rank killed mid-save
 def test_killed_rank_leaves_previous_checkpoint(tmp_path):
     """World size 2: rank 1 SIGKILLs itself halfway through writing its shard of the second
     save. Rank 0 fails with SaveAbortedError within the process group's timeout; the first

@@ -19,7 +19,8 @@ from tests.conftest import tol
 from tests.zero._harness import make_model
 from zkernels.zero.planning.policy import RUNGS
 
-WORLD_SIZES = (1, 2, 4)
+WORLD_SIZES = (pytest.param(1, marks=pytest.mark.slow), 2,
+               pytest.param(4, marks=pytest.mark.slow))  # 1 and 4 ranks: the full suite
 CASES = [(stage, offload, dtype) for stage, offload in RUNGS for dtype in _ranks.DTYPES]
 # Stage 3 with offload_params (the parameter shards in host RAM): the same checkpoints load.
 CASES += [(3, "cpu+params", dtype) for dtype in _ranks.DTYPES] + [(3, "nvme+params", "bf16")]

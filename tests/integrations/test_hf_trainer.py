@@ -33,6 +33,7 @@ def test_zero_trainer_matches_trainer_with_ddp(tmp_path):
     assert len(out["ddp"]) == STEPS and out["ddp"][STEPS] != out["ddp"][1]
 
 
+@pytest.mark.slow  # two Trainer runs and a resume (other world sizes: tests/checkpoint)
 @pytest.mark.timeout(600)
 def test_resume_at_another_world_size(tmp_path):
     """Stage 3 at 2 ranks, evaluated and checkpointed at steps 2 and 4 (the best one loaded at

@@ -18,6 +18,8 @@ import torch
 
 from tests._stages import stage_params
 
+pytestmark = pytest.mark.slow  # two torchrun agents as two nodes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "launch", "_train.py")
 LAUNCH_TIMEOUT_S = 240

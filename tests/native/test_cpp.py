@@ -18,6 +18,7 @@ def _run(cmd, cwd, timeout):
     return proc.stdout
 
 
+@pytest.mark.slow  # a CMake build of the C++ tests; the bindings are tested in the quick suite
 def test_ctest_cpu_adam():
     if skip_ext_requested():
         pytest.skip("ZKERNELS_SKIP_EXT=1: installed without the native extension")

@@ -2,12 +2,14 @@
 benchmark is not a test; this only keeps ``python -m zkernels.bench`` from rotting)."""
 import json
 
+import pytest
 import torch
 
 from zkernels.bench import kernels
 from zkernels.bench.__main__ import main
 
 
+@pytest.mark.slow  # runs the whole kernel bench once
 def test_bench_writes_a_row_per_op(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("ZKERNELS_BACKEND", raising=False)
     path = tmp_path / "rows.json"

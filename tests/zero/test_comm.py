@@ -60,6 +60,7 @@ def test_collectives_on_three_gloo_ranks():
     assert run_ranks(collectives, 3) == [True] * 3
 
 
+@pytest.mark.slow  # fault timing
 def test_a_rank_that_keeps_the_group_fails_the_teardown_check():
     """The teardown check of tests/_dist.py (gloo threads gone within its grace after
     destroy_process_group()) fails a rank that still holds the group, instead of passing."""
@@ -67,6 +68,7 @@ def test_a_rank_that_keeps_the_group_fails_the_teardown_check():
         run_ranks(holds_group, 2, timeout=60.0)
 
 
+@pytest.mark.slow  # fault timing
 @pytest.mark.parametrize("mode", ["exit", "silent"])
 def test_dead_peer_fails_within_timeout(mode):
     pg_timeout_s = 3.0
@@ -78,6 +80,7 @@ def test_dead_peer_fails_within_timeout(mode):
                               "group's timeout"), message
 
 
+@pytest.mark.slow  # fault timing
 def test_own_timeout_bounds_a_silent_peer():
     """make_comm(timeout=...) bounds the wait on a stuck peer even when the process group's
     timeout is much longer (see [Note: timeouts on torch.distributed])."""

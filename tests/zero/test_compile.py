@@ -16,6 +16,8 @@ import zkernels as zk
 from tests.zero._harness import EPS, LR, MICRO_BATCH, chunk, clone_model, make_batches, \
     make_model
 
+pytestmark = pytest.mark.slow  # torch.compile: minutes of inductor compilation
+
 STAGES = (1, 2, 3)
 STEPS = 3
 LOSS_RTOL = 1e-5

@@ -9,6 +9,8 @@ from tests._dist_faults import run_ranks_outcomes
 from tests._stages import stage_params
 from tests.zero._fault_checks import faulty_training
 
+pytestmark = pytest.mark.slow  # fault timing: ranks killed or stuck, bounded by timeouts
+
 PG_TIMEOUT_S = 5.0  # the process group's: what bounds a kill when no own timeout is given
 OWN_TIMEOUT_S = 3.0  # ZeroOptimizer(timeout=...) for a stuck rank, under a 60 s group timeout
 SLACK_S = 10.0  # the step before the fault, on a loaded 2-core machine; a hang is unbounded

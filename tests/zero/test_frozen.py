@@ -43,6 +43,7 @@ def test_lora_at_stage3_holds_a_shard_of_the_frozen_base():
               f"{lora['frozen']}, trainable {lora['trainable']}): {lora['stats']}")
 
 
+@pytest.mark.slow  # three spawns; the bf16 round trip stays in the quick suite
 def test_checkpoint_stage3_two_ranks_to_stage1_one_rank_and_back(tmp_path):
     """Saved at stage 3 on 2 ranks (frozen parameters written from their shards), loaded at
     stage 1 on one rank, consolidated: every key bit for bit, frozen ones included; then saved

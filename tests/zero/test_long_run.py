@@ -8,6 +8,8 @@ from tests._dist import run_ranks
 from tests._stages import implemented_stages, stage_params
 from tests.zero._long_checks import battery
 
+pytestmark = pytest.mark.slow  # soaks: many steps watching memory
+
 WORLD_SIZE = 2
 
 

@@ -8,7 +8,7 @@ import pytest
 from tests.zero._harness import battery_results
 from tests.zero._offload_checks import CHECKS, battery
 
-WORLD_SIZES = (1, 2)
+WORLD_SIZES = (pytest.param(1, marks=pytest.mark.slow), 2)  # 1 rank: the full suite
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def _grad_writes(rank, ws):
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_stage1_sees_gradient_writes_after_backward(world_size):
     for res in run_ranks(_grad_writes, world_size):
         for a, b in zip(res["double_loss"], res["double_grads"]):
@@ -108,7 +108,10 @@ def _lazy_gathers(rank, ws, stage, param_dtype, offload=None):
 
 
 @pytest.mark.parametrize("stage,param_dtype,offload", [
-    (1, None, None), (2, None, None), (2, torch.bfloat16, None), (2, torch.bfloat16, "cpu")])
+    (2, None, None),  # the quick suite; the full suite also runs:
+    pytest.param(1, None, None, marks=pytest.mark.slow),
+    pytest.param(2, torch.bfloat16, None, marks=pytest.mark.slow),
+    pytest.param(2, torch.bfloat16, "cpu", marks=pytest.mark.slow)])
 def test_overlap_param_gather_bit_identical(stage, param_dtype, offload):
     for res in run_ranks(_lazy_gathers, 2, stage, param_dtype, offload):
         (l0, sd0, p0), (l1, sd1, p1) = res[False], res[True]
@@ -155,8 +158,9 @@ def _auto_memory(rank, ws, param_dtype):
     return out
 
 
-@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("param_dtype",
+                         [None, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_auto_buckets(param_dtype, world_size):
     """bucket_bytes=None on the demo's model: where buckets cost reduce buffers, a small first
     bucket, then buckets of about 1/4 of the model; stage 1 reducing in place takes DDP's

@@ -7,7 +7,7 @@ from tests._dist import run_ranks
 from tests.zero._harness import battery_results
 from tests.zero._stage3_checks import CHECKS, battery, divergent_path
 
-WORLD_SIZES = (1, 2, 4)
+WORLD_SIZES = (1, 2, pytest.param(4, marks=pytest.mark.slow))  # 4 ranks: the full suite
 
 
 @pytest.fixture(scope="module")

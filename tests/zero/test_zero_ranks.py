@@ -8,7 +8,7 @@ import pytest
 from tests.zero._harness import battery_results
 from tests.zero._rank_checks import CHECKS, battery
 
-WORLD_SIZES = (1, 2, 4)
+WORLD_SIZES = (1, 2, pytest.param(4, marks=pytest.mark.slow))  # 4 ranks: the full suite
 
 
 @pytest.fixture(scope="module")
