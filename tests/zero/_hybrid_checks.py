@@ -71,6 +71,10 @@ def _check_traffic_and_memory(opt, ws, stage, offload, K=K):
     assert mem["params"] == (4 * shard if stage == 3 else 4 * padded), mem
     assert mem["grads"] == (4 * padded if stage == 1 else 4 * shard), mem
     assert mem["master"] == (4 * shard if offload else 0), mem
+    if stage == 3:  # between steps: the formula with N -> K and nothing else (no reduce buffer)
+        assert mem["buffers"] == 0, mem
+        assert mem["total"] == sum(mem[k] for k in ("params", "grads", "master",
+                                                     "optimizer_states")), mem
     est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, offload=offload)
     plain = zk.estimate_memory(make_model(), K, stage, offload=offload)
     for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):
