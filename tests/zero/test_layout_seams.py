@@ -42,3 +42,20 @@ def test_subpackages_import_only_downward():
 def test_no_module_left_flat():
     flat = sorted(p.name for p in ZERO.glob("*.py"))
     assert flat == ["__init__.py", "optimizer.py", "stats.py"], flat
+
+
+def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
+    """The update strategies read ``unit.gather.shard_on_host`` (the parameter side says where
+    its shard lives); none tests ``isinstance`` against a class of parameters/."""
+    bad = []
+    for f in sorted((ZERO / "state").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        names = {a.asname or a.name for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 2
+                 and (node.module or "").startswith("parameters") for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                used = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if used & names:
+                    bad.append(f"state/{f.name}:{node.lineno} isinstance(..., {sorted(used)})")
+    assert not bad, bad

@@ -71,6 +71,8 @@ class HostShardedParams(ShardedParams):
         store: the :class:`HostParamStore` that copies and counts.
     """
 
+    shard_on_host = True
+
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout, shard: slice,
                  host_shard: torch.Tensor, device: torch.device,
                  store: "HostParamStore") -> None:

@@ -57,6 +57,7 @@ class GatherPolicy(Protocol):
 
     compute_shard: torch.Tensor
     full: Optional[torch.Tensor]
+    shard_on_host: bool  # compute_shard is host memory (the update writes it there)
 
     @property
     def is_gathered(self) -> bool: ...
@@ -82,6 +83,8 @@ class ReplicatedParams:
         full: [padded_numel] compute dtype buffer.
         shard: this rank's slice of it.
     """
+
+    shard_on_host = False
 
     def __init__(self, full: torch.Tensor, shard: slice) -> None:
         self.full = full
@@ -139,6 +142,8 @@ class ShardedParams:
         layout: the unit's layout.
         compute_shard: [shard_numel] compute dtype, this rank's persistent shard (owned).
     """
+
+    shard_on_host = False
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
                  compute_shard: torch.Tensor, device: Optional[torch.device] = None) -> None:

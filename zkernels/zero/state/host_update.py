@@ -43,7 +43,7 @@ import torch
 
 from ...ops import OpSet
 from ..planning.offload_config import OffloadConfig
-from ..parameters.param_offload import HostParamStore, HostShardedParams
+from ..parameters.param_offload import HostParamStore
 from .shard_state import ShardState
 from .transfer import Copier, Fence
 from ..parameters.units import FlatParamUnit, ShardedParams
@@ -154,7 +154,7 @@ class HostUpdate:
             raise ValueError(f"init_state: unit {unit.index} out of order (expected "
                              f"{len(self.states)})")
         n = unit.layout.shard_numel
-        on_host = _shard_on_host(unit)
+        on_host = unit.gather.shard_on_host
         if on_host and unit.compute_dtype == torch.float32:
             master = unit.compute_shard   # the host parameter shard is its own master
         else:
@@ -189,7 +189,7 @@ class HostUpdate:
         mixed = unit.compute_dtype != torch.float32
         n, sub = unit.layout.shard_numel, self.config.sub_group_numel
         last: Optional[Fence] = None
-        if _shard_on_host(unit):
+        if unit.gather.shard_on_host:
             # [Note: parameter offload]: write the host shard in place, nothing to send.
             self.param_store.settle()
             for lo in range(0, n, sub):
@@ -263,7 +263,7 @@ class HostUpdate:
         st.exp_avg.copy_(exp_avg)
         st.exp_avg_sq.copy_(exp_avg_sq)
         st.master.copy_(master)
-        if _shard_on_host(unit):
+        if unit.gather.shard_on_host:
             self.param_store.settle()
             if unit.compute_dtype != torch.float32:
                 self.host_ops.cast(st.master, out=unit.compute_shard)
@@ -304,8 +304,3 @@ class HostUpdate:
 
     def adopt(self, num_units: int) -> None:
         raise RuntimeError(f"{type(self).__name__} does not resume kept state")
-
-
-def _shard_on_host(unit: FlatParamUnit) -> bool:
-    """The unit's persistent compute shard is host memory (stage 3, ``offload_params``)."""
-    return isinstance(unit.gather, HostShardedParams)

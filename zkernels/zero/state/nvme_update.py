@@ -36,7 +36,7 @@ import torch
 from ...ops import OpSet
 from .host_update import host_scalar
 from ..planning.offload_config import IO_ALIGN, NUM_NVME_BUFFERS, OffloadConfig
-from ..parameters.param_offload import HostParamStore, HostShardedParams
+from ..parameters.param_offload import HostParamStore
 from .shard_state import ShardState
 from .swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty, log, make_run_folder,
                    probe_direct_io, remove_run_folder, round_up)
@@ -282,7 +282,7 @@ class NvmeUpdate:
         host with ``offload_params``)."""
         src = master if unit.compute_dtype == torch.float32 else \
             self.host_ops.cast(master.contiguous(), unit.compute_dtype)
-        if isinstance(unit.gather, HostShardedParams):
+        if unit.gather.shard_on_host:
             self.param_store.settle()
             unit.compute_shard.copy_(src)
             return
@@ -326,7 +326,7 @@ class NvmeUpdate:
         beta1, beta2 = group["betas"]
         scale = host_scalar(grad_scale)
         mixed = unit.compute_dtype != torch.float32
-        on_host = isinstance(unit.gather, HostShardedParams)
+        on_host = unit.gather.shard_on_host
         if on_host:
             self.param_store.settle()   # no copy still reads the shard we write
         pieces = self._pieces(unit.layout.shard_numel)
