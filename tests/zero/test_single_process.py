@@ -2,6 +2,7 @@
 semantics that do not need several ranks."""
 import gc
 
+import pytest
 import torch
 
 import zkernels as zk
@@ -101,3 +102,41 @@ def test_buckets_follow_backward_order_and_never_mix_groups():
     model(*chunk(make_batches(1, MICRO_BATCH)[0], 0)).backward()
     assert all(p.grad is None for p in model.parameters())
     assert len(opt.reducer.held_buffers()) == 3
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_set_to_none_as_torch_documents(stage):
+    """zero_grad(set_to_none=False) zeroes a full gradient still held (a no_sync micro-step)
+    instead of dropping it, as torch's does; the default drops it (stages 2-3; stage 1's
+    gradients are views of its flat buffers and are zeroed either way). Either way the
+    accumulated micro-step is forgotten: the next step equals a run without it."""
+    torch.set_num_threads(1)
+    first, second = make_batches(2, MICRO_BATCH)
+
+    def run(clear):
+        model = make_model()
+        opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS)
+        if clear is not None:
+            with opt.no_sync():
+                model(*chunk(first, 0)).backward()
+            clear(opt)
+            grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        else:
+            grads = None
+        model(*chunk(second, 0)).backward()
+        opt.step()
+        with opt.gathered():
+            return grads, [p.detach().clone() for p in model.parameters()]
+
+    _, expected = run(None)
+    kept, after_zeros = run(lambda o: o.zero_grad(set_to_none=False))
+    dropped, after_none = run(lambda o: o.zero_grad())
+    assert all(g is not None and not g.any() for g in kept), "set_to_none=False keeps zeros"
+    if stage == 1:
+        assert all(g is not None and not g.any() for g in dropped)
+    else:
+        assert all(g is None for g in dropped), "set_to_none=True drops the held gradients"
+    for got in (after_zeros, after_none):
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    with pytest.raises(TypeError, match="set_to_none"):
+        zk.ZeroOptimizer(make_model(), stage=stage, lr=LR).zero_grad(set_to_none="no")

@@ -380,9 +380,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients. Stage 1 zeroes its flat buffers (``param.grad`` stays a view of
-        them whatever ``set_to_none`` says); stage 2 sets ``param.grad`` to None."""
-        self.reducer.zero_grad()
+        """Clear gradients, as ``torch.optim.Optimizer.zero_grad`` documents: the reduced
+        shards are forgotten, and a full ``param.grad`` still held (stages 2-3 free them in
+        backward, so only inside ``no_sync`` is one held) becomes None, or zeros with
+        ``set_to_none=False``. Stage 1 zeroes its flat buffers either way (``param.grad``
+        stays a view of them: backward accumulates straight into the bucket layout)."""
+        if not isinstance(set_to_none, bool):
+            raise TypeError(f"zero_grad(set_to_none=...) must be a bool, got "
+                            f"{type(set_to_none).__name__}")
+        self.reducer.zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):

@@ -63,8 +63,9 @@ class GradReducer(Protocol):
         """Complete the reduction: this rank's gradient shard per bucket ([shard_numel]) and
         the divisor not yet applied to them. Collective."""
 
-    def zero_grad(self) -> None:
-        """Forget accumulated gradients."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients; a full gradient still held becomes None
+        (``set_to_none``) or zeros, as ``torch.optim.Optimizer.zero_grad`` does."""
 
     def held_grads(self) -> List[torch.Tensor]:
         """Gradient storage held between steps (for ``stats()``)."""
@@ -227,7 +228,9 @@ class FullGradReducer:
         if self._pool is not None:
             self._pool.drain()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # param.grad stays a view of the flat buffer either way (zeros): backward accumulates
+        # straight into the bucket layout.
         self._drain()  # no reduction may read a buffer while it is zeroed
         self._forget()
         for g in self.grads:
@@ -357,12 +360,16 @@ class ShardedGradReducer:
         """The gradient shards where the sink keeps them (device or host)."""
         return self.sink.shards
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._rs.discard()
         self.sink.reset()
         for b in self._buckets:
             for p in b.params:
-                p.grad = None
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:  # a full gradient held (no_sync): zeros, as torch's zero_grad(False)
+                    p.grad.detach_()
+                    p.grad.zero_()
 
     def held_grads(self) -> List[torch.Tensor]:
         """Gradient storage on the device (a host sink reports its own, see ``update.py``)."""
