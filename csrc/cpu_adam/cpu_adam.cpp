@@ -116,6 +116,15 @@ Isa best_isa() {
   return Isa::kScalar;
 }
 
+Isa resolve_isa(Isa isa) {
+  if (isa == Isa::kAuto) isa = best_isa();
+  if (!isa_supported(isa)) {
+    throw std::invalid_argument(std::string("isa '") + isa_name(isa) +
+                                "' was forced but this CPU does not support it");
+  }
+  return isa;
+}
+
 Isa adamw_step(const AdamWBuffers& b, const AdamWConfig& cfg, Isa isa, int num_threads) {
   check(b, cfg);
   if (isa == Isa::kAuto) isa = best_isa();

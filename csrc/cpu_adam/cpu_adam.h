@@ -23,6 +23,9 @@ Isa parse_isa(const std::string& name);
 // Whether this CPU (and OS) can run `isa`: avx2 needs AVX2+FMA+F16C, avx512 needs F+BW+VL.
 bool isa_supported(Isa isa);
 Isa best_isa();
+// `isa` itself, or (kAuto) best_isa(); throws std::invalid_argument when a forced path is one
+// this CPU cannot run. The CPU ops and the quantization ops resolve their `isa` through it.
+Isa resolve_isa(Isa isa);
 
 // Hyperparameters of one step, as zkernels.reference.adamw_step takes them.
 struct AdamWConfig {

@@ -42,15 +42,6 @@ int64_t work_items(int64_t total, int64_t count, int64_t single_items) {
   return count > 1 ? total / kListParallelNumel : single_items;
 }
 
-Isa resolve(Isa isa) {
-  if (isa == Isa::kAuto) isa = best_isa();
-  if (!isa_supported(isa)) {
-    throw std::invalid_argument(std::string("isa '") + isa_name(isa) +
-                                "' was forced but this CPU does not support it");
-  }
-  return isa;
-}
-
 int thread_count(int num_threads, int64_t work_items) {
   if (num_threads < 0) {
     throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
@@ -97,7 +88,7 @@ std::vector<Tile> tiles(int64_t count, int64_t tile, SizeOf size_of) {
 
 Isa copy_segments(const Segment* segments, int64_t count, const CopySpec& spec, Isa isa,
                   int num_threads) {
-  isa = resolve(isa);
+  isa = resolve_isa(isa);
   const CopyFn fn = copy_function(spec, isa);
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) total += segments[i].numel;
@@ -121,7 +112,7 @@ Isa copy_segments(const Segment* segments, int64_t count, const CopySpec& spec, 
 
 bool unscale_and_check(void* x, DType dtype, int64_t numel, float inv_scale, Isa isa,
                        int num_threads, Isa* ran) {
-  isa = resolve(isa);
+  isa = resolve_isa(isa);
   if (ran) *ran = isa;
   using Fn = bool (*)(void*, DType, int64_t, int64_t, float);
   const Fn fn = isa == Isa::kAvx512 ? detail::unscale_range_avx512
@@ -139,7 +130,7 @@ bool unscale_and_check(void* x, DType dtype, int64_t numel, float inv_scale, Isa
 }
 
 double sum_squares(const Span* spans, int64_t count, Isa isa, int num_threads, Isa* ran) {
-  isa = resolve(isa);
+  isa = resolve_isa(isa);
   if (ran) *ran = isa;
   using Fn = double (*)(const void*, DType, int64_t);
   const Fn fn = isa == Isa::kAvx512 ? detail::sumsq_chunk_avx512

@@ -19,15 +19,6 @@ namespace {
 // count: blocks are independent and each element's sum runs in chunk order.
 constexpr int64_t kTileNumel = 16384;
 
-Isa resolve(Isa isa) {
-  if (isa == Isa::kAuto) isa = best_isa();
-  if (!isa_supported(isa)) {
-    throw std::invalid_argument(std::string("isa '") + isa_name(isa) +
-                                "' was forced but this CPU does not support it");
-  }
-  return isa;
-}
-
 void check(int bits, int64_t block, int64_t numel) {
   if (!quant_bits_ok(bits)) {
     throw std::invalid_argument("bits must be 8 or 4, got " + std::to_string(bits));
@@ -76,7 +67,7 @@ void dequantize_scalar(const DequantizeArgs& a, int64_t b0, int64_t b1) {
 
 Isa quantize(const QuantizeArgs& a, Isa isa, int num_threads) {
   check(a.bits, a.block, a.numel);
-  isa = resolve(isa);
+  isa = resolve_isa(isa);
   using Fn = void (*)(const QuantizeArgs&, int64_t, int64_t);
   const Fn fn = isa == Isa::kAvx512 ? quant::quantize_avx512
                 : isa == Isa::kAvx2 ? quant::quantize_avx2
@@ -93,7 +84,7 @@ Isa dequantize(const DequantizeArgs& a, Isa isa, int num_threads) {
     throw std::invalid_argument("chunks must be >= 1 (1 without sum), got " +
                                 std::to_string(a.chunks));
   }
-  isa = resolve(isa);
+  isa = resolve_isa(isa);
   using Fn = void (*)(const DequantizeArgs&, int64_t, int64_t);
   const Fn fn = isa == Isa::kAvx512 ? quant::dequantize_avx512
                 : isa == Isa::kAvx2 ? quant::dequantize_avx2

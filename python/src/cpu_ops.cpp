@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_ops/cpu_ops.h"
+#include "isa_arg.h"
 #include "tensor_arg.h"
 #include "tensor_fast.h"
 
@@ -31,6 +32,8 @@ using zk::py_binding::TensorArg;
 using zk::py_binding::tensor_arg;
 
 namespace {
+
+using zk::py_binding::isa_arg;
 
 int64_t int_method(PyObject* obj, const py::str& name) {
   const py::object r = zk::py_binding::call_method(obj, name);
@@ -45,23 +48,6 @@ uintptr_t data_ptr(PyObject* obj, const py::str& name) {
   if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
   return static_cast<uintptr_t>(v);
 }
-
-// `isa` as given, or (None) ZKERNELS_CPU_ISA read now, stripped and lower-cased as
-// zkernels._cpu reads it; unset or empty means auto.
-zk::cpu::Isa isa_arg(const py::object& isa) {
-  std::string name;
-  if (!isa.is_none()) {
-    name = isa.cast<std::string>();
-  } else if (const char* env = std::getenv("ZKERNELS_CPU_ISA")) {
-    name = env;
-    const auto first = name.find_first_not_of(" \t\n\r\f\v");
-    const auto last = name.find_last_not_of(" \t\n\r\f\v");
-    name = first == std::string::npos ? "" : name.substr(first, last - first + 1);
-    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  }
-  return zk::cpu::parse_isa(name.empty() ? "auto" : name);
-}
-
 
 // ZKERNELS_BACKEND (read now, as zkernels.ops reads it: stripped, lower case) leaves the choice
 // to the default (unset or empty; the cpp backend for CPU tensors where it is built) or names

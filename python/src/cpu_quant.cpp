@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cpu_quant/cpu_quant.h"
+#include "isa_arg.h"
 #include "tensor_arg.h"
 
 namespace py = pybind11;
@@ -18,21 +19,7 @@ using zk::py_binding::TensorArg;
 
 namespace {
 
-// `isa` as given, or (None) ZKERNELS_CPU_ISA read now, stripped and lower-cased; unset or
-// empty means auto (as cpu_ops.cpp reads it).
-zk::cpu::Isa isa_arg(const py::object& isa) {
-  std::string name;
-  if (!isa.is_none()) {
-    name = isa.cast<std::string>();
-  } else if (const char* env = std::getenv("ZKERNELS_CPU_ISA")) {
-    name = env;
-    const auto first = name.find_first_not_of(" \t\n\r\f\v");
-    const auto last = name.find_last_not_of(" \t\n\r\f\v");
-    name = first == std::string::npos ? "" : name.substr(first, last - first + 1);
-    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  }
-  return zk::cpu::parse_isa(name.empty() ? "auto" : name);
-}
+using zk::py_binding::isa_arg;
 
 TensorArg cpu_tensor(const py::handle& obj, const char* name) {
   TensorArg t = zk::py_binding::tensor_arg(obj, name);

@@ -6,7 +6,6 @@ same-order reference of ``_harness.reference_grads`` (see [Note: same-order refe
 """
 from __future__ import annotations
 
-import traceback
 from functools import partial
 
 import torch
@@ -14,7 +13,8 @@ import torch
 import zkernels as zk
 from tests.conftest import tol
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, chunk, clone_model,
-                                 make_batches, make_model, reference_grads, world_mean)
+                                 make_batches, make_model, reference_grads, run_checks,
+                                 world_mean)
 from tests.zero._stage3_checks import variant
 
 BETAS = (0.9, 0.95)
@@ -256,11 +256,4 @@ CHECKS = {f"ckpt_{ck}_stage{s}": partial(ckpt_frozen_parity, stage=s, ckpt=ck)
 
 def battery(rank, ws):
     torch.manual_seed(0)
-    out = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn(rank, ws)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check by the parent
-            out[name] = traceback.format_exc()
-    return out
+    return run_checks(CHECKS, rank, ws)
