@@ -41,7 +41,7 @@ def test_subpackages_import_only_downward():
 
 def test_no_module_left_flat():
     flat = sorted(p.name for p in ZERO.glob("*.py"))
-    assert flat == ["__init__.py", "optimizer.py", "stats.py"], flat
+    assert flat == ["__init__.py", "checkpoint_view.py", "optimizer.py", "stats.py"], flat
 
 
 def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
@@ -59,3 +59,66 @@ def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
                 if used & names:
                     bad.append(f"state/{f.name}:{node.lineno} isinstance(..., {sorted(used)})")
     assert not bad, bad
+
+
+def _declared(protocol) -> set:
+    """The members a protocol declares (annotations, methods, properties)."""
+    own = set(getattr(protocol, "__annotations__", {}))
+    own |= {n for n in vars(protocol) if not n.startswith("_")}
+    return own
+
+
+def _reads_of(path: Path, receivers) -> list:
+    """``(line, receiver, attribute)`` for every ``<receiver>.<attribute>`` in ``path``, the
+    receiver an ``ast.Name`` in ``receivers`` or ``self.<name>``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        name = v.id if isinstance(v, ast.Name) else (
+            v.attr if isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name)
+            and v.value.id == "self" else None)
+        if name in receivers:
+            out.append((node.lineno, name, node.attr))
+    return out
+
+
+def test_checkpoints_read_the_optimizer_through_the_declared_view():
+    """[Note: the declared checkpoint view]: the checkpoint package and state_dict.py touch
+    the optimizer (``opt``) and its units (``u``, ``unit``) only through what
+    ``CheckpointSource`` and ``CheckpointUnit`` declare, and the optimizer and its units
+    implement both."""
+    from zkernels.zero.checkpoint_view import CheckpointSource, CheckpointUnit
+    opt_members, unit_members = _declared(CheckpointSource), _declared(CheckpointUnit)
+    readers = [ZERO.parent / "checkpoint" / "_view.py", ZERO / "state" / "state_dict.py"]
+    bad = []
+    for path in readers:
+        text = path.read_text()
+        assert "getattr(opt" not in text and "getattr(self.opt" not in text, path.name
+        for line, who, attr in _reads_of(path, {"opt", "u", "unit"}):
+            allowed = opt_members if who == "opt" else unit_members
+            if attr not in allowed:
+                bad.append(f"{path.name}:{line} {who}.{attr}")
+    assert not bad, f"undeclared members read: {bad}"
+    for member in ("read_state", "write_state", "counters", "checkpoint_comm"):
+        assert member in opt_members
+
+
+def test_the_optimizer_implements_the_checkpoint_view():
+    import torch
+    from zkernels import ZeroOptimizer
+    from zkernels.zero.checkpoint_view import CheckpointSource, CheckpointUnit
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for stage in (1, 3):
+        opt = ZeroOptimizer(model if stage == 1 else
+                            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                            stage=stage)
+        assert isinstance(opt, CheckpointSource)
+        assert all(isinstance(u, CheckpointUnit) for u in opt.units)
+        # Stage 3's parameters are empty between uses: the units still know their shapes.
+        assert sorted(tuple(s) for u in opt.units for s in u.shapes) == \
+            [(2,), (2, 4), (4,), (4, 4)]
+        step, tensors = opt.read_state(opt.units[0])
+        assert step == 0 and len(tensors) == 3
+        assert opt.counters() == {"num_steps": 0, "overflow_skips": 0, "loss_scaler": None}

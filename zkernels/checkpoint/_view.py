@@ -14,14 +14,15 @@ offloaded state may stage them in and write them back between pieces); the saver
 them, the loader only writes them. Pieces of one rank never overlap, and over all ranks the
 pieces of a parameter tile ``[0, numel)`` exactly (the saver checks it).
 
-This body: the optimizer's flat parameter units (``opt.units``, ``zkernels/zero/parameters/units.py``) and
-the update strategy's shard states (``opt.shard_update.states``, ``shard_state.py``). A state
-knows its unit's parameter names and layout, and ``ShardState.param_slices()`` maps every
-element of its shard to ``(name, start in the parameter)``; its master and moments are
-[shard_numel] fp32. Loading writes into those tensors, then hands each state back to the
-update strategy (``load_state``: it rewrites the unit's compute shard from the master, in the
-compute dtype) and lets the unit's gather policy ``publish`` it (stages 1-2: all-gather the
-full buffer; stage 3: drop a stale gathered copy, the next gather reads the new shards).
+This body reads the optimizer only through the declared view, ``CheckpointSource`` and
+``CheckpointUnit`` in ``zkernels/zero/checkpoint_view.py`` ([Note: the declared checkpoint
+view]): the flat parameter units (``opt.units``), each mapping every element of this rank's
+shard to ``(name, start in the parameter)`` (``param_slices_in_shard``), and each unit's
+state (``read_state``: its step and [shard_numel] fp32 master and moments). Loading writes
+into those tensors, then hands each unit's back (``write_state``: the optimizer rewrites the
+compute shard from the master, in the compute dtype; its own tensors are passed, so nothing
+is copied twice) and ``publish``es the units (stages 1-2: all-gather the full buffer; stage
+3: drop a stale gathered copy, the next gather reads the new shards).
 Buffers, and frozen parameters at stages 1-2 (whole on every rank), come from
 ``opt.module``'s ``state_dict()``.
 
@@ -39,13 +40,12 @@ parameter loaded at stages 1-2 fills the whole tensor (``load._load_model_tensor
 """
 from __future__ import annotations
 
-import contextlib
-
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..zero.checkpoint_view import CheckpointSource
 from .errors import IncompatibleCheckpointError
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -145,81 +145,73 @@ class OptimizerView:
     """
 
     def __init__(self, opt) -> None:
-        if not all(hasattr(opt, a) for a in ("units", "shard_update", "comm")):
+        if not isinstance(opt, CheckpointSource):
             raise TypeError(f"opt must be a zkernels.ZeroOptimizer, got {type(opt).__name__}")
-        module = getattr(opt, "module", None)
-        if not isinstance(module, torch.nn.Module):
+        if not isinstance(opt.module, torch.nn.Module):
             raise TypeError("opt has no module: zkernels.checkpoint needs the ZeroOptimizer "
                             "the model was built with (opt.module)")
         self.opt = opt
-        self.module = module
+        self.module = opt.module
         # overlap_param_gather: the last step's all-gathers write the full buffers (of which
         # the fp32 masters are views) until waited for; save and load read and write them.
-        wait = getattr(opt, "wait_params", None)
-        if wait is not None:
-            wait()
-        self._states = {st.unit_index: st for st in opt.shard_update.states}
-        # (master, exp_avg, exp_avg_sq) per unit, through the update strategy: the live
-        # tensors on the device or in host RAM; for NVMe offload, copies read from its files
-        # (held here until finish_load writes them back, so an NVMe save or load holds the
-        # rank's state in host RAM for its duration).
-        self._staged: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        opt.wait_params()
+        # (step, (master, exp_avg, exp_avg_sq)) per unit index, through the optimizer: the
+        # live tensors on the device or in host RAM; for NVMe offload, copies read from its
+        # files (held here until finish_load writes them back, so an NVMe save or load holds
+        # the rank's state in host RAM for its duration).
+        self._staged: Dict[int, Tuple[int, Tuple[torch.Tensor, ...]]] = {}
         # id(param) -> canonical name (its first name in named_parameters(), as units.py).
-        self._names: Dict[int, str] = {id(p): n for n, p in module.named_parameters()}
+        self._names: Dict[int, str] = {id(p): n for n, p in self.module.named_parameters()}
         unit_params: Dict[str, ParamInfo] = {}
         for u in opt.units:
-            # Stage 3's freed parameters are empty: their shapes come from the gather policy.
-            shapes = getattr(u.gather, "shapes", None) or [p.shape for p in u.params]
-            for name, shape in zip(u.names, shapes):
+            for name, shape in zip(u.names, u.shapes):
                 unit_params[name] = ParamInfo(name, tuple(shape), u.group_index)
         # Registration order, the order state_dict() and the consolidated export use.
         self.params: Dict[str, ParamInfo] = {n: unit_params[n] for n in
-                                             dict(module.named_parameters()) if n in unit_params}
+                                             dict(self.module.named_parameters())
+                                             if n in unit_params}
         self.group_names: List[List[str]] = [[self._names[id(p)] for p in g["params"]]
                                              for g in opt.param_groups]
         # Stage 3's frozen parameters, sharded (see [Note: frozen pieces]).
-        self.frozen_units = list(getattr(opt, "frozen_units", ()))
+        self.frozen_units = list(opt.frozen_units)
         frozen: Dict[str, FrozenInfo] = {}
         for u in self.frozen_units:
-            for name, shape in zip(u.names, u.gather.shapes):
+            for name, shape in zip(u.names, u.shapes):
                 frozen[name] = FrozenInfo(name, tuple(shape), u.compute_dtype)
         self.frozen: Dict[str, FrozenInfo] = {n: frozen[n] for n in
-                                              dict(module.named_parameters()) if n in frozen}
-        # Unmetered: checkpoint traffic is not a training step's.
-        self.comm = getattr(opt.comm, "inner", opt.comm)
+                                              dict(self.module.named_parameters())
+                                              if n in frozen}
+        self.comm = opt.checkpoint_comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # Hybrid sharding: rank and world_size above are within the shard group (they name
         # the shard files); every replica holds the same shards, so only the first replica
         # writes them, each shard once. ``everyone`` (all N ranks) agrees on each phase and
         # its rank 0 leads (see zkernels/comm/hybrid.py).
-        self.everyone = getattr(self.comm, "world", self.comm)
-        self.writes_shards = getattr(self.comm, "replica_rank", 0) == 0
+        self.everyone = opt.checkpoint_world
+        self.writes_shards = opt.replica_rank == 0
         self.leads = self.everyone.rank == 0
         self.device = opt.units[0].device
+        self._steps: Dict[int, int] = {}
 
     def describe(self) -> Dict[str, object]:
         """How this optimizer runs (recorded in the manifest, for people)."""
-        placement = getattr(self.opt.shard_update, "placement", "device")
         return {"world_size": self.world_size, "stage": self.opt.stage,
-                "param_dtype": str(self.opt.precision.param_dtype).replace("torch.", ""),
-                "offload": None if placement == "device" else placement}
-
-    def _unit_states(self):
-        for u in self.opt.units:
-            yield u, self._states[u.index]
+                "param_dtype": str(self.opt.param_dtype).replace("torch.", ""),
+                "offload": self.opt.offload}
 
     def piece_ranges(self) -> List[Tuple[str, int, int, int]]:
         """``(name, start, end, step)`` of every piece :meth:`pieces` yields, in that order,
         without touching the tensors (the saver lays out its file from this first)."""
-        return [(name, a, a + n, st.step) for _, st in self._unit_states()
-                for name, a, _, n in st.param_slices()]
+        return [(name, a, a + n, self._steps.get(u.index, self.opt.state_step(u)))
+                for u in self.opt.units for name, a, _, n in u.param_slices_in_shard()]
 
     def pieces(self) -> Iterator[ShardPiece]:
-        for _, st in self._unit_states():
-            tensors = dict(zip(FIELDS, self._tensors(st)))
-            for name, a, s, n in st.param_slices():
-                yield ShardPiece(name, a, a + n, st.step,
-                                 {f: t[s:s + n] for f, t in tensors.items()})
+        for u in self.opt.units:
+            step, tensors = self._state(u)
+            fields = dict(zip(FIELDS, tensors))
+            for name, a, s, n in u.param_slices_in_shard():
+                yield ShardPiece(name, a, a + n, step,
+                                 {f: t[s:s + n] for f, t in fields.items()})
 
     def frozen_piece_ranges(self) -> List[Tuple[str, int, int, torch.dtype]]:
         """``(name, start, end, dtype)`` of every piece :meth:`frozen_pieces` yields."""
@@ -234,23 +226,24 @@ class OptimizerView:
             for name, a, s, n in u.param_slices_in_shard():
                 yield FrozenPiece(name, a, a + n, shard[s:s + n])
 
-    def _tensors(self, st):
-        if st.unit_index not in self._staged:
-            self._staged[st.unit_index] = tuple(
-                self.opt.shard_update.state_tensors(st.unit_index))
-        return self._staged[st.unit_index]
+    def _state(self, unit):
+        """``(step, tensors)`` of ``unit``: the step :meth:`set_steps` gave it, if any."""
+        if unit.index not in self._staged:
+            self._staged[unit.index] = self.opt.read_state(unit)
+        step, tensors = self._staged[unit.index]
+        return self._steps.get(unit.index, step), tensors
 
     def set_steps(self, steps: Dict[str, int]) -> None:
         """Give every parameter its saved AdamW step count. A unit's state (one AdamW call)
         has one count, so its parameters must agree."""
-        for _, st in self._unit_states():
-            counts = {steps[n] for n in st.names}
+        for u in self.opt.units:
+            counts = {steps[n] for n in u.names}
             if len(counts) > 1:
                 raise IncompatibleCheckpointError(
-                    f"parameters {list(st.names)} share one optimizer unit here but were saved "
+                    f"parameters {list(u.names)} share one optimizer unit here but were saved "
                     f"with different step counts {sorted(counts)}: load into an optimizer "
                     f"whose units do not mix them (param_groups or bucket_bytes)")
-            st.step = counts.pop()
+            self._steps[u.index] = counts.pop()
 
     def hparams(self) -> List[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -263,10 +256,8 @@ class OptimizerView:
     def model_entries(self) -> List[ModelEntry]:
         """Every key of ``module.state_dict()``, in order."""
         entries, first_key = [], {}
-        schedule = getattr(self.opt, "schedule", None)   # stage 3: parameters are sharded
-        keys_only = (schedule.sharded_state_dict_keys() if schedule is not None
-                     else contextlib.nullcontext())
-        with keys_only:   # the sharded parameters' values come from the shards, not from here
+        # Stage 3: the sharded parameters' values come from the shards, not from here.
+        with self.opt.sharded_state_dict_keys():
             state = self.module.state_dict(keep_vars=True)
         for key, t in state.items():
             if id(t) in self._names and (self._names[id(t)] in self.params
@@ -281,29 +272,21 @@ class OptimizerView:
         return entries
 
     def scalars(self) -> Dict[str, object]:
-        opt = self.opt
-        return {"num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,
-                "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+        return self.opt.counters()
 
     def set_scalars(self, saved: Dict[str, object]) -> None:
         """Restore the counters; the loss scale only where both sides scale (fp16)."""
-        opt = self.opt
-        opt._num_steps = int(saved["num_steps"])
-        opt._overflow_skips = int(saved["overflow_skips"])
-        if opt.scaler is not None and saved.get("loss_scaler") is not None:
-            opt.scaler.load_state_dict(saved["loss_scaler"])
+        self.opt.load_counters(saved)
 
     @torch.no_grad()
     def finish_load(self) -> None:
         """The states hold the checkpoint's values: let the update strategy rebuild each
         unit's compute shard from its master (rounded to param_dtype; its own tensors are
         passed, so nothing is copied twice), then the gather policy publish it (collective)."""
-        handles = []
-        for u, st in self._unit_states():
-            self.opt.shard_update.load_state(u, st.step, *self._tensors(st))
-            handles.append(u.gather.publish(self.comm))
-        for u in self.frozen_units:  # their shards were written: drop a stale gathered copy
-            handles.append(u.gather.publish(self.comm))
+        for u in self.opt.units:
+            step, tensors = self._state(u)
+            self.opt.write_state(u, step, *tensors)
         self._staged.clear()
-        for h in handles:
-            h.wait()
+        self._steps.clear()
+        # Frozen units too: their shards were written, so a stale gathered copy goes.
+        self.opt.publish(list(self.opt.units) + self.frozen_units)

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from .. import ops as _ops
 from ..comm import VolumeMeter, make_metered_comm
-from ..comm.hybrid import is_device_mesh
+from ..comm.hybrid import HybridComm, is_device_mesh
 from .state import state_dict as _state
 from .planning.auto import resolve_auto_placement
 from .planning.buckets import align_numel, bucket_capacities, plan_buckets
@@ -532,6 +532,65 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Restore a state from :meth:`state_dict` (same world size). Collective."""
         self.wait_params()
         _state.load_state_dict(self, state_dict)
+
+    # -- the checkpoint view ([Note: the declared checkpoint view] in checkpoint_view.py) --
+
+    @property
+    def checkpoint_comm(self):
+        """The shard group's collectives, unmetered (checkpoint traffic is not a step's)."""
+        return self.comm.inner
+
+    @property
+    def checkpoint_world(self):
+        """Every rank's collectives, unmetered (hybrid sharding: more than the shard group)."""
+        comm = self.comm.inner
+        return comm.world if isinstance(comm, HybridComm) else comm
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica (hybrid sharding's group index; 0 otherwise)."""
+        comm = self.comm.inner
+        return comm.replica_rank if isinstance(comm, HybridComm) else 0
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.precision.param_dtype
+
+    def state_step(self, unit) -> int:
+        """AdamW steps applied to ``unit``'s shard."""
+        return self.shard_update.states[unit.index].step
+
+    def read_state(self, unit):
+        """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard (NVMe: read from its
+        files, written back by :meth:`write_state`)."""
+        return self.state_step(unit), tuple(self.shard_update.state_tensors(unit.index))
+
+    def write_state(self, unit, step: int, master: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor) -> None:
+        """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
+        self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq)
+
+    def publish(self, units) -> None:
+        """Every rank's parameters follow these units' shards (collective, unmetered)."""
+        for h in [u.gather.publish(self.checkpoint_comm) for u in units]:
+            h.wait()
+
+    def counters(self) -> dict:
+        return {"num_steps": self._num_steps, "overflow_skips": self._overflow_skips,
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_counters(self, saved: dict) -> None:
+        self._num_steps = int(saved["num_steps"])
+        self._overflow_skips = int(saved["overflow_skips"])
+        if self.scaler is not None and saved.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(saved["loss_scaler"])
+
+    def sharded_state_dict_keys(self):
+        """Stage 3: ``module.state_dict()`` lists the sharded parameters without gathering
+        them (the caller reads their values from the shards); a no-op below stage 3."""
+        if self.schedule is None:
+            return contextlib.nullcontext()
+        return self.schedule.sharded_state_dict_keys()
 
     def stats(self) -> dict:
         """Step counters, bytes this rank sent in the last step, bytes it holds by kind.

@@ -257,6 +257,8 @@ class FlatParamUnit:
         frozen: stage 3's frozen parameters (``requires_grad=False``): gathered with their
             unit, never reduced or updated; no ShardState, not in ``opt.units`` (see
             [Note: frozen parameters at stage 3]); ``group_index`` is -1.
+        shapes: every parameter's full shape; default their shapes now (stage 3's builders
+            pass the gather policy's: a freed parameter is empty).
     """
 
     index: int
@@ -269,9 +271,11 @@ class FlatParamUnit:
     compute_dtype: torch.dtype
     gather: GatherPolicy
     frozen: bool = False
+    shapes: Tuple[torch.Size, ...] = ()
     device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
+        self.shapes = tuple(self.shapes) or tuple(p.shape for p in self.params)
         # The compute device: a gather policy whose persistent shard lives elsewhere (stage 3's
         # offload_params keeps it in host RAM) names the device its full buffer lives on.
         self.device = getattr(self.gather, "device", None) or self.gather.compute_shard.device
@@ -369,7 +373,7 @@ def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tens
         initial = gather.compute_shard  # the master starts as the (possibly moved) shard
     unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
-                         compute_dtype, gather)
+                         compute_dtype, gather, shapes=tuple(gather.shapes))
     return unit, initial
 
 
@@ -427,4 +431,4 @@ def build_frozen_unit(index: int, params: Sequence[torch.Tensor],
         make_gather(params, layout, rank, shard)
     return FlatParamUnit(index, -1, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
-                         dtype, gather, frozen=True)
+                         dtype, gather, frozen=True, shapes=tuple(gather.shapes))

@@ -2,12 +2,13 @@
 
 The state is self-contained: each unit's fp32 master shard is saved too (in pure fp32 it is
 this rank's slice of the parameters), so loading restores the parameters exactly even in
-mixed precision, where the model's own state_dict holds only the rounded compute copy. The
-tensors come from the update strategy's ShardStates (``opt.shard_update.states``), the layout
-from the units (``opt.units``); the key "buckets" of the fingerprint is kept for format
-stability. At stage 3 the frozen parameters exist only as shards (``opt.frozen_units``, see
-[Note: frozen parameters at stage 3] in ``units.py``), so their shards are saved too
-(``"frozen"``), in the dtype they are kept in.
+mixed precision, where the model's own state_dict holds only the rounded compute copy. It
+reads and writes the optimizer through the declared view (``CheckpointSource`` in
+``zkernels/zero/checkpoint_view.py``): the units (``opt.units``: layout and index) and each
+unit's state (``read_state`` / ``write_state``); the key "buckets" of the fingerprint is kept
+for format stability. At stage 3 the frozen parameters exist only as shards
+(``opt.frozen_units``, see [Note: frozen parameters at stage 3] in ``units.py``), so their
+shards are saved too (``"frozen"``), in the dtype they are kept in.
 """
 from __future__ import annotations
 
@@ -36,20 +37,19 @@ def state_dict(opt) -> Dict[str, Any]:
                        "params": list(range(index, index + len(g["params"])))})
         index += len(g["params"])
     state = {}
-    for st in opt.shard_update.states:
-        # Through the strategy: NVMe offload reads its moments (and master) from disk.
-        master, exp_avg, exp_avg_sq = opt.shard_update.state_tensors(st.unit_index)
-        state[st.unit_index] = {"step": st.step, "master": master.detach().clone(),
-                                "exp_avg": exp_avg.detach().clone(),
-                                "exp_avg_sq": exp_avg_sq.detach().clone()}
-    zero = {"world_size": opt.comm.world_size, "rank": opt.comm.rank, "stage": opt.stage,
-            "param_dtype": str(opt.precision.param_dtype), "buckets": _fingerprint(opt),
-            "num_steps": opt._num_steps, "overflow_skips": opt._overflow_skips,
-            "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+    for u in opt.units:
+        # NVMe offload reads its moments (and master) from disk.
+        step, (master, exp_avg, exp_avg_sq) = opt.read_state(u)
+        state[u.index] = {"step": step, "master": master.detach().clone(),
+                          "exp_avg": exp_avg.detach().clone(),
+                          "exp_avg_sq": exp_avg_sq.detach().clone()}
+    comm = opt.checkpoint_comm
+    zero = {"world_size": comm.world_size, "rank": comm.rank, "stage": opt.stage,
+            "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
+            **opt.counters()}
     out = {"state": state, "param_groups": groups, "zero": zero}
-    frozen_units = getattr(opt, "frozen_units", ())
-    if frozen_units:
-        out["frozen"] = {u.index: u.compute_shard.detach().clone() for u in frozen_units}
+    if opt.frozen_units:
+        out["frozen"] = {u.index: u.compute_shard.detach().clone() for u in opt.frozen_units}
     return out
 
 
@@ -65,9 +65,10 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
         raise ValueError("state_dict must be a dict from ZeroOptimizer.state_dict() with keys "
                          "'state', 'param_groups' and 'zero'")
     zero = sd["zero"]
-    if zero["world_size"] != opt.comm.world_size:
+    world_size = opt.checkpoint_comm.world_size
+    if zero["world_size"] != world_size:
         raise ValueError(f"state_dict was saved with world size {zero['world_size']} but this "
-                         f"optimizer runs on {opt.comm.world_size} ranks (use "
+                         f"optimizer runs on {world_size} ranks (use "
                          f"zkernels.checkpoint to change world size)")
     if zero["buckets"] != _fingerprint(opt):
         raise ValueError("state_dict was saved for a different bucket layout (model, "
@@ -75,9 +76,9 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
     if len(sd["param_groups"]) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(sd['param_groups'])} param groups, this "
                          f"optimizer {len(opt.param_groups)}")
-    if (zero["loss_scaler"] is None) != (opt.scaler is None):
+    if (zero["loss_scaler"] is None) != (opt.counters()["loss_scaler"] is None):
         raise ValueError("state_dict and optimizer disagree on loss scaling (param_dtype)")
-    frozen_units = list(getattr(opt, "frozen_units", ()))
+    frozen_units = list(opt.frozen_units)
     frozen = sd.get("frozen", {})
     saved = [(i, t.numel(), t.dtype) for i, t in sorted(frozen.items())]
     if (frozen or frozen_units) and saved != \
@@ -87,18 +88,10 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
     with torch.no_grad():
-        handles = []
         for u in opt.units:
             s = sd["state"][u.index]
-            opt.shard_update.load_state(u, s["step"], s["master"], s["exp_avg"],
-                                        s["exp_avg_sq"])
-            handles.append(u.gather.publish(opt.comm))
-        for u in frozen_units if frozen else ():  # stage 3: the frozen shards, then re-gather
+            opt.write_state(u, s["step"], s["master"], s["exp_avg"], s["exp_avg_sq"])
+        for u in frozen_units if frozen else ():  # stage 3: the frozen shards
             u.compute_shard.copy_(frozen[u.index])
-            handles.append(u.gather.publish(opt.comm))
-        for h in handles:
-            h.wait()
-    opt._num_steps = int(zero["num_steps"])
-    opt._overflow_skips = int(zero["overflow_skips"])
-    if opt.scaler is not None:
-        opt.scaler.load_state_dict(zero["loss_scaler"])
+        opt.publish(list(opt.units) + (frozen_units if frozen else []))
+    opt.load_counters(zero)

@@ -1,0 +1,127 @@
+"""What a checkpoint may read from and write into a ``ZeroOptimizer``: one declared view.
+
+[Note: the declared checkpoint view]
+Two readers save and restore an optimizer's state: ``zero/state/state_dict.py`` (torch's
+``state_dict()``, same world size) and the ``zkernels.checkpoint`` package (any world size,
+any stage). Both go through :class:`CheckpointSource`, which ``ZeroOptimizer`` implements, and
+through :class:`CheckpointUnit`, which every flat unit implements; neither reaches for a
+private attribute, a strategy's internals or a member found with ``getattr``.
+``tests/zero/test_layout_seams.py`` reads both readers' source and fails on any attribute
+of the optimizer or of a unit that these protocols do not declare.
+
+A unit's state is read with :meth:`CheckpointSource.read_state` (its step and its fp32
+``master, exp_avg, exp_avg_sq`` shard tensors: live tensors on the device or in host RAM; with
+NVMe offload copies read from its files, which :meth:`~CheckpointSource.write_state` writes
+back) and written with ``write_state``, which also rebuilds the unit's compute shard from the
+master in the compute dtype. :meth:`~CheckpointSource.publish` then makes every rank's copy of
+the parameters follow the shards (stages 1-2: all-gather; stage 3: drop a stale gathered
+copy). The counters (steps, skipped steps, the loss scaler) travel as one dict.
+"""
+from __future__ import annotations
+
+from typing import (Any, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence,
+                    Tuple, runtime_checkable)
+
+import torch
+import torch.nn as nn
+
+from ..comm.base import Comm
+from ..layout import FlatLayout
+
+StateTensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class CheckpointUnit(Protocol):
+    """A flat unit as a checkpoint sees it (``zkernels/zero/parameters/units.py``)."""
+
+    index: int
+    group_index: int
+    names: Tuple[str, ...]
+    layout: FlatLayout
+    device: torch.device
+
+    @property
+    def shapes(self) -> List[torch.Size]:
+        """Every parameter's full shape, in layout order (also while stage 3 has freed it)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the unit's compute shard."""
+
+    @property
+    def compute_shard(self) -> torch.Tensor:
+        """This rank's shard of the compute buffer (a frozen unit's values live here)."""
+
+    def param_slices_in_shard(self) -> Iterator[Tuple[str, int, int, int]]:
+        """``(name, start in the parameter, start in the shard, length)`` per parameter
+        overlapping this rank's shard."""
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """What ``ZeroOptimizer`` offers to ``state_dict.py`` and ``zkernels.checkpoint``.
+
+    Attributes:
+        module: the model, for parameter names and ``state_dict()`` keys.
+        stage: 1, 2 or 3.
+        offload: None, "cpu" or "nvme" (where the state lives).
+        param_groups: torch-style groups (hyperparameters, parameters).
+        units: the trainable flat units, in launch order.
+        frozen_units: stage 3's frozen flat units (values only, no state); else empty.
+        checkpoint_comm: the shard group's collectives, unmetered (checkpoint traffic is not
+            a training step's); its rank and size name the shard files.
+        checkpoint_world: every rank's collectives, unmetered (with hybrid sharding more
+            than the shard group: all ranks agree on each phase, its rank 0 leads).
+        replica_rank: hybrid sharding's group index (0 otherwise); every replica holds the
+            same shards, so only replica 0 writes them.
+    """
+
+    module: nn.Module
+    stage: int
+    offload: Optional[str]
+    param_groups: List[Dict[str, Any]]
+    units: Sequence[CheckpointUnit]
+    frozen_units: Sequence[CheckpointUnit]
+
+    @property
+    def checkpoint_comm(self) -> Comm:
+        """The shard group's collectives, unmetered."""
+
+    @property
+    def checkpoint_world(self) -> Comm:
+        """Every rank's collectives, unmetered."""
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica group (0 without hybrid sharding)."""
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The compute copy's dtype."""
+
+    def wait_params(self) -> None:
+        """Let in-flight parameter gathers land (they write the buffers a save reads)."""
+
+    def state_step(self, unit: CheckpointUnit) -> int:
+        """AdamW steps applied to ``unit``'s shard (no tensor is read)."""
+
+    def read_state(self, unit: CheckpointUnit) -> Tuple[int, StateTensors]:
+        """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard, fp32."""
+
+    def write_state(self, unit: CheckpointUnit, step: int, master: torch.Tensor,
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
+
+    def publish(self, units: Sequence[CheckpointUnit]) -> None:
+        """Make every rank's parameters follow these units' shards. Collective."""
+
+    def counters(self) -> Dict[str, Any]:
+        """``{"num_steps", "overflow_skips", "loss_scaler"}`` (the scaler's state or None)."""
+
+    def load_counters(self, saved: Dict[str, Any]) -> None:
+        """Restore :meth:`counters`; the loss scale only where both sides scale (fp16)."""
+
+    def sharded_state_dict_keys(self) -> ContextManager[None]:
+        """Inside: ``module.state_dict()`` lists stage 3's sharded parameters by key without
+        gathering them (their values come from the shards); elsewhere a no-op."""
