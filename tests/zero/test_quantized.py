@@ -1,0 +1,124 @@
+"""Quantized collectives without ranks: the refusals of ``ZeroOptimizer``'s quantize options,
+a one-rank run through them (the comms over :class:`LocalComm`), and the traffic model of
+``estimate_memory`` against its formula. The 2-rank checks are in test_quantized_ranks.py."""
+import pytest
+import torch
+
+import zkernels as zk
+from tests.zero._harness import MICRO_BATCH, chunk, make_batches, make_model
+from zkernels import reference as ref
+from zkernels.comm import LocalComm, MeteredComm, VolumeMeter
+from zkernels.comm.quantized import QuantizedGradComm, QuantizedWeightComm
+from zkernels.zero.planning.estimate import comm_seconds
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(stage=2, quantize_weights="int8"), "quantize_weights"),
+    (dict(stage=1, quantize_weights="int8"), "quantize_weights"),
+    (dict(stage=3, quantize_weights="int4"), "quantize_weights"),
+    (dict(stage=3, quantize_weights=True), "quantize_weights"),
+    (dict(stage=2, quantize_grads="fp8"), "quantize_grads"),
+    (dict(stage=2, quantize_grads=4), "quantize_grads"),
+    (dict(stage=2, quantize_grads="int8", quantize_block=100), "quantize_block"),
+    (dict(stage=2, quantize_grads="int8", quantize_block=0), "quantize_block"),
+    (dict(stage=3, quantize_weights="int8", quantize_block=16384), "quantize_block"),
+    (dict(stage=2, quantize_grads="int4", quantize_block="256"), "quantize_block"),
+    (dict(stage=2, quantize_grads="int4", comm_backend="nccl"), "quantize_grads"),
+])
+def test_bad_options_are_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zk.ZeroOptimizer(make_model(), **kw)
+
+
+def test_one_rank_trains_through_the_quantized_comms():
+    """World size 1 (LocalComm): the wrappers are in the path (the one chunk is quantized)
+    and the step's loss stays within 1% of the exact run's."""
+    losses = {}
+    for kw in ({}, dict(quantize_grads="int4", quantize_weights="int8")):
+        model = make_model()
+        opt = zk.ZeroOptimizer(model, stage=3, lr=3e-3, param_dtype=torch.bfloat16, **kw)
+        out = []
+        for batch in make_batches(2, MICRO_BATCH):
+            loss = model(*chunk(batch, 0))
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses[bool(kw)] = out
+        assert isinstance(opt.schedule.comm, QuantizedWeightComm) == bool(kw)
+        assert isinstance(opt.comm, QuantizedGradComm) == bool(kw)
+    assert losses[True][0] != losses[False][0]   # the gathered weights were quantized
+    for a, b in zip(losses[False], losses[True]):
+        assert abs(a - b) <= 0.01 * a, losses
+
+
+def test_local_comms_are_the_reference():
+    ops = zk.ops.for_device("cpu")
+    meter = VolumeMeter()
+    x = torch.randn(75)
+    out = torch.empty(75)
+    QuantizedGradComm(MeteredComm(LocalComm(), meter), ops, 4, 16).reduce_scatter(
+        out, x, average=True).wait()
+    codes, scales = ref.quantize(x, bits=4, block_size=16)
+    want = torch.empty(75)
+    ref.dequantize_sum(codes[None], scales[None], want, bits=4, block_size=16)
+    assert torch.equal(out, want)
+    got = torch.empty(75, dtype=torch.bfloat16)
+    QuantizedWeightComm(LocalComm(), ops, 32).all_gather(got, x.bfloat16()).wait()
+    assert torch.equal(got, ref.dequantize(*ref.quantize(x.bfloat16(), bits=8, block_size=32),
+                                           bits=8, block_size=32, dtype=torch.bfloat16))
+    meter.close_step()
+    assert meter.last_step()["total"] == 0   # one rank sends nothing
+
+
+def test_meter_counts_all_to_all_as_its_own_kind():
+    meter = VolumeMeter()
+    meter.record("all_to_all", 1000, 4)
+    meter.close_step()
+    assert meter.last_step()["all_to_all"] == 750 and meter.last_step()["total"] == 750
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_estimate_counts_codes_and_scales(world_size):
+    psi, n = 1 << 20, world_size
+    frac = (n - 1) / n
+    bf16 = torch.bfloat16
+    plain3 = zk.estimate_memory(psi, n, 3, param_dtype=bf16)
+    both3 = zk.estimate_memory(psi, n, 3, param_dtype=bf16, quantize_weights="int8",
+                               quantize_grads="int4")
+    assert plain3.comm_bytes == round((4 + 2 * 2) * psi * frac)
+    assert both3.comm_bytes == round((0.5 + 4 / 256 + 2 * (1 + 4 / 256)) * psi * frac)
+    assert both3.comm_bytes <= 0.35 * plain3.comm_bytes
+    plain2 = zk.estimate_memory(psi, n, 2, param_dtype=bf16)
+    int8_2 = zk.estimate_memory(psi, n, 2, param_dtype=bf16, quantize_grads="int8",
+                                quantize_block=64)
+    assert int8_2.comm_bytes == round((1 + 4 / 64 + 2) * psi * frac)
+    assert int8_2.comm_bytes <= 0.6 * plain2.comm_bytes
+    # memory is unchanged
+    assert both3.device_bytes == plain3.device_bytes
+
+
+def test_estimate_secondary_backward_gather_stays_exact():
+    psi, bf16 = 1 << 20, torch.bfloat16
+    e = zk.estimate_memory(psi, 8, 3, param_dtype=bf16, quantize_weights="int8",
+                           secondary_size=2)
+    w = 1 + 4 / 256
+    assert e.comm_bytes == round(4 * psi * 7 / 8 + w * psi * 7 / 8 + 2 * psi * 1 / 2)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(stage=2, quantize_weights="int8"), "quantize_weights"),
+    (dict(stage=0, quantize_grads="int8"), "quantize_grads"),
+    (dict(stage=2, quantize_grads="int2"), "quantize_grads"),
+    (dict(stage=2, quantize_grads="int8", quantize_block=3), "quantize_block"),
+])
+def test_estimate_refuses_bad_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zk.estimate_memory(1000, 2, **kw)
+
+
+def test_comm_seconds():
+    assert comm_seconds(125_000_000, 100.0) == pytest.approx(0.01)
+    for bad in (0, -1.0, True, "100"):
+        with pytest.raises(ValueError, match="link_gbps"):
+            comm_seconds(1, bad)
