@@ -122,3 +122,42 @@ def test_comm_seconds():
     for bad in (0, -1.0, True, "100"):
         with pytest.raises(ValueError, match="link_gbps"):
             comm_seconds(1, bad)
+
+
+def test_plan_link_gbps_shows_the_quantized_choices(capsys):
+    from zkernels.__main__ import main as zk_main
+    assert zk_main(["plan", "--params", "1e9", "--world-size", "8", "--link-gbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "comm s" in out
+    for name in ("stage 2 + int8 grads", "stage 3 + int8 weights + int4 grads"):
+        assert f"  {name}  " in out, out
+    line = next(x for x in out.splitlines() if x.startswith("  stage 3 + int8 weights + int4 "
+                                                            "grads:"))
+    assert "0.32x the bytes of stage 3" in line, line
+    # with a device budget: the chosen rung's variants only
+    assert zk_main(["plan", "--params", "7.5e9", "--world-size", "64", "--link-gbps", "25",
+                    "--device-memory", "30GB"]) == 0
+    out = capsys.readouterr().out
+    assert "* stage 2  " in out and "stage 2 + int4 grads" in out
+    assert "stage 3 + int8 weights" not in out
+    assert zk_main(["plan", "--params", "1e9", "--world-size", "8"]) == 0
+    assert "comm s" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "fast", "inf"])
+def test_plan_refuses_a_bad_link(capsys, bad):
+    from zkernels.__main__ import main as zk_main
+    with pytest.raises(SystemExit):
+        zk_main(["plan", "--params", "1e9", "--world-size", "8", "--link-gbps", bad])
+    assert "--link-gbps" in capsys.readouterr().err
+
+
+def test_demo_rungs_take_the_quantized_options():
+    from zkernels.demo.rungs import parse_rungs
+    rungs = parse_rungs("3+qw8+qg4, stage 2 + int8 grads, 3")
+    assert [r.key for r in rungs] == ["3+qw8+qg4", "2+qg8", "3"]
+    assert rungs[0].name == "stage 3 + int8 weights + int4 grads"
+    assert (rungs[1].quantize_grads, rungs[1].quantize_weights) == ("int8", None)
+    for bad in ("2+qw8", "ddp+qg8"):
+        with pytest.raises(ValueError, match="--rungs"):
+            parse_rungs(bad)

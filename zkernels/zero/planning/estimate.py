@@ -149,6 +149,8 @@ class MemoryEstimate:
         shard_size: hybrid sharding's K (None: the states are sharded over all N ranks).
         comm_across_groups_bytes: the part of ``comm_bytes`` sent across shard groups (the
             all-reduce of the gradient shard; 0 without hybrid sharding).
+        quantize_weights, quantize_grads: the quantized collectives counted in ``comm_bytes``
+            (None: exact).
     """
 
     stage: int
@@ -172,6 +174,8 @@ class MemoryEstimate:
     by_location: Dict[str, Dict[str, int]] = field(default_factory=dict, compare=False)
     shard_size: Optional[int] = None
     comm_across_groups_bytes: int = 0
+    quantize_weights: Optional[str] = None
+    quantize_grads: Optional[str] = None
 
     @property
     def trainable_numel(self) -> int:
@@ -210,7 +214,15 @@ class MemoryEstimate:
 
     @property
     def name(self) -> str:
-        return rung_name(self.stage, self.offload, self.offload_params)
+        """'stage 3 + cpu offload', ..., with the quantized collectives: '... + int8 weights
+        + int4 grads'."""
+        return rung_name(self.stage, self.offload, self.offload_params) + "".join(
+            f" + {fmt} {what}" for fmt, what in ((self.quantize_weights, "weights"),
+                                                 (self.quantize_grads, "grads")) if fmt)
+
+    def comm_seconds(self, link_gbps: float) -> float:
+        """Seconds per step to send ``comm_bytes`` at ``link_gbps`` (see :func:`comm_seconds`)."""
+        return comm_seconds(self.comm_bytes, link_gbps)
 
 
 def count_params(model_or_num_params) -> int:
@@ -475,7 +487,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         offload_params=offload_params, frozen_numel=n_frozen,
         by_location={"device": device, "host": host, "disk": disk},
         shard_size=None if shard_size is None else big_n,
-        comm_across_groups_bytes=int(round(across)))
+        comm_across_groups_bytes=int(round(across)),
+        quantize_weights=quantize_weights, quantize_grads=quantize_grads)
 
 
 def quantized_element_bytes(stage: int, quantize_weights, quantize_grads,
