@@ -73,9 +73,12 @@ def _loss_sentence(rungs: List[dict]) -> Optional[str]:
               if list(r["losses"]) != list(base["losses"])]
     if all(list(r["losses"]) == list(rungs[0]["losses"]) for r in rungs):
         return "losses: " + "; ".join(parts)
+    quantized = [r["name"] for r in rungs if r.get("quantize_weights") or r.get("quantize_grads")]
+    why = (f"; {', '.join(quantized)}: the quantized collectives' error, amplified the same way "
+           f"(final losses compared in benchmarks/README.md)") if quantized else ""
     return ("losses: " + "; ".join(parts) + ". fp32 round-off, amplified by training where the "
             "AdamW arithmetic differs (see [Note: what the demo's losses show] in "
-            "zkernels/demo/report.py)")
+            "zkernels/demo/report.py)" + why)
 
 
 def held(rung: dict, place: str, estimate: bool = False) -> Dict[str, int]:
