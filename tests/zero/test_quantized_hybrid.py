@@ -31,7 +31,7 @@ def check_hybrid(rank, ws, stage, **kw):
     e, q = exact[3]["comm_bytes"], quant[3]["comm_bytes"]
     # The cross-group hop is the same exact all-reduce of the reduced shard.
     assert q["across_groups"] == e["across_groups"] > 0, (e, q)
-    assert q["reduce_scatter"] == 0 and q["all_to_all"] > 0, q
+    assert q["reduce_scatter"] < 0.14 * e["reduce_scatter"], (e, q)   # int4: 0.129x
     assert q["within_group"] < 0.5 * e["within_group"], (e, q)
 
 

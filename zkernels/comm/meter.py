@@ -8,20 +8,13 @@ all-gather of a full buffer of ``B`` bytes, and ``2 * B * (N - 1) / N`` for an a
 reduce-scatter's input, the all-gather's output, the all-reduce's tensor. Rank-aligned buffers
 divide by ``N``, so the counts are exact integers for them; tiny all-reduces round down.
 An all-to-all of ``B`` bytes in N equal chunks sends ``B * (N - 1) / N`` too (each rank keeps
-its own chunk). It is its own kind, ``"all_to_all"``: the quantized reduce-scatter
-(``quantized.py``) issues two of them (int8/int4 codes and fp32 scales), so ``"all_to_all"``
-counts the bytes it really sends, payload plus scales, and ``"reduce_scatter"`` only exact
-reduce-scatters (gloo's exact reduce-scatter is an all-to-all inside torch_comm but stays a
-``"reduce_scatter"``: the kind is the collective asked of the comm). The quantized all-gather
-issues two all-gathers (int8 codes and scales) and counts under ``"all_gather"`` at the bytes
-it sends.
-
-[Note: traffic scopes]
-With hybrid sharding (``hybrid.py``) each collective also counts toward a scope: its shard
-group's collectives ``"within_group"``, the cross-group all-reduces ``"across_groups"`` (over
-a slower link: between nodes). Without it everything is within the one group. The kinds and
-their total keep their meaning (bytes per kind, whatever the group); the scopes split the
-same total a second way.
+its own chunk). The meter has no all-to-all kind: the package's only all-to-alls are a
+reduce-scatter's exchange (gloo's exact reduce-scatter inside torch_comm, the quantized one of
+``quantized.py``, which issues two: int8/int4 codes and fp32 scales), so they count as
+``"reduce_scatter"``, the collective the optimizer asked for, at the bytes really sent: with
+``quantize_grads`` the reduce-scatter kind is the codes plus the scales. Likewise the
+quantized all-gather issues two all-gathers (int8 codes and scales) and counts under
+``"all_gather"`` at the bytes it sends.
 """
 from __future__ import annotations
 
@@ -31,7 +24,7 @@ import torch
 
 from .base import Comm, Handle
 
-KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
+KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 SCOPES = ("within_group", "across_groups")
 
 
@@ -84,8 +77,8 @@ class VolumeMeter:
         return out
 
     def last_step(self) -> Dict[str, int]:
-        """``{"reduce_scatter", "all_gather", "all_reduce", "all_to_all", "total"}`` bytes of
-        the last closed step."""
+        """``{"reduce_scatter", "all_gather", "all_reduce", "total"}`` bytes of the last
+        closed step."""
         out = dict(self._last)
         out["total"] = sum(self._last.values())
         return out
@@ -119,7 +112,8 @@ class MeteredComm:
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
                    tag: Optional[str] = None) -> Handle:
-        self.meter.record("all_to_all", _nbytes(input), self.world_size, self.scope)
+        # a reduce-scatter's exchange (see [Note: ring volume])
+        self.meter.record("reduce_scatter", _nbytes(input), self.world_size, self.scope)
         return self.inner.all_to_all(output, input, tag=tag)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",

@@ -22,7 +22,7 @@ r's input))``, the reference op's answer, and differs from the exact reduce-scat
 alias ``input`` (a bucket's own shard slot): the input is read only at launch. An inf or NaN in
 any rank's block makes that block's scale inf/NaN and every element of it NaN after the sum,
 so the optimizer's non-finite check still trips. Bytes each rank sends (the meter's
-``all_to_all`` kind): ``(N-1)/N`` of the codes plus the scales, ``bits/8`` bytes per element
+``reduce_scatter`` kind: [Note: ring volume] in meter.py): ``(N-1)/N`` of the codes plus the scales, ``bits/8`` bytes per element
 plus ``4/block_size``: for an fp32 reduce, 0.254x (int8) or 0.129x (int4) at block 256.
 
 [Note: quantized all-gather]

@@ -565,8 +565,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Returns:
             ``{"step": step() calls, "overflow_skips": skipped steps, "loss_scale": float or
-            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "all_to_all",
-            "total", "within_group", "across_groups"},
+            None, "comm_bytes": {"reduce_scatter", "all_gather", "all_reduce", "total",
+            "within_group", "across_groups"},
             "memory_bytes": {"params", "grads", "master", "optimizer_states", "buffers",
             "total"}, "step_peak_bytes": {"buffers", "gathered_params", "total"},
             "memory_location_bytes": {"device", "host", "disk"},
@@ -574,9 +574,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "offload": None or
             {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
             "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
-            ``comm_bytes`` counts the bytes really sent: ``quantize_grads`` moves the
-            reduce-scatters to ``all_to_all`` (codes plus scales), ``quantize_weights`` makes
-            the ``all_gather`` bytes codes plus scales ([Note: ring volume] in meter.py).
+            ``comm_bytes`` counts the bytes really sent: with ``quantize_grads`` the
+            ``reduce_scatter`` bytes are the all-to-all's codes plus scales, with
+            ``quantize_weights`` stage 3's ``all_gather`` bytes too ([Note: ring volume]).
             ``comm_bytes``' ``within_group`` and ``across_groups`` split its total by where
             it went (hybrid sharding: the cross-group all-reduces; otherwise all within).
             ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);
