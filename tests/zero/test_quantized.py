@@ -25,6 +25,7 @@ from zkernels.zero.planning.estimate import comm_seconds
     (dict(stage=3, quantize_weights="int8", quantize_block=16384), "quantize_block"),
     (dict(stage=2, quantize_grads="int4", quantize_block="256"), "quantize_block"),
     (dict(stage=2, quantize_grads="int4", comm_backend="nccl"), "quantize_grads"),
+    (dict(stage=3, quantize_weights="int8", comm_backend="nccl"), "quantize_weights"),
 ])
 def test_bad_options_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -295,8 +295,9 @@ def check_quantize_args(quantize_grads, quantize_weights, quantize_block, comm_b
     None)``; the stage is checked by the caller once it is known.
 
     Raises:
-        ValueError: an unknown format, a bad ``quantize_block``, or ``quantize_grads`` with
-            the native NCCL engine (it has no all-to-all); each message names the option.
+        ValueError: an unknown format, a bad ``quantize_block``, or either option with the
+            native NCCL engine (no all-to-all, no int8 buffers); each message names the
+            option.
     """
     from .select import resolve_backend
     grad_bits = None if quantize_grads is None else _bits(quantize_grads, GRAD_FORMATS,
@@ -304,8 +305,13 @@ def check_quantize_args(quantize_grads, quantize_weights, quantize_block, comm_b
     weight_bits = None if quantize_weights is None else _bits(quantize_weights, WEIGHT_FORMATS,
                                                               "quantize_weights")
     check_block_size(quantize_block, "quantize_block")
-    if grad_bits is not None and resolve_backend(comm_backend, device) == "nccl":
-        raise ValueError(f"quantize_grads={quantize_grads!r} needs an all-to-all, which the "
-                         f"native NCCL engine (comm_backend='nccl') does not have: use "
-                         f"comm_backend='torch' (NCCL through torch.distributed)")
+    if resolve_backend(comm_backend, device) == "nccl":
+        if grad_bits is not None:
+            raise ValueError(f"quantize_grads={quantize_grads!r} needs an all-to-all, which the "
+                             f"native NCCL engine (comm_backend='nccl') does not have: use "
+                             f"comm_backend='torch' (NCCL through torch.distributed)")
+        if weight_bits is not None:
+            raise ValueError(f"quantize_weights={quantize_weights!r} gathers int8 codes, which "
+                             f"the native NCCL engine (comm_backend='nccl', fp32/bf16/fp16 "
+                             f"only) does not move: use comm_backend='torch'")
     return grad_bits, weight_bits
