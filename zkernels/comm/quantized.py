@@ -18,12 +18,15 @@ chunks are quantized in one call, which gives the same blocks); then two all-to-
 ``output``: the sum in fp32 in rank order, times ``1/N`` with ``average``, rounded once to
 ``output``'s dtype. So the result is bit for bit ``sum_r dequantize(quantize(chunk_r of rank
 r's input))``, the reference op's answer, and differs from the exact reduce-scatter by at most
-``sum_r scale_r / 2`` per element (half a quantization step per rank's block). ``output`` may
+``sum_r scale_r / 2`` per element (half a quantization step per rank's block) plus the sum's
+rounding to ``output``'s dtype. ``output`` may
 alias ``input`` (a bucket's own shard slot): the input is read only at launch. An inf or NaN in
 any rank's block makes that block's scale inf/NaN and every element of it NaN after the sum,
-so the optimizer's non-finite check still trips. Bytes each rank sends (the meter's
-``reduce_scatter`` kind: [Note: ring volume] in meter.py): ``(N-1)/N`` of the codes plus the scales, ``bits/8`` bytes per element
-plus ``4/block_size``: for an fp32 reduce, 0.254x (int8) or 0.129x (int4) at block 256.
+so the optimizer's non-finite check still trips. Bytes each rank sends (counted as the
+meter's ``reduce_scatter`` kind, see [Note: ring volume] in meter.py): ``(N-1)/N`` of the codes
+plus the scales, ``bits/8 + 4/block_size`` bytes per element: against an fp32 reduce, 0.254x
+(int8) or 0.129x (int4) at block 256. The codes and scales, sent and received, are transient
+(allocated at launch, freed at ``wait()``): about 0.5x (int8) of an fp32 bucket.
 
 [Note: quantized all-gather]
 ``all_gather(output, input)``: this rank's ``input`` (the compute shard) is quantized to int8
@@ -36,8 +39,8 @@ The optimizer uses it for stage 3's gathers, forward and backward (the re-gather
 backward is a gather like any other); stages 1-2's post-update all-gather stays exact.
 
 [Note: where we differ from DeepSpeed ZeRO++]
-Checked against DeepSpeed's sources (``runtime/zero/partition_parameters.py``,
-``runtime/comm/coalesced_collectives.py``, 0.16-0.17 era):
+Checked against the DeepSpeed installed here (0.19.8: ``runtime/zero/partition_parameters.py``,
+``runtime/comm/coalesced_collectives.py``):
 
 - Gradients: DeepSpeed's qgZ (``zero_quantized_gradients``) is int4 only, with quantization
   groups sized from the tensor's shape, and sends each 1-D tensor (biases, norms) through an
@@ -54,6 +57,8 @@ Checked against DeepSpeed's sources (``runtime/zero/partition_parameters.py``,
 - Secondary shards (hpZ): DeepSpeed quantizes the backward gather from the secondary tensor
   too. Here the secondary chunk keeps the forward's dequantized values and the backward gather
   within the R-rank secondary group is exact, so forward and backward see the same weights.
+- Frozen parameters: stage 3 gathers them with their unit, through the same quantized gather
+  (DeepSpeed asks separately, ``zero_quantized_nontrainable_weights``).
 - The kernels are ours (Triton, C++ SIMD, reference), so this runs on CPU (gloo) too;
   DeepSpeed's quantizer is CUDA only.
 """
@@ -64,7 +69,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .base import CollectiveError, Comm, Handle
-from ..reference.quant import code_numel, num_blocks
+from ..ops.quant import code_numel, num_blocks
 
 GRAD_FORMATS = {"int8": 8, "int4": 4}
 WEIGHT_FORMATS = {"int8": 8}
