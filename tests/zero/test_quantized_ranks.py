@@ -8,8 +8,9 @@ spawn, each reported as its own test.
   quantization bound; the quantized all-gather equals ``dequantize(quantize(shard))`` of every
   rank bit for bit; inf/NaN propagate; the meter counts payload plus scales.
 - Training: parity with unquantized ZeRO (same seeds, same batches) within the tolerance of
-  [Note: quantized training parity], at stages 1-3 with bf16, fp16 (its overflow check),
-  accumulation, clipping and CPU offload; a deliberately misrouted exchange fails it.
+  [Note: quantized training parity], at stages 1-3 with bf16, fp16 (its overflow check), a
+  bf16 reduction, accumulation, clipping, CPU and NVMe offload and parameters on host; a
+  deliberately misrouted exchange fails it. ``ZK_QUANT_PRINT=1`` prints the measured ratios.
 - Checkpoints hold exact state: one saved with quantization loads without and back.
 - Traffic measured by the meter (issue 17 item 4): stage 3 with both options <= 0.35x bf16
   stage 3, stage 2 with int8 gradients <= 0.6x, and ``estimate_memory`` within 1% of it.
@@ -218,6 +219,15 @@ def check_parity(rank, ws, stage, grads=None, weights=None, **kw):
     return rel
 
 
+def check_nvme(rank, ws):
+    """NVMe offload: the states stream from files; the gradient path is the quantized one."""
+    folder = tempfile.mkdtemp(prefix=f"zk-quant-nvme-{rank}-")
+    try:
+        check_parity(rank, ws, 2, grads="int8", steps=3, offload="nvme", offload_dir=folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def check_misrouted_exchange_fails(rank, ws):
     exact = _train(rank, ws, 2)
     broken = _train(rank, ws, 2, quantize_grads="int8", misroute=True)
@@ -375,6 +385,9 @@ CHECKS = {
     "stage2_offload_cpu": partial(check_parity, stage=2, grads="int8", offload="cpu", steps=3),
     "stage3_offload_params": partial(check_parity, stage=3, grads="int8", weights="int8",
                                      offload="cpu", offload_params=True, steps=3),
+    "stage2_offload_nvme": check_nvme,
+    "stage2_bf16_reduce": partial(check_parity, stage=2, grads="int4", steps=3,
+                                  reduce_dtype=torch.bfloat16),
     "misrouted_exchange_fails": check_misrouted_exchange_fails,
     "fp16_overflow_still_detected": check_fp16_overflow_still_detected,
     "checkpoint_is_exact": check_checkpoint_is_exact,
