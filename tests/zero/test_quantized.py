@@ -8,7 +8,7 @@ import zkernels as zk
 from tests._dist import rank_threads
 from tests.zero._harness import MICRO_BATCH, chunk, make_batches, make_model
 from zkernels import reference as ref
-from zkernels.comm import LocalComm, MeteredComm, VolumeMeter
+from zkernels.comm import CollectiveError, LocalComm, MeteredComm, VolumeMeter
 from zkernels.comm.quantized import QuantizedGradComm, QuantizedWeightComm
 from zkernels.zero.planning.estimate import comm_seconds
 
@@ -186,3 +186,62 @@ def test_demo_rungs_take_the_quantized_options():
     for bad in ("2+qw8", "ddp+qg8"):
         with pytest.raises(ValueError, match="--rungs"):
             parse_rungs(bad)
+
+
+class _Broken:
+    """A comm of 2 ranks whose collectives fail when waited (a peer died)."""
+    rank, world_size = 0, 2
+
+    def _fail(self, what):
+        class H:
+            def wait(self_inner):
+                raise CollectiveError(f"{what} failed", collective=what, nbytes=8, tag="t")
+        return H()
+
+    def all_to_all(self, output, input, *, tag=None):
+        return self._fail("all_to_all")
+
+    def all_gather(self, output, input, *, tag=None):
+        return self._fail("all_gather")
+
+
+def test_a_failed_exchange_raises_naming_the_collective():
+    ops = zk.ops.for_device("cpu")
+    with pytest.raises(CollectiveError, match="quantized reduce_scatter") as info:
+        QuantizedGradComm(_Broken(), ops, 8, 16).reduce_scatter(
+            torch.empty(10), torch.empty(20), tag="unit blocks.0").wait()
+    assert info.value.collective == "reduce_scatter" and info.value.tag == "unit blocks.0"
+    assert isinstance(info.value.__cause__, CollectiveError)
+    with pytest.raises(CollectiveError, match="quantized all_gather") as info:
+        QuantizedWeightComm(_Broken(), ops, 16).all_gather(torch.empty(20), torch.empty(10)).wait()
+    assert info.value.collective == "all_gather"
+
+
+@pytest.mark.parametrize("out, inp, err, match", [
+    (torch.empty(10), torch.empty(21), ValueError, "input must have 2 x"),
+    (torch.empty(10), torch.empty(4, 5), ValueError, "input must be a contiguous 1-D"),
+    (torch.empty(10, dtype=torch.int32), torch.empty(20), TypeError, "output must be a float"),
+    ([0.0] * 10, torch.empty(20), TypeError, "output must be a torch.Tensor"),
+])
+def test_quantized_reduce_scatter_bad_input(out, inp, err, match):
+    q = QuantizedGradComm(_FourRanks2(), zk.ops.for_device("cpu"), 8, 16)
+    with pytest.raises(err, match=match):
+        q.reduce_scatter(out, inp)
+
+
+def test_quantized_all_gather_bad_input():
+    q = QuantizedWeightComm(_FourRanks2(), zk.ops.for_device("cpu"), 16)
+    with pytest.raises(ValueError, match="output must have 2 x"):
+        q.all_gather(torch.empty(21), torch.empty(10))
+    with pytest.raises(ValueError, match="quantize_block"):
+        QuantizedWeightComm(_FourRanks2(), zk.ops.for_device("cpu"), 24)
+    with pytest.raises(ValueError, match="all_to_all"):
+        QuantizedGradComm(object.__new__(_NoAllToAll), zk.ops.for_device("cpu"), 8, 16)
+
+
+class _FourRanks2(_FourRanks):
+    world_size = 2
+
+
+class _NoAllToAll:
+    rank, world_size = 0, 2
