@@ -190,8 +190,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
     def wrap(note):
         return textwrap.fill(note, width, subsequent_indent="  ", break_on_hyphens=False)
     text = [wrap(f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
-                 f"{meta['device']}, {_dtype(meta)}, {steps} steps per rung. {unit_name} per rank sent "
-                 f"per step and held between steps, measured beside estimate_memory's (est)")]
+                 f"{meta['device']}, {_dtype(meta)}, {steps} steps per rung. {unit_name} per "
+                 f"rank sent per step and held between steps, measured beside estimate_memory's (est)")]
     text += table
     notes = []
     plan_line = _plan_line(plan, [r["name"] for r in rungs])
