@@ -12,8 +12,11 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+import torch
 
-from tests.zero._harness import battery_results, run_checks
+import zkernels as zk
+
+from tests.zero._harness import battery_results, make_model, run_checks
 from tests.zero.test_quantized_ranks import REL_BOUND, _rel, _train
 
 pytestmark = pytest.mark.slow
@@ -33,6 +36,20 @@ def check_hybrid(rank, ws, stage, **kw):
     assert q["across_groups"] == e["across_groups"] > 0, (e, q)
     assert q["reduce_scatter"] < 0.14 * e["reduce_scatter"], (e, q)   # int4: 0.129x
     assert q["within_group"] < 0.5 * e["within_group"], (e, q)
+    _matches_estimate(q, ws, stage, shard_size=2, quantize_grads=GRADS,
+                      quantize_weights=WEIGHTS if stage == 3 else None,
+                      bucket_bytes=4000 if stage != 3 else None)
+
+
+def _matches_estimate(comm, ws, stage, **kw):
+    """The meter's bytes, less the tiny within-group all-reduces (norm, flag, path checks),
+    within 1% of ``estimate_memory``'s, the cross-group all-reduce to the byte's rounding."""
+    est = zk.estimate_memory(make_model(), ws, stage, param_dtype=torch.bfloat16, **kw)
+    small = comm["all_reduce"] - comm["across_groups"]
+    moved = comm["total"] - small
+    assert abs(moved - est.comm_bytes) <= 0.01 * est.comm_bytes, (comm, est)
+    assert abs(comm["across_groups"] - est.comm_across_groups_bytes) <= \
+        0.01 * max(est.comm_across_groups_bytes, 1), (comm, est)
 
 
 def check_secondary(rank, ws):
@@ -49,6 +66,8 @@ def check_secondary(rank, ws):
     forward = q - backward       # int8 codes + a scale per 256, over 4 ranks
     want = padded * (1 + 4 / BLOCK) * 3 / 4
     assert abs(forward - want) <= 0.02 * want, (e, q, forward, want)
+    _matches_estimate(quant[3]["comm_bytes"], ws, 3, secondary_size=2, quantize_grads=GRADS,
+                      quantize_weights=WEIGHTS)
 
 
 CHECKS = {
