@@ -32,7 +32,8 @@ plus the scales, ``bits/8 + 4/block_size`` bytes per element: against an fp32 re
 ``all_gather(output, input)``: this rank's ``input`` (the compute shard) is quantized to int8
 with fp32 block scales, both are all-gathered (the ``all_gather`` kind counts the bytes, codes
 plus scales), and ``wait()`` dequantizes every rank's chunk, this rank's included, into its
-slot of ``output`` in ``output``'s dtype, so every rank computes with the same parameters. The
+slot of ``output`` in ``output``'s dtype (one call over all of them when the shard is whole
+blocks), so every rank computes with the same parameters. The
 shard itself is never changed: the fp32 master and the compute shard stay exact, only the
 gathered copy carries the quantization error (at most half a step, ``amax/254`` of its block).
 The optimizer uses it for stage 3's gathers, forward and backward (the re-gather before
@@ -270,6 +271,10 @@ class QuantizedWeightComm(_Wrapper):
 
         def finish() -> None:
             keep.clear()
+            if s % self.block_size == 0:   # whole blocks per rank: one call, the same blocks
+                self.ops.dequantize(all_codes.view(-1), all_scales.view(-1), bits=self.bits,
+                                    block_size=self.block_size, out=output)
+                return
             for r in range(n):
                 self.ops.dequantize(all_codes[r], all_scales[r], bits=self.bits,
                                     block_size=self.block_size, out=output[r * s:(r + 1) * s])
