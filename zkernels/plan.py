@@ -13,6 +13,18 @@ stages 1-2 reduce-scatter them and all-gather the parameters in the compute dtyp
 paper's 2Ψ. With an fp32 reduction of bf16 parameters stages 1-2 send less than data parallel,
 whose all-gather half carries fp32 gradients. A data parallel row reduced in its own dtype would
 compare a bf16 all-reduce with an fp32 reduce-scatter.
+
+[Note: when compressed communication pays]
+``--link-gbps G`` adds each row's communication time per step (bytes sent × 8 / G: the
+bandwidth term of one link, with no latency and no overlap with compute) and, after the
+ladder, the quantized collectives (ZeRO++'s qwZ and qgZ: ``ZeroOptimizer(quantize_weights=,
+quantize_grads=)``) as choices: for the chosen rung (or, without ``--device-memory``, for stages
+1-3) the same rung with int8 or int4 gradients and, at stage 3, int8 weights alone and with
+int4 gradients. They hold the same memory and send fewer bytes; the last lines say how much
+time per step each saves at G. Compression pays when that time is not already hidden behind
+compute (a step whose compute takes longer than its communication gains little) and exceeds
+the quantize/dequantize cost (a pass over the bytes on the device, small beside a slow link);
+training quality is measured in benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -26,8 +38,8 @@ from typing import List, Optional
 
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
 from .hf_params import count_hf_config, params_from_hf_config
-from .zero.planning.estimate import estimate_memory, parse_dtype
-from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows
+from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
+from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
 from .zero.planning.policy import implemented_stages, rung_implemented
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
@@ -65,8 +77,11 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  bucket_bytes: Optional[int],
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
-                 frozen_dtype=None, shard_size: Optional[int] = None):
+                 frozen_dtype=None, shard_size: Optional[int] = None,
+                 link_gbps: Optional[float] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
+    ``link_gbps``: also rows for the quantized collectives (see [Note: when compressed
+    communication pays]), after the ladder's.
     ``frozen_numel``: with a parameter count, how many of them are frozen (a module counts its
     own), see [Note: frozen parameters in the estimate] in ``zero/planning/estimate.py``.
     ``shard_size``: hybrid sharding's K (the rungs shard over K ranks, data parallel
@@ -87,6 +102,16 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                                  **kw)
         except NoRungFitsError as exc:
             choice = exc
+    if link_gbps is not None:
+        comm_seconds(0, link_gbps)   # checked before rows are added
+        if choice is not None and not isinstance(choice, Exception):
+            (stage, offload), est, _ = choice
+            bases = [(stage, offload, est.offload_params)]
+        else:
+            bases = [(s, None, False) for s in (1, 2, 3) if s in implemented_stages()]
+        rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op,
+                                 quantize_weights=qw, quantize_grads=qg, **kw)
+                 for s, o, op in bases for qw, qg in quantized_choices(s)]
     return rows, choice
 
 
@@ -95,11 +120,15 @@ def _dtype_name(dtype) -> str:
         "bfloat16", "bf16").replace("float16", "fp16")
 
 
-def render(rows, choice, unit_name: str = "GB", reduce_dtype=None) -> str:
-    """The table: one row per rung, sizes in ``unit_name``, '*' on the chosen rung."""
+def render(rows, choice, unit_name: str = "GB", reduce_dtype=None,
+           link_gbps: Optional[float] = None) -> str:
+    """The table: one row per rung, sizes in ``unit_name``, '*' on the chosen rung; with
+    ``link_gbps`` a column of communication seconds per step."""
     unit = _UNITS[unit_name.lower()]
     cols = ["rung", "params", "grads", "master", "optim", "states", "buffers", "transient",
             "device", "host", "disk", "comm/step", "reduce"]
+    if link_gbps is not None:
+        cols[-1:-1] = ["comm s"]
     hybrid = any(e.shard_size is not None for e in rows)
     if hybrid:  # hybrid sharding: where the bytes go (the cross-group link is the slow one)
         cols[-1:-1] = ["within", "across"]
@@ -108,17 +137,40 @@ def render(rows, choice, unit_name: str = "GB", reduce_dtype=None) -> str:
     reduce_name = _dtype_name(reduce_dtype) if reduce_dtype is not None else "fp32"
     body = []
     for e in rows:
-        mark = "*" if chosen == (e.stage, e.offload, e.offload_params) else " "
+        quantized = e.quantize_weights is not None or e.quantize_grads is not None
+        mark = "*" if chosen == (e.stage, e.offload, e.offload_params) and not quantized \
+            else " "
         vals = [e.params_bytes, e.grads_bytes, e.master_bytes, e.optimizer_states_bytes,
                 e.model_states_bytes, e.buffers_bytes, e.transient_bytes, e.device_bytes,
                 e.host_bytes, e.disk_bytes, e.comm_bytes]
         if hybrid:
             vals += [e.comm_within_group_bytes, e.comm_across_groups_bytes]
-        body.append([f"{mark} {e.name}"] + [_fmt(v, unit) for v in vals] + [reduce_name])
+        times = [f"{e.comm_seconds(link_gbps):.3g}"] if link_gbps is not None else []
+        body.append([f"{mark} {e.name}"] + [_fmt(v, unit) for v in vals] + times +
+                    [reduce_name])
     widths = [max(len(r[i]) for r in body + [cols]) for i in range(len(cols))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                for i, (c, w) in enumerate(zip(r, widths)))
     out = [line(cols), line(["-" * w for w in widths])] + [line(r) for r in body]
+    return "\n".join(out)
+
+
+def _compression_lines(rows, link_gbps: float) -> str:
+    """What each quantized row saves per step against its rung at ``link_gbps`` (see [Note:
+    when compressed communication pays])."""
+    plain = {(e.stage, e.offload, e.offload_params): e for e in rows
+             if e.quantize_weights is None and e.quantize_grads is None}
+    out = [f"\nat {link_gbps:g} Gbit/s (bandwidth only, no overlap with compute; see [Note: "
+           f"when compressed communication pays] in zkernels/plan.py):"]
+    for e in rows:
+        if e.quantize_weights is None and e.quantize_grads is None:
+            continue
+        base = plain[(e.stage, e.offload, e.offload_params)]
+        t0, t1 = base.comm_seconds(link_gbps), e.comm_seconds(link_gbps)
+        ratio = e.comm_bytes / base.comm_bytes if base.comm_bytes else 1.0
+        out.append(f"  {e.name}: {ratio:.2f}x the bytes of {base.name}, "
+                   f"{t0 - t1:.3g} s less communication per step ({t1:.3g} s instead of "
+                   f"{t0:.3g} s)")
     return "\n".join(out)
 
 
@@ -161,6 +213,17 @@ def _headroom(text: str) -> float:
         value = float("nan")
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def _gbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a bandwidth in Gbit/s > 0, e.g. 100, got "
+                                         f"{text!r}")
     return value
 
 
@@ -216,6 +279,10 @@ def parse_args(argv):
                     metavar="SIZE", help="host RAM per rank for offload rungs, e.g. 256GB")
     ap.add_argument("--disk", type=byte_size("--disk"), default=None, metavar="SIZE",
                     help="disk per rank for nvme offload, e.g. 2TB")
+    ap.add_argument("--link-gbps", type=_gbps, default=None, metavar="G",
+                    help="link bandwidth per rank in Gbit/s: adds each row's communication "
+                    "time per step (bytes x 8 / G) and the quantized collectives "
+                    "(quantize_weights / quantize_grads) as choices, with the time they save")
     ap.add_argument("--unit", default="GB", choices=["GB", "GiB", "MB", "MiB", "KB", "KiB",
                                                      "B"])
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
@@ -252,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk,
             frozen_numel=frozen,
             frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None,
-            shard_size=args.shard_size)
+            shard_size=args.shard_size, link_gbps=args.link_gbps)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
@@ -278,7 +345,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(2·r·Ψ/K times (G-1)/G, G = N/K)")
     if how:
         print(f"Ψ of {args.model}: {how}")
-    print(render(rows, choice, args.unit, rdt))
+    print(render(rows, choice, args.unit, rdt, args.link_gbps))
+    if args.link_gbps is not None:
+        print(_compression_lines(rows, args.link_gbps))
     if isinstance(choice, Exception):
         print(f"\nnothing fits: {choice}")
     elif choice is not None:

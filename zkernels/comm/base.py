@@ -36,7 +36,8 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out (see [Note: collective errors]).
 
     Attributes:
-        collective: ``"reduce_scatter"``, ``"all_gather"`` or ``"all_reduce"``.
+        collective: ``"reduce_scatter"``, ``"all_gather"``, ``"all_reduce"`` or
+            ``"all_to_all"``.
         nbytes: bytes of the full buffer (the reduce-scatter's input, the all-gather's output,
             the all-reduce's tensor).
         tag: what the caller was doing (e.g. ``"unit blocks.1 forward"``), or None.
@@ -102,6 +103,12 @@ class Comm(Protocol):
                    tag: Optional[str] = None) -> Handle:
         """``output`` (numel = input.numel() * world_size) receives every rank's ``input``,
         rank r's at ``[r * n, (r + 1) * n)``."""
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
+        """``input`` and ``output`` (same numel and dtype) in N equal chunks: rank r's chunk q
+        lands in rank q's ``output`` at chunk r (``all_to_all_single``). Optional: the quantized
+        reduce-scatter (``quantized.py``) needs it; torch_comm, local and the meter have it."""
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:

@@ -36,6 +36,13 @@ class LocalComm:
             output.copy_(input)
         return _Done()
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
+        _check_sizes("all_to_all", output, input)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done()
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:
         if op not in ("sum", "max"):

@@ -7,13 +7,14 @@ all-gather of a full buffer of ``B`` bytes, and ``2 * B * (N - 1) / N`` for an a
 (a reduce-scatter followed by an all-gather). ``B`` is the full (unsharded) buffer: the
 reduce-scatter's input, the all-gather's output, the all-reduce's tensor. Rank-aligned buffers
 divide by ``N``, so the counts are exact integers for them; tiny all-reduces round down.
-
-[Note: traffic scopes]
-With hybrid sharding (``hybrid.py``) each collective also counts toward a scope: its shard
-group's collectives ``"within_group"``, the cross-group all-reduces ``"across_groups"`` (over
-a slower link: between nodes). Without it everything is within the one group. The kinds and
-their total keep their meaning (bytes per kind, whatever the group); the scopes split the
-same total a second way.
+An all-to-all of ``B`` bytes in N equal chunks sends ``B * (N - 1) / N`` too (each rank keeps
+its own chunk). The meter has no all-to-all kind: the package's only all-to-alls are a
+reduce-scatter's exchange (gloo's exact reduce-scatter inside torch_comm, the quantized one of
+``quantized.py``, which issues two: int8/int4 codes and fp32 scales), so they count as
+``"reduce_scatter"``, the collective the optimizer asked for, at the bytes really sent: with
+``quantize_grads`` the reduce-scatter kind is the codes plus the scales. Likewise the
+quantized all-gather issues two all-gathers (int8 codes and scales) and counts under
+``"all_gather"`` at the bytes it sends.
 """
 from __future__ import annotations
 
@@ -108,6 +109,12 @@ class MeteredComm:
                    tag: Optional[str] = None) -> Handle:
         self.meter.record("all_gather", _nbytes(output), self.world_size, self.scope)
         return self.inner.all_gather(output, input, tag=tag)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
+        # a reduce-scatter's exchange (see [Note: ring volume])
+        self.meter.record("reduce_scatter", _nbytes(input), self.world_size, self.scope)
+        return self.inner.all_to_all(output, input, tag=tag)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:

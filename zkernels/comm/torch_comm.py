@@ -220,6 +220,18 @@ class TorchComm:
         return self._launch(lambda **kw: self._all_gather(output, input, **kw),
                             (input, output), "all_gather", tag)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
+        """``output`` (same numel and dtype as ``input``, N equal chunks) receives, at chunk q,
+        rank q's chunk ``self.rank`` (``all_to_all_single`` with equal splits; gloo and
+        NCCL)."""
+        _check(output, input, 1, "all_to_all", "output", "input")
+        if input.numel() % self.world_size:
+            raise ValueError(f"all_to_all: input has {input.numel()} elements, not divisible "
+                             f"by the {self.world_size} ranks")
+        return self._launch(lambda **kw: self._all_to_all(output, input, **kw),
+                            (output, input), "all_to_all", tag)
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}

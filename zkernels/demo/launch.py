@@ -68,6 +68,8 @@ def check_args(args) -> Optional[str]:
         value = getattr(args, flag)
         if not value >= 0.0:
             return f"--{flag.replace('_', '-')} must be >= 0, got {value}"
+    if args.param_dtype not in ("fp32", "bf16"):
+        return f"--param-dtype must be fp32 or bf16, got {args.param_dtype!r}"
     if not args.timeout_s > 0.0:
         return f"--timeout-s must be > 0, got {args.timeout_s}"
     if not 0.0 <= args.headroom < 1.0:

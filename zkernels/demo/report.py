@@ -21,6 +21,12 @@ _KIND_HEADS = dict(params="params", grads="grads", master="master", optimizer_st
                    buffers="buffers")
 
 
+def _dtype(meta: dict) -> str:
+    """'fp32', or 'bf16 (data parallel fp32)' for a demo run with --param-dtype bf16."""
+    dt = meta.get("args", {}).get("param_dtype", "fp32")
+    return dt if dt == "fp32" else f"ZeRO rungs {dt} (data parallel fp32)"
+
+
 def _short(rung: dict) -> str:
     if "short" in rung:
         return rung["short"]
@@ -67,9 +73,12 @@ def _loss_sentence(rungs: List[dict]) -> Optional[str]:
               if list(r["losses"]) != list(base["losses"])]
     if all(list(r["losses"]) == list(rungs[0]["losses"]) for r in rungs):
         return "losses: " + "; ".join(parts)
+    quantized = [r["name"] for r in rungs if r.get("quantize_weights") or r.get("quantize_grads")]
+    why = (f"; {', '.join(quantized)}: the quantized collectives' error, amplified the same way "
+           f"(final losses compared in benchmarks/README.md)") if quantized else ""
     return ("losses: " + "; ".join(parts) + ". fp32 round-off, amplified by training where the "
             "AdamW arithmetic differs (see [Note: what the demo's losses show] in "
-            "zkernels/demo/report.py)")
+            "zkernels/demo/report.py)" + why)
 
 
 def held(rung: dict, place: str, estimate: bool = False) -> Dict[str, int]:
@@ -181,8 +190,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
     def wrap(note):
         return textwrap.fill(note, width, subsequent_indent="  ", break_on_hyphens=False)
     text = [wrap(f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
-                 f"{meta['device']}, fp32, {steps} steps per rung. {unit_name} per rank sent "
-                 f"per step and held between steps, measured beside estimate_memory's (est)")]
+                 f"{meta['device']}, {_dtype(meta)}, {steps} steps per rung. {unit_name} per "
+                 f"rank sent per step and held between steps, measured beside estimate_memory's (est)")]
     text += table
     notes = []
     plan_line = _plan_line(plan, [r["name"] for r in rungs])
@@ -341,6 +350,6 @@ def plot(results: dict, path: str) -> None:
     ax_mem.legend(loc="upper right", fontsize=8, ncol=len(kinds) + seen_transient)
 
     fig.suptitle(f"zkernels demo: {rungs[0]['num_params']:,} params, {meta['world_size']} "
-                 f"ranks on {meta['device']}, fp32, {len(ref)} steps per rung")
+                 f"ranks on {meta['device']}, {_dtype(meta)}, {len(ref)} steps per rung")
     fig.savefig(path, dpi=100)
     plt.close(fig)

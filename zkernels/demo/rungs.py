@@ -32,19 +32,28 @@ class Rung:
     stage: int
     offload: Optional[str] = None
     offload_params: bool = False
+    quantize_weights: Optional[str] = None
+    quantize_grads: Optional[str] = None
 
     @property
     def name(self) -> str:
-        """As ``plan`` prints it: 'data parallel', 'stage 3 + cpu offload', ..."""
-        return rung_name(self.stage, self.offload, self.offload_params)
+        """As ``plan`` prints it: 'data parallel', 'stage 3 + cpu offload', ..., then the
+        quantized collectives: ' + int8 weights', ' + int4 grads'."""
+        return rung_name(self.stage, self.offload, self.offload_params) + "".join(
+            f" + {fmt} {what}" for fmt, what in ((self.quantize_weights, "weights"),
+                                                 (self.quantize_grads, "grads")) if fmt)
 
     @property
     def key(self) -> str:
-        """Short form: 'ddp', '1', '2+cpu', '3+cpu+params', ..."""
+        """Short form: 'ddp', '1', '2+cpu', '3+cpu+params', '3+qw8+qg4', ..."""
         if self.stage == 0:
             return "ddp"
         parts = [str(self.stage)] + ([self.offload] if self.offload else []) + \
             (["params"] if self.offload_params else [])
+        if self.quantize_weights:
+            parts.append("qw" + self.quantize_weights[3:])
+        if self.quantize_grads:
+            parts.append("qg" + self.quantize_grads[3:])
         return "+".join(parts)
 
     @property
@@ -88,7 +97,7 @@ def parse_rungs(text: str, flag: str = "--rungs") -> List[Rung]:
     table = _lookup()
     out: List[Rung] = []
     for item in text.split(","):
-        rung = table.get(_norm(item))
+        rung = _quantized(table, item, flag)
         if rung is None:
             raise ValueError(f"{flag}: unknown rung {item.strip()!r} in {text!r}; valid "
                              f"(key or name as plan prints it, comma separated): "
@@ -98,3 +107,32 @@ def parse_rungs(text: str, flag: str = "--rungs") -> List[Rung]:
         out.append(rung)
     return out
 
+
+
+# The quantized collectives (ZeroOptimizer's quantize_weights / quantize_grads) as suffixes of
+# a ZeRO rung's key or name: '3+qw8+qg4', 'stage 2 + int8 grads'.
+_QUANT_TOKENS = {"qw8": ("quantize_weights", "int8"), "int8weights": ("quantize_weights", "int8"),
+                 "qg8": ("quantize_grads", "int8"), "int8grads": ("quantize_grads", "int8"),
+                 "qg4": ("quantize_grads", "int4"), "int4grads": ("quantize_grads", "int4")}
+
+
+def _quantized(table: Dict[str, Rung], item: str, flag: str) -> Optional[Rung]:
+    """The rung ``item`` names, quantization suffixes included (None: unknown).
+
+    Raises:
+        ValueError: a quantization on a rung that cannot take it (data parallel; int8 weights
+            below stage 3).
+    """
+    parts = _norm(item).split("+")
+    quant = {}
+    while len(parts) > 1 and parts[-1] in _QUANT_TOKENS:
+        option, fmt = _QUANT_TOKENS[parts.pop()]
+        quant.setdefault(option, fmt)
+    rung = table.get("+".join(parts))
+    if rung is None or not quant:
+        return rung
+    if rung.stage == 0 or ("quantize_weights" in quant and rung.stage != 3):
+        raise ValueError(f"{flag}: {item.strip()!r}: quantized gradients need a ZeRO rung "
+                         f"(1, 2, 3) and int8 weights stage 3 (quantize_weights applies to "
+                         f"stage 3's parameter gathers)")
+    return Rung(rung.stage, rung.offload, rung.offload_params, **quant)

@@ -76,11 +76,17 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                ("--bucket-bytes", _bucket_bytes, "auto",
                 "gradient bucket size in bytes (DDP and ZeRO), or auto"),
                ("--seed", int, 0, "seed of the init and of the batches"),
+               ("--param-dtype", str, "fp32", "compute dtype of the ZeRO rungs, fp32 or bf16 "
+                                              "(bf16: fp32 master and gradient reduction; "
+                                              "data parallel stays fp32)"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
                                        "zkernels.checkpoint per rung (stage1, stage2, "
                                        "stage2-cpu, ...)"),
                ("--offload-dir", str, "", "folder for the nvme rungs' files (default: a "
                                           "temporary folder, removed after)")]
+
+
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def _tensor_bytes(tensors) -> int:
@@ -171,7 +177,9 @@ class _ZeroRung:
             weight_decay=args.weight_decay, bucket_bytes=args.bucket_bytes,
             offload=rung.offload, offload_params=rung.offload_params,
             offload_dir=offload_dir if nvme else None,
-            offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUFFER_BYTES) if nvme else None)
+            offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUFFER_BYTES) if nvme else None,
+            param_dtype=PARAM_DTYPES[args.param_dtype],
+            quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads)
 
     def step(self, x, y):
         loss = self.model(x, y)
@@ -205,9 +213,13 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
     """``estimate_memory`` for ``rung`` by kind and by place, keyed as ``stats()`` keys its
     measurements: between steps (no transient; reduce buffers only where they are held between
     steps, not stage 3's), the host's staging counted as buffers."""
+    zero = rung.stage != 0
     est = estimate_memory(model, world_size, rung.stage, offload=rung.offload,
                           offload_params=rung.offload_params, bucket_bytes=args.bucket_bytes,
-                          nvme_buffer_bytes=NVME_BUFFER_BYTES)
+                          nvme_buffer_bytes=NVME_BUFFER_BYTES,
+                          param_dtype=PARAM_DTYPES[args.param_dtype] if zero else None,
+                          quantize_weights=rung.quantize_weights,
+                          quantize_grads=rung.quantize_grads)
     where = {}
     for place, kinds in est.by_location.items():
         kinds = dict(kinds)
@@ -310,6 +322,7 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
         out.append((dict(
             rung=rung.key, name=rung.name, short=rung.short, stage=rung.stage,
             offload=rung.offload, offload_params=rung.offload_params,
+            quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
             first_step=starts[i], losses=losses[i], final_loss=losses[i][-1],
             step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i][skip:],
             step_time_ratio_paired=paired, ratio_to=rungs[0].name,

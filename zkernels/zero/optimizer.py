@@ -21,6 +21,7 @@ import torch.nn as nn
 from .. import ops as _ops
 from ..comm import VolumeMeter, make_metered_comm
 from ..comm.hybrid import HybridComm, is_device_mesh
+from ..comm.quantized import QuantizedWeightComm, check_quantize_args, quantize_grads_comm
 from .state import state_dict as _state
 from .planning.auto import resolve_auto_placement
 from .planning.buckets import align_numel, bucket_capacities, plan_buckets
@@ -166,6 +167,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             first module owning its parameters runs; code that reads parameters between steps
             outside a module's forward or ``state_dict()`` calls :meth:`wait_params` first
             (see [Note: lazy parameter gathers] in ``param_wait.py``).
+        quantize_weights: None or ``"int8"`` (stage 3, ZeRO++'s qwZ): every parameter
+            all-gather, forward and backward, moves int8 blocks plus fp32 scales and is
+            dequantized into the unit's compute buffer; the master and the shards stay exact.
+            See [Note: quantized all-gather] in ``zkernels/comm/quantized.py``.
+        quantize_grads: None, ``"int8"`` or ``"int4"`` (ZeRO++'s qgZ, every stage): each
+            gradient reduce-scatter quantizes its chunks, exchanges them with an all-to-all
+            and dequantize-sums them in fp32 on arrival ([Note: quantized reduce-scatter]);
+            with hybrid sharding within the shard group, the cross-group all-reduce exact.
+        quantize_block: elements per fp32 scale of both options, a power of two in [2, 8192]
+            (default 256: scales add 4/256 bytes per element).
 
     Attributes:
         policy: the stage's :class:`~zkernels.zero.planning.policy.StagePolicy`.
@@ -195,7 +206,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_config: Optional[OffloadConfig] = None,
                  offload_params: bool = False,
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
-                 mesh=None) -> None:
+                 mesh=None, quantize_weights: Optional[str] = None,
+                 quantize_grads: Optional[str] = None, quantize_block: int = 256) -> None:
         # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
         # strategy of the kind asked for.
         auto = isinstance(stage, str) and stage == "auto"
@@ -234,6 +246,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # sharding is a group shape] in zkernels/comm/hybrid.py.
         self.comm = make_metered_comm(process_group, device, comm_backend, timeout, self.meter,
                                       shard_size=shard_size, mesh=mesh)
+        # ZeRO++'s qgZ: the gradient strategies talk to a comm whose reduce-scatters are
+        # quantized (every other collective passes through, exact).
+        grad_bits, weight_bits = check_quantize_args(quantize_grads, quantize_weights,
+                                                     quantize_block, comm_backend, device)
+        if grad_bits is not None:
+            self.comm = quantize_grads_comm(self.comm, self.ops, grad_bits, quantize_block)
+        self.quantize_grads, self.quantize_weights = quantize_grads, quantize_weights
+        self.quantize_block = quantize_block
         n = self.comm.world_size
         if auto:
             self.stage, offload, offload_params = resolve_auto_placement(
@@ -249,6 +269,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 offload_config = None
         self.offload = offload
         self.policy = STAGES[self.stage]
+        if weight_bits is not None and not self.policy.shards_params:
+            raise ValueError(f"quantize_weights={quantize_weights!r} applies to stage 3 (the "
+                             f"stage that gathers parameters before use); stage {self.stage} "
+                             f"keeps them whole and its post-update all-gather exact")
         check_offload_stage(offload, self.policy)
         self.offload_params = check_offload_params(offload_params, offload, self.policy)
         if self.policy.shards_params:
@@ -330,7 +354,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.policy.shards_params:
             # After the reducer: its gradient hooks (pack, reduce) run before the schedule's
             # (count, free), see [Note: stage-3 gather schedule].
-            self.schedule = GatherSchedule(gather_units, self.comm, reshard_after_forward,
+            # ZeRO++'s qwZ: the schedule's gathers are quantized ([Note: quantized all-gather]).
+            gather_comm = self.comm if weight_bits is None else QuantizedWeightComm(
+                self.comm, self.ops, quantize_block)
+            self.schedule = GatherSchedule(gather_units, gather_comm, reshard_after_forward,
                                            check_paths=check_paths)
             if not isinstance(reshard_after_forward, bool):  # [Note: secondary shards]
                 second = secondary_comm(self.comm, reshard_after_forward, device,
@@ -606,6 +633,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "offload": None or
             {"kind", "device", "host", "disk", "update_s", "host_to_device_bytes",
             "device_to_host_bytes", "disk_read_bytes", "disk_write_bytes", ...}}``.
+            ``comm_bytes`` counts the bytes really sent: with ``quantize_grads`` the
+            ``reduce_scatter`` bytes are the all-to-all's codes plus scales, with
+            ``quantize_weights`` stage 3's ``all_gather`` bytes too ([Note: ring volume]).
             ``comm_bytes``' ``within_group`` and ``across_groups`` split its total by where
             it went (hybrid sharding: the cross-group all-reduces; otherwise all within).
             ``memory_bytes`` counts each kind wherever it lives (device, host RAM or disk);

@@ -72,6 +72,13 @@ all-gather the parameters ((r + p)·Ψ·(N−1)/N: the paper's 2Ψ), stage 3 gat
 twice, once per direction ((r + 2p)·Ψ·(N−1)/N: 3Ψ). Stage 0 all-reduces the gradients in
 ``reduce_dtype`` when one is given (2·r·Ψ·(N−1)/N: the like-for-like row ``plan`` shows), else
 in their own dtype, as DDP does by default (2·p·Ψ·(N−1)/N).
+With the quantized collectives (``ZeroOptimizer(quantize_grads=, quantize_weights=)``, see
+``zkernels/comm/quantized.py``) an element costs its code plus its share of an fp32 scale per
+``quantize_block`` elements instead of its dtype's bytes: ``bits/8 + 4/block`` (int8 1.0156,
+int4 0.5156 at block 256) for the gradient all-to-all (replacing r), and for stage 3's gathers
+(replacing p; a secondary shard's backward gather stays exact, in p). The cross-group
+all-reduce of hybrid sharding stays in r. The scales are counted per element (a chunk's last
+partial block is not rounded up), so small units come out a little under the meter.
 Offload adds host<->device copies (gradient shard down, updated shard up; with
 ``offload_params`` the shard comes up at every gather instead: twice per step) and, for nvme,
 the read and write of master and states.
@@ -142,6 +149,8 @@ class MemoryEstimate:
         shard_size: hybrid sharding's K (None: the states are sharded over all N ranks).
         comm_across_groups_bytes: the part of ``comm_bytes`` sent across shard groups (the
             all-reduce of the gradient shard; 0 without hybrid sharding).
+        quantize_weights, quantize_grads: the quantized collectives counted in ``comm_bytes``
+            (None: exact).
     """
 
     stage: int
@@ -165,6 +174,8 @@ class MemoryEstimate:
     by_location: Dict[str, Dict[str, int]] = field(default_factory=dict, compare=False)
     shard_size: Optional[int] = None
     comm_across_groups_bytes: int = 0
+    quantize_weights: Optional[str] = None
+    quantize_grads: Optional[str] = None
 
     @property
     def trainable_numel(self) -> int:
@@ -203,7 +214,15 @@ class MemoryEstimate:
 
     @property
     def name(self) -> str:
-        return rung_name(self.stage, self.offload, self.offload_params)
+        """'stage 3 + cpu offload', ..., with the quantized collectives: '... + int8 weights
+        + int4 grads'."""
+        return rung_name(self.stage, self.offload, self.offload_params) + "".join(
+            f" + {fmt} {what}" for fmt, what in ((self.quantize_weights, "weights"),
+                                                 (self.quantize_grads, "grads")) if fmt)
+
+    def comm_seconds(self, link_gbps: float) -> float:
+        """Seconds per step to send ``comm_bytes`` at ``link_gbps`` (see :func:`comm_seconds`)."""
+        return comm_seconds(self.comm_bytes, link_gbps)
 
 
 def count_params(model_or_num_params) -> int:
@@ -283,7 +302,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
                     offload_params: bool = False, frozen_numel: Optional[int] = None,
                     frozen_dtype=None, shard_size: Optional[int] = None,
-                    secondary_size: Optional[int] = None) -> MemoryEstimate:
+                    secondary_size: Optional[int] = None, quantize_weights: Optional[str] = None,
+                    quantize_grads: Optional[str] = None,
+                    quantize_block: int = 256) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
@@ -326,6 +347,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             backward gather runs within R ranks, p·Ψ·(R-1)/R instead of p·Ψ·(K-1)/K, and the
             secondary chunks (p·Ψ/R at the end of forward) add to the transient bytes (see
             [Note: secondary shards] in ``parameters/secondary.py``).
+        quantize_weights, quantize_grads, quantize_block: as ``ZeroOptimizer`` takes them
+            (stage 3 for weights, stages 1-3 for gradients): the traffic counts codes plus
+            scales (see [Note: traffic model]); memory is unchanged (the codes are transient
+            and small beside the buffers they mirror).
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
@@ -431,15 +456,18 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             host["master"] = device.pop("master")
         host["staging"] = nvme_buffer_bytes   # the fixed slot arena
 
+    rq, pq = quantized_element_bytes(stage, quantize_weights, quantize_grads, quantize_block)
+    rq, pq = rq or r, pq or p
     frac = (big_n - 1) / big_n
     if stage == 0:      # DDP all-reduces in reduce_dtype if given, else in the grads' dtype
         comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
     else:               # one reduce-scatter, one or two all-gathers (stage 3: frozen too)
         gathered = n_psi + (n_frozen if policy.shards_params else 0)
-        comm = (r * n_psi + policy.gathers_per_step * p * gathered) * frac
+        comm = (rq * n_psi + policy.gathers_per_step * pq * gathered) * frac
     if secondary_size is not None:
         check_reshard_after_forward(secondary_size, big_n, policy.shards_params)
-        comm -= p * gathered * (frac - (secondary_size - 1) / secondary_size)
+        # the backward gather runs within R ranks, exact (quantized.py's Note)
+        comm -= gathered * (pq * frac - p * (secondary_size - 1) / secondary_size)
         kinds["transient"] += p * _div(gathered, secondary_size)
         device["transient"] = kinds["transient"]
     # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
@@ -459,7 +487,44 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         offload_params=offload_params, frozen_numel=n_frozen,
         by_location={"device": device, "host": host, "disk": disk},
         shard_size=None if shard_size is None else big_n,
-        comm_across_groups_bytes=int(round(across)))
+        comm_across_groups_bytes=int(round(across)),
+        quantize_weights=quantize_weights, quantize_grads=quantize_grads)
+
+
+def quantized_element_bytes(stage: int, quantize_weights, quantize_grads,
+                            quantize_block: int = 256):
+    """``(gradient bytes per element or None, gathered-weight bytes per element or None)``
+    sent by the quantized collectives: ``bits/8 + 4/quantize_block`` (None: not quantized).
+
+    Raises:
+        ValueError: an unknown format, a bad block, weights below stage 3 or anything at
+            stage 0 (the message names the option).
+    """
+    from ...comm.quantized import GRAD_FORMATS, WEIGHT_FORMATS, _bits, check_block_size
+    g = None if quantize_grads is None else _bits(quantize_grads, GRAD_FORMATS,
+                                                  "quantize_grads")
+    w = None if quantize_weights is None else _bits(quantize_weights, WEIGHT_FORMATS,
+                                                    "quantize_weights")
+    if g is None and w is None:
+        return None, None
+    check_block_size(quantize_block, "quantize_block")
+    if stage == 0:
+        raise ValueError("quantize_grads / quantize_weights apply to ZeRO stages 1-3, not to "
+                         "stage 0 (data parallel)")
+    if w is not None and not stage_policy(stage).shards_params:
+        raise ValueError(f"quantize_weights={quantize_weights!r} applies to stage 3, got "
+                         f"stage {stage}")
+    per_scale = 4 / quantize_block
+    return (None if g is None else g / 8 + per_scale), (None if w is None else w / 8 + per_scale)
+
+
+def comm_seconds(comm_bytes: int, link_gbps: float) -> float:
+    """Seconds to send ``comm_bytes`` over a link of ``link_gbps`` gigabits per second (the
+    bandwidth term only: no latency, no overlap with compute)."""
+    if isinstance(link_gbps, bool) or not isinstance(link_gbps, (int, float)) or \
+            not link_gbps > 0:
+        raise ValueError(f"link_gbps must be a number > 0, got {link_gbps!r}")
+    return comm_bytes * 8 / (link_gbps * 1e9)
 
 
 def _num_groups(shard_size, world_size: int) -> int:

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 from .estimate import MemoryEstimate, count_params, estimate_memory
 from .policy import RUNGS, stage_policy
 
-__all__ = ["RUNGS", "NoRungFitsError", "choose_rung", "ladder_rows"]
+__all__ = ["RUNGS", "NoRungFitsError", "choose_rung", "ladder_rows", "quantized_choices"]
 
 
 class NoRungFitsError(RuntimeError):
@@ -39,6 +39,20 @@ def ladder_rows(rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
     return [(s, o, op) for s, o in rungs
             for op in ((False, True) if offload_params is None else (offload_params,))
             if not op or (o is not None and stage_policy(s).shards_params)]
+
+
+def quantized_choices(stage: int) -> List[Tuple[Optional[str], Optional[str]]]:
+    """``(quantize_weights, quantize_grads)`` pairs worth offering at ``stage`` (ZeRO++'s
+    options, see ``zkernels/comm/quantized.py``): int8 and int4 gradients at every ZeRO stage;
+    at stage 3 also int8 weights alone and with int4 gradients (ZeRO++'s qwZ + qgZ). They hold
+    the same memory as the rung without them and send fewer bytes per step (``plan
+    --link-gbps`` shows them with their communication time)."""
+    if stage == 0:
+        return []
+    out: List[Tuple[Optional[str], Optional[str]]] = [(None, "int8"), (None, "int4")]
+    if stage_policy(stage).shards_params:
+        out += [("int8", None), ("int8", "int4")]
+    return out
 
 
 def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
