@@ -228,3 +228,61 @@ def format_table(rows: List[dict]) -> str:
                    if "param_host_to_device_bytes" in off else ""))
         notes.extend(f"{r['method']}: {n}" for n in r["notes"])
     return "\n".join(lines + [""] + notes)
+
+
+def compare_trees(after: List[List[dict]], before: List[List[dict]]) -> Dict[str, dict]:
+    """``--baseline-tree``: per zkernels row, this tree over the baseline's (after / before).
+
+    Args:
+        after, before: the rows of each run (``--repeats`` each, launched alternately); the
+            before runs hold DDP and the zkernels rows only.
+
+    Returns:
+        ``{method: {...}}``: ``step_time_ratio`` (median over runs of the ratio of median step
+        times), ``step_time_ratio_via_ddp`` (of each tree's paired ratio to its own DDP: the
+        load drift between the two launches cancels), ``memory_ratio`` and ``traffic_ratio``
+        (totals, last run), ``memory_equal`` (every kind to the byte), the final losses; or
+        ``{"error": ...}`` where a tree could not run the row.
+    """
+    out: Dict[str, dict] = {}
+    for name in [r["method"] for r in before[0] if r["method"] != "ddp"]:
+        pairs = [({r["method"]: r for r in a}[name], {r["method"]: r for r in b}[name])
+                 for a, b in zip(after, before)]
+        bad = [(tree, r["error"]) for a, b in pairs for tree, r in (("after", a), ("before", b))
+               if "error" in r]
+        if bad:
+            out[name] = {"error": f"{bad[0][0]}: {bad[0][1].splitlines()[0]}"}
+            continue
+        a, b = pairs[-1]
+        ma, mb = a["memory_bytes_per_rank"], b["memory_bytes_per_rank"]
+        out[name] = {
+            "step_time_ratio": statistics.median(
+                x["step_time_s"]["median"] / y["step_time_s"]["median"] for x, y in pairs),
+            "step_time_ratio_via_ddp": statistics.median(
+                x["step_time_ratio_to_ddp_paired"] / y["step_time_ratio_to_ddp_paired"]
+                for x, y in pairs),
+            "memory_ratio": ma["total"] / mb["total"] if mb["total"] else None,
+            "memory_equal": all(ma.get(k) == mb.get(k) for k in MEMORY_KINDS),
+            "traffic_ratio": (a["comm_bytes_per_rank"]["total"] / b["comm_bytes_per_rank"]["total"]
+                              if b["comm_bytes_per_rank"]["total"] else None),
+            "final_loss": {"after": a["final_loss"], "before": b["final_loss"]},
+        }
+    return out
+
+
+def format_baseline(cmp: Dict[str, dict], tree: str, runs: int) -> str:
+    """The after/before table of :func:`compare_trees`."""
+    head = (f"{'method':<17} {'time':>6} {'via DDP':>7} {'memory':>7} {'=bytes':>6} "
+            f"{'sent':>7} {'loss after':>10} {'before':>10}")
+    lines = [f"\nbefore/after: this tree over zkernels from {tree} ({runs} run(s) each, "
+             f"alternating; ratios after/before)", head, "-" * len(head)]
+    for name, c in cmp.items():
+        if "error" in c:
+            lines.append(f"{name:<17} not compared: {c['error']}")
+            continue
+        loss = c["final_loss"]
+        lines.append(f"{name:<17} {c['step_time_ratio']:6.3f} {c['step_time_ratio_via_ddp']:7.3f} "
+                     f"{c['memory_ratio'] or float('nan'):7.4f} {_yn(c['memory_equal']):>6} "
+                     f"{c['traffic_ratio'] or float('nan'):7.4f} {loss['after']:10.6f} "
+                     f"{loss['before']:10.6f}")
+    return "\n".join(lines)

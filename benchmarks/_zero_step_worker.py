@@ -10,6 +10,7 @@ optimizer step is left out of the time.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -38,20 +39,21 @@ def _batch(step: int, rank: int, seed: int, batch_size: int, block_size: int,
 def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
     # Imported only now, with the meter installed: a module that binds a collective at import
     # time (``from torch.distributed import ...``) then binds the wrapped one.
+    import zkernels
     from zkernels.demo.model import GPTConfig
-    from _zero_step_methods import MethodUnavailable, all_ranks_ok, build
+    from _zero_step_methods import Context, MethodUnavailable, all_ranks_ok, build
 
     cfg = GPTConfig(**opts["model"])
     bucket_log: list = []
-    methods, results = {}, {}
+    ctx = Context(lr=opts["lr"], world_size=world_size, batch_size=opts["batch_size"],
+                  on_bucket=bucket_log.append, param_dtype=_param_dtype(opts),
+                  shard_size=opts.get("shard_size"), offload_dir=opts.get("offload_dir"),
+                  nvme_budget=opts["nvme_budget"])
+    methods, results = {}, {"_zkernels": os.path.dirname(os.path.abspath(zkernels.__file__))}
     for name in opts["methods"]:
         error = None
         try:
-            methods[name] = build(name, cfg, opts["seed"], opts["lr"], world_size,
-                                  bucket_log.append, offload_dir=opts.get("offload_dir"),
-                                  batch_size=opts["batch_size"],
-                                  param_dtype=_param_dtype(opts),
-                                  shard_size=opts.get("shard_size"))
+            methods[name] = build(name, cfg, opts["seed"], ctx)
         except MethodUnavailable as exc:
             error = str(exc)
         except Exception:  # noqa: BLE001 - reported in the table, the run goes on
@@ -102,6 +104,9 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
 def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
     """Process entry point: sends ``(rank, True, results)`` or ``(rank, False, traceback)``."""
     try:
+        # --baseline-tree: this rank imports zkernels from that checkout (nothing imported it
+        # yet: the harness modules import it inside _run only)
+        sys.path.insert(0, opts["zk_root"])
         torch.set_num_threads(opts["threads_per_rank"])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
