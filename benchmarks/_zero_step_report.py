@@ -238,12 +238,22 @@ def compare_trees(after: List[List[dict]], before: List[List[dict]]) -> Dict[str
             before runs hold DDP and the zkernels rows only.
 
     Returns:
-        ``{method: {...}}``: ``step_time_ratio`` (median over runs of the ratio of median step
-        times), ``step_time_ratio_via_ddp`` (of each tree's paired ratio to its own DDP: the
-        load drift between the two launches cancels), ``memory_ratio`` and ``traffic_ratio``
-        (totals, last run), ``memory_equal`` (every kind to the byte), the final losses; or
-        ``{"error": ...}`` where a tree could not run the row.
+        ``{method: {...}}``: ``step_time_ratio`` (median step time over every timed step of
+        every run, after over before), ``step_time_ratio_via_ddp`` (the same of each step's
+        time over DDP's step in the same round: the load drift between the launches cancels),
+        ``memory_ratio`` and ``traffic_ratio`` (totals, last run), ``memory_equal`` (every
+        kind to the byte), the final losses; or ``{"error": ...}`` where a tree could not run
+        the row.
     """
+    def pooled(runs, name, per_ddp):
+        out = []
+        for rows in runs:
+            by = {r["method"]: r for r in rows}
+            ddp = by["ddp"]["step_times_s"] if per_ddp else None
+            out += [t / (ddp[i] if per_ddp else 1.0)
+                    for i, t in enumerate(by[name]["step_times_s"])]
+        return statistics.median(out)
+
     out: Dict[str, dict] = {}
     for name in [r["method"] for r in before[0] if r["method"] != "ddp"]:
         pairs = [({r["method"]: r for r in a}[name], {r["method"]: r for r in b}[name])
@@ -256,11 +266,8 @@ def compare_trees(after: List[List[dict]], before: List[List[dict]]) -> Dict[str
         a, b = pairs[-1]
         ma, mb = a["memory_bytes_per_rank"], b["memory_bytes_per_rank"]
         out[name] = {
-            "step_time_ratio": statistics.median(
-                x["step_time_s"]["median"] / y["step_time_s"]["median"] for x, y in pairs),
-            "step_time_ratio_via_ddp": statistics.median(
-                x["step_time_ratio_to_ddp_paired"] / y["step_time_ratio_to_ddp_paired"]
-                for x, y in pairs),
+            "step_time_ratio": pooled(after, name, False) / pooled(before, name, False),
+            "step_time_ratio_via_ddp": pooled(after, name, True) / pooled(before, name, True),
             "memory_ratio": ma["total"] / mb["total"] if mb["total"] else None,
             "memory_equal": all(ma.get(k) == mb.get(k) for k in MEMORY_KINDS),
             "traffic_ratio": (a["comm_bytes_per_rank"]["total"] / b["comm_bytes_per_rank"]["total"]
@@ -275,7 +282,9 @@ def format_baseline(cmp: Dict[str, dict], tree: str, runs: int) -> str:
     head = (f"{'method':<17} {'time':>6} {'via DDP':>7} {'memory':>7} {'=bytes':>6} "
             f"{'sent':>7} {'loss after':>10} {'before':>10}")
     lines = [f"\nbefore/after: this tree over zkernels from {tree} ({runs} run(s) each, "
-             f"alternating; ratios after/before)", head, "-" * len(head)]
+             f"alternating), ratios after/before of: the median step (time), the median of "
+             f"each step over DDP's in its round (via DDP), memory and bytes sent per rank "
+             f"(=bytes: every memory kind equal)", head, "-" * len(head)]
     for name, c in cmp.items():
         if "error" in c:
             lines.append(f"{name:<17} not compared: {c['error']}")

@@ -1,11 +1,15 @@
 """One training step of a small GPT on CPU, 2 gloo ranks: DDP, torch's ZeroRedundancyOptimizer,
-FSDP2 and zkernels ZeRO stage 1/2 side by side, with step time, bytes sent and memory per rank.
+FSDP2, DeepSpeed and zkernels ZeRO side by side, with step time, bytes sent and memory per rank.
+The rows are ``_zero_step_methods.METHODS`` (a new one is one line there).
 
-    python benchmarks/zero_step.py                       # small config, all methods
+    python benchmarks/zero_step.py                       # small config, the default rows
     python benchmarks/zero_step.py --config demo --methods ddp,zk_stage1,zk_stage2 --repeats 3
     python benchmarks/zero_step.py --config large --dtype bfloat16 --repeats 3
     python benchmarks/zero_step.py --steps 3 --config tiny --methods ddp,zk_stage2
     python benchmarks/zero_step.py --world-size 4 --shard-size 2   # hybrid: FSDP2 HSDP beside
+    python benchmarks/zero_step.py --offload             # offload rows (cpu, nvme) and peers
+    python benchmarks/zero_step.py --quantized           # ZeRO++ options beside DeepSpeed's
+    python benchmarks/zero_step.py --baseline-tree DIR   # zkernels rows again from DIR: ratios
 
 Prints a table and writes JSON (``--json``, default ``bench_results/zero_step.json``):
 ``{"meta": {machine, cpu, threads_per_rank, versions, git revision, UTC time, config,
