@@ -370,6 +370,7 @@ def main(argv=None) -> int:
             print(f"{r['method']}: {verdict}")
     _stage3_verdict(rows, num_params, n)
     _hybrid_verdict(rows)
+    _quant_verdict(rows)
     _offload_verdicts(rows, meta)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -402,6 +403,34 @@ def _hybrid_verdict(rows) -> None:
               f"{zs.get('within_group', 0) / 2**20:.3f}/{zs.get('across_groups', 0) / 2**20:.3f}"
               f" vs {fsc.get('within_group', 0) / 2**20:.3f}/"
               f"{fsc.get('across_groups', 0) / 2**20:.3f}")
+
+
+def _quant_verdict(rows) -> None:
+    """Issue 17: each quantized row (``quantize_*``, DeepSpeed's ``zero_quantized_*``) beside
+    the same row without quantization in the same run: bytes sent, step time, final loss.
+    Adds ``quantized_vs`` to the row."""
+    from _zero_step_methods import METHODS
+
+    def base(spec):
+        return spec.lib, tuple(sorted((k, v) for k, v in spec.kw.items()
+                                      if not k.startswith(("quantize_", "zero_quantized_"))))
+
+    by = {r["method"]: r for r in rows if "error" not in r}
+    plain = {base(METHODS[m]): m for m in by if base(METHODS[m])[1] == tuple(sorted(
+        METHODS[m].kw.items()))}
+    for name, r in by.items():
+        peer = plain.get(base(METHODS[name]))
+        if peer is None or peer == name:
+            continue
+        p = by[peer]
+        r["quantized_vs"] = {
+            "method": peer,
+            "traffic_ratio": r["comm_bytes_per_rank"]["total"] / p["comm_bytes_per_rank"]["total"],
+            "step_time_ratio": r["step_time_s"]["median"] / p["step_time_s"]["median"],
+            "final_loss_rel_diff": (r["final_loss"] - p["final_loss"]) / p["final_loss"]}
+        q = r["quantized_vs"]
+        print(f"{name} vs {peer}: sent x{q['traffic_ratio']:.3f}, step x{q['step_time_ratio']:.3f}"
+              f", final loss {100 * q['final_loss_rel_diff']:+.2f}%")
 
 
 def _offload_verdicts(rows, meta) -> None:

@@ -165,3 +165,23 @@ def test_deepspeed_rows_pass_deepspeeds_config_check(bench):
             cfg = m.configure(name, _ctx(m))
             # extra="forbid": a misspelt key fails here, not silently in DeepSpeed
             zero_config.DeepSpeedZeroConfig(**cfg["zero_optimization"])
+
+
+def test_quant_verdict_pairs_each_quantized_row_with_its_plain_row(bench):
+    bench("_zero_step_methods")
+    zs = bench("zero_step")
+
+    def row(name, sent, t, loss):
+        return {"method": name, "comm_bytes_per_rank": {"total": sent},
+                "step_time_s": {"median": t}, "final_loss": loss}
+
+    rows = [row("zk_stage3", 6.0, 2.0, 5.0), row("zk_stage3_qw_qg4", 2.0, 1.0, 5.05),
+            row("zk_stage2", 4.0, 2.0, 5.0), row("zk_stage2_qg8", 2.0, 3.0, 4.95),
+            row("deepspeed_stage3", 8.0, 1.0, 5.0), {"method": "ds_stage3_qw", "error": "x"}]
+    zs._quant_verdict(rows)
+    assert rows[1]["quantized_vs"] == {"method": "zk_stage3", "traffic_ratio": 2.0 / 6.0,
+                                       "step_time_ratio": 0.5,
+                                       "final_loss_rel_diff": pytest.approx(0.01)}
+    assert rows[3]["quantized_vs"]["method"] == "zk_stage2"
+    assert rows[3]["quantized_vs"]["final_loss_rel_diff"] == pytest.approx(-0.01)
+    assert not any("quantized_vs" in r for r in rows[:1] + rows[2:3] + rows[4:])
