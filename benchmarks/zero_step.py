@@ -71,6 +71,10 @@ QUANT_SET = ("ddp", "zk_stage2", "zk_stage2_qg8", "zk_stage3", "zk_stage3_qw", "
              "zk_stage3_qg4", "zk_stage3_qw_qg4", "deepspeed_stage3", "ds_stage3_qw",
              "ds_stage3_qg", "ds_stage3_qw_qg")
 
+# --baseline-tree without --methods: every zkernels rung that runs on 2 ranks, DDP beside.
+BASELINE_SET = ("ddp", "zk_stage1", "zk_stage2", "zk_stage3", "zk_stage2_cpu", "zk_stage2_nvme",
+                "zk_stage3_cpu", "zk_stage3_cpu_params", "zk_stage3_nvme", "zk_stage3_nvme_params")
+
 
 def _on_path() -> None:
     """Run from anywhere: this checkout's zkernels and the benchmark's modules first (the
@@ -128,6 +132,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
                 f"{args.shard_size}")
     if args.methods is None:
         args.methods = ",".join(HYBRID_SET if args.shard_size is not None else
+                                BASELINE_SET if args.baseline_tree is not None else
                                 ALL_METHODS if args.dtype == "float32" else bf16)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.offload or args.quantized:

@@ -92,7 +92,8 @@ def test_rows_refuse_what_they_cannot_build(bench):
 def test_flags_and_docs_name_only_rows(bench):
     m = bench("_zero_step_methods")
     zs = bench("zero_step")
-    for group in (zs.ALL_METHODS, zs.OFFLOAD_SET, zs.HYBRID_SET, zs.QUANT_SET):
+    for group in (zs.ALL_METHODS, zs.OFFLOAD_SET, zs.HYBRID_SET, zs.QUANT_SET,
+                  zs.BASELINE_SET):
         assert set(group) <= set(m.METHODS)
     named = set()
     for doc in ("README.md", os.path.join("benchmarks", "README.md")):
@@ -103,6 +104,7 @@ def test_flags_and_docs_name_only_rows(bench):
     assert zs._parse_args(["--dtype", "bfloat16"]).methods == [
         "ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2"]
     assert zs._parse_args(["--quantized"]).methods == list(zs.QUANT_SET)
+    assert zs._parse_args(["--baseline-tree", ROOT]).methods == list(zs.BASELINE_SET)
     assert zs._parse_args(["--methods", "zk_stage2"]).methods == ["ddp", "zk_stage2"]
     with pytest.raises(SystemExit):
         zs._parse_args(["--baseline-tree", os.path.join(ROOT, "benchmarks")])
