@@ -230,34 +230,21 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-def compare_trees(after: List[List[dict]], before: List[List[dict]]) -> Dict[str, dict]:
-    """``--baseline-tree``: per zkernels row, this tree over the baseline's (after / before).
-
-    Args:
-        after, before: the rows of each run (``--repeats`` each, launched alternately); the
-            before runs hold DDP and the zkernels rows only.
+def compare_trees(runs: List[List[dict]], suffix: str = "@before") -> Dict[str, dict]:
+    """``--baseline-tree``: each zkernels row over its baseline twin (``name + suffix``, the
+    same row with zkernels from the other checkout, run in the same rounds).
 
     Returns:
-        ``{method: {...}}``: ``step_time_ratio`` (median step time over every timed step of
-        every run, after over before), ``step_time_ratio_via_ddp`` (the same of each step's
-        time over DDP's step in the same round: the load drift between the launches cancels),
-        ``memory_ratio`` and ``traffic_ratio`` (totals, last run), ``memory_equal`` (every
-        kind to the byte), the final losses; or ``{"error": ...}`` where a tree could not run
-        the row.
+        ``{method: {...}}``: ``step_time_ratio`` (median over every timed step of every run
+        of this tree's step over the twin's step in the same round), ``step_time_ratio_medians``
+        (of the two median steps), ``memory_ratio`` and ``traffic_ratio`` (totals, last run),
+        ``memory_equal`` (every kind to the byte), the final losses; or ``{"error": ...}``
+        where a tree could not run the row.
     """
-    def pooled(runs, name, per_ddp):
-        out = []
-        for rows in runs:
-            by = {r["method"]: r for r in rows}
-            ddp = by["ddp"]["step_times_s"] if per_ddp else None
-            out += [t / (ddp[i] if per_ddp else 1.0)
-                    for i, t in enumerate(by[name]["step_times_s"])]
-        return statistics.median(out)
-
     out: Dict[str, dict] = {}
-    for name in [r["method"] for r in before[0] if r["method"] != "ddp"]:
-        pairs = [({r["method"]: r for r in a}[name], {r["method"]: r for r in b}[name])
-                 for a, b in zip(after, before)]
+    for name in [r["method"][:-len(suffix)] for r in runs[0] if r["method"].endswith(suffix)]:
+        pairs = [({r["method"]: r for r in rows}[name], {r["method"]: r for r in rows}[
+            name + suffix]) for rows in runs]
         bad = [(tree, r["error"]) for a, b in pairs for tree, r in (("after", a), ("before", b))
                if "error" in r]
         if bad:
@@ -265,9 +252,11 @@ def compare_trees(after: List[List[dict]], before: List[List[dict]]) -> Dict[str
             continue
         a, b = pairs[-1]
         ma, mb = a["memory_bytes_per_rank"], b["memory_bytes_per_rank"]
+        after = [t for x, _ in pairs for t in x["step_times_s"]]
+        before = [t for _, y in pairs for t in y["step_times_s"]]
         out[name] = {
-            "step_time_ratio": pooled(after, name, False) / pooled(before, name, False),
-            "step_time_ratio_via_ddp": pooled(after, name, True) / pooled(before, name, True),
+            "step_time_ratio": statistics.median(x / y for x, y in zip(after, before)),
+            "step_time_ratio_medians": statistics.median(after) / statistics.median(before),
             "memory_ratio": ma["total"] / mb["total"] if mb["total"] else None,
             "memory_equal": all(ma.get(k) == mb.get(k) for k in MEMORY_KINDS),
             "traffic_ratio": (a["comm_bytes_per_rank"]["total"] / b["comm_bytes_per_rank"]["total"]
@@ -279,18 +268,18 @@ def compare_trees(after: List[List[dict]], before: List[List[dict]]) -> Dict[str
 
 def format_baseline(cmp: Dict[str, dict], tree: str, runs: int) -> str:
     """The after/before table of :func:`compare_trees`."""
-    head = (f"{'method':<17} {'time':>6} {'via DDP':>7} {'memory':>7} {'=bytes':>6} "
+    head = (f"{'method':<21} {'paired':>6} {'medians':>7} {'memory':>7} {'=bytes':>6} "
             f"{'sent':>7} {'loss after':>10} {'before':>10}")
-    lines = [f"\nbefore/after: this tree over zkernels from {tree} ({runs} run(s) each, "
-             f"alternating), ratios after/before of: the median step (time), the median of "
-             f"each step over DDP's in its round (via DDP), memory and bytes sent per rank "
-             f"(=bytes: every memory kind equal)", head, "-" * len(head)]
+    lines = [f"\nbefore/after: this tree over zkernels from {tree}, both in the same rounds "
+             f"({runs} run(s)); ratios after/before of: each step over the baseline's step in "
+             f"the same round, median (paired); the median steps (medians); memory and bytes "
+             f"sent per rank (=bytes: every memory kind equal)", head, "-" * len(head)]
     for name, c in cmp.items():
         if "error" in c:
-            lines.append(f"{name:<17} not compared: {c['error']}")
+            lines.append(f"{name:<21} not compared: {c['error']}")
             continue
         loss = c["final_loss"]
-        lines.append(f"{name:<17} {c['step_time_ratio']:6.3f} {c['step_time_ratio_via_ddp']:7.3f} "
+        lines.append(f"{name:<21} {c['step_time_ratio']:6.3f} {c['step_time_ratio_medians']:7.3f} "
                      f"{c['memory_ratio'] or float('nan'):7.4f} {_yn(c['memory_equal']):>6} "
                      f"{c['traffic_ratio'] or float('nan'):7.4f} {loss['after']:10.6f} "
                      f"{loss['before']:10.6f}")

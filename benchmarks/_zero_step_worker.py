@@ -10,7 +10,6 @@ optimizer step is left out of the time.
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 from datetime import timedelta
@@ -39,9 +38,17 @@ def _batch(step: int, rank: int, seed: int, batch_size: int, block_size: int,
 def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
     # Imported only now, with the meter installed: a module that binds a collective at import
     # time (``from torch.distributed import ...``) then binds the wrapped one.
-    import zkernels
-    from zkernels.demo.model import GPTConfig
     from _zero_step_methods import Context, MethodUnavailable, all_ranks_ok, build
+    from _zero_step_trees import BEFORE, InTree, Trees
+
+    # --baseline-tree: a second zkernels beside this one ([Note: before and after in the same
+    # rounds] in _zero_step_trees.py)
+    trees = Trees()
+    results = {"_zkernels": {"": trees.add("", opts["zk_root"])}}
+    if opts.get("baseline_root"):
+        results["_zkernels"][BEFORE] = trees.add(BEFORE, opts["baseline_root"])
+    trees.use("")
+    from zkernels.demo.model import GPTConfig
 
     cfg = GPTConfig(**opts["model"])
     bucket_log: list = []
@@ -49,15 +56,21 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
                   on_bucket=bucket_log.append, param_dtype=_param_dtype(opts),
                   shard_size=opts.get("shard_size"), offload_dir=opts.get("offload_dir"),
                   nvme_budget=opts["nvme_budget"])
-    methods, results = {}, {"_zkernels": os.path.dirname(os.path.abspath(zkernels.__file__))}
+    methods = {}
     for name in opts["methods"]:
+        row, _, label = name.partition("@")
+        label = "@" + label if label else ""
         error = None
         try:
-            methods[name] = build(name, cfg, opts["seed"], ctx)
+            trees.use(label)
+            methods[name] = build(row, cfg, opts["seed"], ctx)
+            if len(trees.mods) > 1:  # both trees' rows pay the same module switch
+                methods[name] = InTree(trees, label, methods[name])
         except MethodUnavailable as exc:
             error = str(exc)
         except Exception:  # noqa: BLE001 - reported in the table, the run goes on
             error = "failed to build:\n" + traceback.format_exc()
+        trees.use("")
         if not all_ranks_ok(error is None):
             methods.pop(name, None)
             results[name] = {"error": error or "failed to build on another rank"}
@@ -104,9 +117,6 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
 def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
     """Process entry point: sends ``(rank, True, results)`` or ``(rank, False, traceback)``."""
     try:
-        # --baseline-tree: this rank imports zkernels from that checkout (nothing imported it
-        # yet: the harness modules import it inside _run only)
-        sys.path.insert(0, opts["zk_root"])
         torch.set_num_threads(opts["threads_per_rank"])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)

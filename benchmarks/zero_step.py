@@ -219,13 +219,17 @@ def _launch(opts: dict, world_size: int, timeout_s: float) -> list:
     return [results[r] for r in range(world_size)]
 
 
-def _check_tree(per_rank: list, zk_root: str) -> None:
-    """Every rank imported zkernels from ``zk_root`` (the before/after comparison measures
-    what it says it does)."""
-    want = str(Path(zk_root).resolve() / "zkernels")
-    got = {r["_zkernels"] for r in per_rank}
-    if got != {want}:
-        raise RuntimeError(f"the ranks imported zkernels from {sorted(got)}, expected {want}")
+def _check_trees(per_rank: list, opts: dict) -> None:
+    """Every rank imported zkernels from the checkouts it was given (the before/after
+    comparison measures what it says it does)."""
+    from _zero_step_trees import BEFORE
+
+    want = {"": str(Path(opts["zk_root"]).resolve() / "zkernels")}
+    if opts.get("baseline_root"):
+        want[BEFORE] = str(Path(opts["baseline_root"]).resolve() / "zkernels")
+    for r in per_rank:
+        if r["_zkernels"] != want:
+            raise RuntimeError(f"a rank imported zkernels from {r['_zkernels']}, expected {want}")
 
 
 def _stage3_verdict(rows: list, num_params: int, n: int) -> None:
@@ -317,33 +321,26 @@ def main(argv=None) -> int:
           f"{config['model']['block_size']} per rank, {args.warmup} warm-up + {args.steps} "
           f"timed steps, methods {','.join(args.methods)}, {args.repeats} run(s)", flush=True)
     meta["load_average_before"] = os.getloadavg()
-    trees = [("after", opts)]
     if args.baseline_tree is not None:  # the zkernels rows again, zkernels from that checkout
         from _zero_step_methods import METHODS
-        zk_rows = [m for m in args.methods if METHODS[m].lib == "zk"]
-        trees.append(("before", dict(opts, zk_root=args.baseline_tree,
-                                     methods=["ddp"] + zk_rows)))
-        meta["baseline_tree"] = args.baseline_tree
-    runs, before_runs = [], []
+        from _zero_step_trees import BEFORE
+        opts["baseline_root"] = meta["baseline_tree"] = args.baseline_tree
+        opts["methods"] = args.methods + [m + BEFORE for m in args.methods
+                                          if METHODS[m].lib == "zk"]
+    runs = []
     try:
-        for i in range(args.repeats):
-            # alternate which tree goes first, so that a drift in the load favours neither
-            for label, run_opts in (trees if i % 2 == 0 else trees[::-1]):
-                per_rank = _launch(run_opts, n, args.timeout_s)
-                _check_tree(per_rank, run_opts["zk_root"])
-                rows = [summarize(m, [r[m] for r in per_rank], n) for m in run_opts["methods"]]
-                # bf16: zkernels rounds its parameters to bf16, autocast keeps fp32 ones:
-                # losses part by bf16 round-off (~1e-2 after a few dozen steps), and DDP
-                # all-reduces fp32 grads (8Ψ sent) where zkernels sends an fp32 reduce-scatter
-                # + a bf16 all-gather (6Ψ).
-                add_ratios(rows, loss_tolerance=1e-4 if args.dtype == "float32" else 5e-2)
-                if label == "before":
-                    before_runs.append(rows)
-                    print(f"before: zkernels from {run_opts['zk_root']}")
-                else:
-                    check_memory(rows, num_params, n, args.dtype)
-                    runs.append(rows)
-                print(format_table(rows), flush=True)
+        for _ in range(args.repeats):
+            per_rank = _launch(opts, n, args.timeout_s)
+            _check_trees(per_rank, opts)
+            rows = [summarize(m, [r[m] for r in per_rank], n) for m in opts["methods"]]
+            # bf16: zkernels rounds its parameters to bf16, autocast keeps fp32 ones: losses
+            # part by bf16 round-off (~1e-2 after a few dozen steps), and DDP all-reduces fp32
+            # grads (8Ψ sent) where zkernels sends an fp32 reduce-scatter + a bf16 all-gather
+            # (6Ψ).
+            add_ratios(rows, loss_tolerance=1e-4 if args.dtype == "float32" else 5e-2)
+            check_memory(rows, num_params, n, args.dtype)
+            runs.append(rows)
+            print(format_table(rows), flush=True)
     finally:
         if cleanup is not None:
             import shutil
@@ -380,9 +377,8 @@ def main(argv=None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "rows": rows, "repeats": repeats, "runs": runs[:-1]}
-    if before_runs:
-        result["baseline"] = compare_trees(runs, before_runs)
-        result["baseline_runs"] = before_runs
+    if args.baseline_tree is not None:
+        result["baseline"] = compare_trees(runs)
         print(format_baseline(result["baseline"], args.baseline_tree, len(runs)))
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
@@ -420,7 +416,7 @@ def _quant_verdict(rows) -> None:
         return spec.lib, tuple(sorted((k, v) for k, v in spec.kw.items()
                                       if not k.startswith(("quantize_", "zero_quantized_"))))
 
-    by = {r["method"]: r for r in rows if "error" not in r}
+    by = {r["method"]: r for r in rows if "error" not in r and r["method"] in METHODS}
     plain = {base(METHODS[m]): m for m in by if base(METHODS[m])[1] == tuple(sorted(
         METHODS[m].kw.items()))}
     for name, r in by.items():
