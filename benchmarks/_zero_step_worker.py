@@ -1,8 +1,9 @@
 """One rank of the ZeRO step benchmark: build every method, warm up, time steps round-robin.
 
 Round-robin (step i of every method, then step i + 1 of every method, the order rotated by one
-each step) keeps a change in the machine's background load from landing on one method only,
-and no method always runs right after the same other one: this CPU is shared.
+each step and reversed every other step) keeps a change in the machine's background load from
+landing on one method only, and no method always runs right after the same other one (whatever
+a row leaves running in the background, e.g. I/O, lands on the next row): this CPU is shared.
 Each timed step is ``barrier; t0; forward+backward; optimizer step; zero_grad; barrier; t1``,
 so every rank's time includes waiting for the slowest one. Reading stats and memory after the
 optimizer step is left out of the time.
@@ -85,7 +86,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
         timed = step >= opts["warmup"]
         names = list(methods)
         shift = step % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in (order if step % 2 == 0 else order[::-1]):
             m, res = methods[name], results[name]
             meter.reset()
             bucket_log.clear()

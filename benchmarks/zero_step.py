@@ -325,8 +325,10 @@ def main(argv=None) -> int:
         from _zero_step_methods import METHODS
         from _zero_step_trees import BEFORE
         opts["baseline_root"] = meta["baseline_tree"] = args.baseline_tree
-        opts["methods"] = args.methods + [m + BEFORE for m in args.methods
-                                          if METHODS[m].lib == "zk"]
+        # each row beside its twin: the round order then differs between the two only by
+        # which one goes first (_zero_step_worker.py alternates that)
+        opts["methods"] = [x for m in args.methods
+                           for x in ([m, m + BEFORE] if METHODS[m].lib == "zk" else [m])]
     runs = []
     try:
         for _ in range(args.repeats):
