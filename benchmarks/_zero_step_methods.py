@@ -389,9 +389,8 @@ class DeepSpeedMethod:
         pin = torch.cuda.is_available()
         if offload_optimizer:
             zo["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": pin}
-            if offload_optimizer == "nvme":
-                zo["offload_optimizer"].update(nvme_path=ctx.offload_dir, buffer_count=4,
-                                               buffer_size=ctx.nvme_budget // 4)
+            if offload_optimizer == "nvme":  # (buffer_size is offload_param's, not this one's)
+                zo["offload_optimizer"].update(nvme_path=ctx.offload_dir, buffer_count=4)
         if offload_param:
             zo["offload_param"] = {"device": offload_param, "pin_memory": pin}
         cfg = {"train_micro_batch_size_per_gpu": ctx.batch_size,

@@ -18,12 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
 
+BENCH_MODULES = ("zero_step", "_zero_step_methods", "_zero_step_report", "_zero_step_trees",
+                 "_comm_meter")
+
+
 @pytest.fixture
 def bench(monkeypatch):
-    """The benchmark's modules, imported from benchmarks/ with sys.path and sys.modules
-    restored afterwards."""
+    """The benchmark's modules, imported from benchmarks/; sys.path restored and the modules
+    dropped afterwards."""
     monkeypatch.setattr(sys, "path", [BENCH] + sys.path)
-    monkeypatch.setattr(sys, "modules", dict(sys.modules))
 
     def load(name):
         spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, name + ".py"))
@@ -32,7 +35,9 @@ def bench(monkeypatch):
         spec.loader.exec_module(mod)
         return mod
 
-    return load
+    yield load
+    for name in BENCH_MODULES:
+        sys.modules.pop(name, None)
 
 
 def _ctx(methods):
