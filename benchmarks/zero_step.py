@@ -339,7 +339,8 @@ def main(argv=None) -> int:
             # part by bf16 round-off (~1e-2 after a few dozen steps), and DDP all-reduces fp32
             # grads (8Ψ sent) where zkernels sends an fp32 reduce-scatter + a bf16 all-gather
             # (6Ψ).
-            add_ratios(rows, loss_tolerance=1e-4 if args.dtype == "float32" else 5e-2)
+            add_ratios(rows, loss_tolerance=1e-4 if args.dtype == "float32" else 5e-2,
+                       lossy=_quantized)
             check_memory(rows, num_params, n, args.dtype)
             runs.append(rows)
             print(format_table(rows), flush=True)
@@ -408,22 +409,31 @@ def _hybrid_verdict(rows) -> None:
               f"{fsc.get('across_groups', 0) / 2**20:.3f}")
 
 
+def _spec(method: str):
+    """The table row of ``method`` (a baseline twin ``name@before`` has its row's spec)."""
+    from _zero_step_methods import METHODS
+    return METHODS[method.partition("@")[0]]
+
+
+def _quantized(method: str) -> bool:
+    return any(k.startswith(("quantize_", "zero_quantized_")) for k in _spec(method).kw)
+
+
 def _quant_verdict(rows) -> None:
     """Issue 17: each quantized row (``quantize_*``, DeepSpeed's ``zero_quantized_*``) beside
-    the same row without quantization in the same run: bytes sent, step time, final loss.
-    Adds ``quantized_vs`` to the row."""
-    from _zero_step_methods import METHODS
+    the same row without quantization in the same run (and from the same tree, for
+    ``--baseline-tree`` twins): bytes sent, step time, final loss. Adds ``quantized_vs``."""
+    def base(method):
+        spec = _spec(method)
+        return (spec.lib, method.partition("@")[2], tuple(sorted(
+            (k, v) for k, v in spec.kw.items()
+            if not k.startswith(("quantize_", "zero_quantized_")))))
 
-    def base(spec):
-        return spec.lib, tuple(sorted((k, v) for k, v in spec.kw.items()
-                                      if not k.startswith(("quantize_", "zero_quantized_"))))
-
-    by = {r["method"]: r for r in rows if "error" not in r and r["method"] in METHODS}
-    plain = {base(METHODS[m]): m for m in by if base(METHODS[m])[1] == tuple(sorted(
-        METHODS[m].kw.items()))}
+    by = {r["method"]: r for r in rows if "error" not in r}
+    plain = {base(m): m for m in by if not _quantized(m)}
     for name, r in by.items():
-        peer = plain.get(base(METHODS[name]))
-        if peer is None or peer == name:
+        peer = plain.get(base(name))
+        if peer is None or not _quantized(name):
             continue
         p = by[peer]
         r["quantized_vs"] = {

@@ -188,11 +188,30 @@ def test_quant_verdict_pairs_each_quantized_row_with_its_plain_row(bench):
 
     rows = [row("zk_stage3", 6.0, 2.0, 5.0), row("zk_stage3_qw_qg4", 2.0, 1.0, 5.05),
             row("zk_stage2", 4.0, 2.0, 5.0), row("zk_stage2_qg8", 2.0, 3.0, 4.95),
-            row("deepspeed_stage3", 8.0, 1.0, 5.0), {"method": "ds_stage3_qw", "error": "x"}]
+            row("deepspeed_stage3", 8.0, 1.0, 5.0), {"method": "ds_stage3_qw", "error": "x"},
+            row("zk_stage3@before", 4.0, 2.0, 5.0), row("zk_stage3_qw@before", 3.0, 2.0, 5.0)]
     zs._quant_verdict(rows)
     assert rows[1]["quantized_vs"] == {"method": "zk_stage3", "traffic_ratio": 2.0 / 6.0,
                                        "step_time_ratio": 0.5,
                                        "final_loss_rel_diff": pytest.approx(0.01)}
     assert rows[3]["quantized_vs"]["method"] == "zk_stage2"
     assert rows[3]["quantized_vs"]["final_loss_rel_diff"] == pytest.approx(-0.01)
-    assert not any("quantized_vs" in r for r in rows[:1] + rows[2:3] + rows[4:])
+    assert not any("quantized_vs" in r for r in rows[:1] + rows[2:3] + rows[4:6])
+    assert rows[7]["quantized_vs"]["method"] == "zk_stage3@before"  # its own tree's row
+    assert rows[7]["quantized_vs"]["traffic_ratio"] == 0.75 and "quantized_vs" not in rows[6]
+
+
+def test_loss_check_spares_only_the_quantized_rows(bench):
+    r = bench("_zero_step_report")
+    bench("_zero_step_methods")
+    zs = bench("zero_step")
+
+    def row(name, loss):
+        return {"method": name, "step_time_s": {"median": 1.0}, "step_times_s": [1.0],
+                "comm_bytes_per_rank": {"total": 1.0}, "final_loss": loss, "notes": []}
+
+    rows = [row("ddp", 5.0), row("zk_stage3", 5.01), row("zk_stage3_qw", 5.01),
+            row("zk_stage3_qw_qg4@before", 5.01), row("ds_stage3_qg", 5.01)]
+    r.add_ratios(rows, lossy=zs._quantized)
+    assert ["final loss differs" in " ".join(x["notes"]) for x in rows] == [
+        False, True, False, False, False]
