@@ -1,84 +1,163 @@
-"""The training setups the ZeRO step benchmark compares, each behind one small interface.
+"""The training setups the ZeRO step benchmark compares: one table of rows, one class per library.
 
-Every method owns a fresh copy of the same model (same seed on every rank) and exposes
-``forward_backward(x, y) -> loss``, ``update()``, ``zero_grad()``, ``memory() -> bytes by kind``
-and ``zk_stats()`` (zkernels' own ``opt.stats()``, None for the torch peers). Memory is counted
-from the tensors a rank holds, distinct storages only, each storage under the first kind that
-claims it (params, grads, master, optimizer_states, buffers); DTensors count their local shard.
-All setups train in fp32, where the parameter is its own master copy (master = 0 for torch).
+``METHODS`` maps a row's name to a :class:`Spec`: the library and its keyword arguments. A new
+rung is one row. Every method owns a fresh copy of the same model (same seed on every rank) and
+exposes ``forward_backward(x, y) -> loss``, ``update()``, ``zero_grad()``, ``memory() -> bytes
+by kind`` (plus ``device``/``host``/``disk`` for the offload rows) and ``zk_stats()``
+(zkernels' own ``opt.stats()``, None for the peers).
+
+[Note: memory counted by zkernels' own counter]
+Every row's memory goes through ``zkernels.zero.stats``: zkernels rows report their
+``stats()``; the peers hand the tensors they hold, grouped by kind (and by place for offload),
+to ``memory_bytes`` / ``memory_by_location``: distinct storages only, each under the first
+kind that claims it; DTensors count their local shard. DDP's reducer buckets, which no tensor
+attribute shows, are added to buffers. All rows train in fp32 unless ``--dtype bfloat16``;
+in fp32 the parameter is its own master copy (master = 0 for torch).
+
+[Note: shard size in a row]
+A keyword whose value is ``K`` takes ``--shard-size`` at build time; such a row needs it.
 """
 from __future__ import annotations
 
-import importlib.util
-from typing import Callable, Dict, Iterable, Optional
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zkernels.demo.model import GPT, GPTConfig
+K = "--shard-size"  # a keyword value replaced by the run's shard size (see the Note above)
 
-MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "buffers")
-METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed", "zk_stage3",
-           "deepspeed_stage3")
-# Offload rows (issue 9): zkernels stage 2 with offload="cpu" / "nvme" beside DeepSpeed's
-# stage 2 offload_optimizer (cpu / nvme) and FSDP2's CPUOffloadPolicy.
-OFFLOAD_METHODS = ("zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2_cpu", "ds_stage2_nvme",
-                   "fsdp2_cpu_offload")
+
+@dataclass(frozen=True)
+class Spec:
+    """One row: ``lib`` (a key of ``LIBRARIES``), its keyword arguments, and whether the row
+    also runs with ``--dtype bfloat16`` (zkernels ``param_dtype``, the torch rows autocast)."""
+
+    lib: str
+    kw: Dict[str, object] = field(default_factory=dict)
+    bf16: bool = False
+
+
+_OFFLOAD_CPU = {"offload_optimizer": "cpu"}
+METHODS: Dict[str, Spec] = {
+    "ddp": Spec("ddp", bf16=True),
+    "torch_zero": Spec("ddp", {"zero_redundancy": True}, bf16=True),
+    "fsdp2": Spec("fsdp2", bf16=True),
+    "fsdp2_cpu_offload": Spec("fsdp2", {"cpu_offload": True}),
+    "fsdp2_hsdp": Spec("fsdp2", {"replicate_groups": K}),
+    "fsdp2_hpz": Spec("fsdp2", {"reshard_after_forward": K}),
+    "zk_stage1": Spec("zk", {"stage": 1}, bf16=True),
+    "zk_stage2": Spec("zk", {"stage": 2}, bf16=True),
+    "zk_stage3": Spec("zk", {"stage": 3}),
+    "zk_stage2_cpu": Spec("zk", {"stage": 2, "offload": "cpu"}),
+    "zk_stage2_nvme": Spec("zk", {"stage": 2, "offload": "nvme"}),
+    "zk_stage3_cpu": Spec("zk", {"stage": 3, "offload": "cpu"}),
+    "zk_stage3_cpu_params": Spec("zk", {"stage": 3, "offload": "cpu", "offload_params": True}),
+    "zk_stage3_nvme": Spec("zk", {"stage": 3, "offload": "nvme"}),
+    "zk_stage3_nvme_params": Spec("zk", {"stage": 3, "offload": "nvme",
+                                         "offload_params": True}),
+    "zk_stage2_hybrid": Spec("zk", {"stage": 2, "shard_size": K}),
+    "zk_stage3_hybrid": Spec("zk", {"stage": 3, "shard_size": K}),
+    "zk_stage3_hpz": Spec("zk", {"stage": 3, "reshard_after_forward": K}),
+    # issue 17: ZeRO++'s qwZ / qgZ as ZeroOptimizer options
+    "zk_stage3_qw": Spec("zk", {"stage": 3, "quantize_weights": "int8"}),
+    "zk_stage2_qg8": Spec("zk", {"stage": 2, "quantize_grads": "int8"}),
+    "zk_stage3_qg8": Spec("zk", {"stage": 3, "quantize_grads": "int8"}),
+    "zk_stage3_qg4": Spec("zk", {"stage": 3, "quantize_grads": "int4"}),
+    "zk_stage3_qw_qg4": Spec("zk", {"stage": 3, "quantize_weights": "int8",
+                                    "quantize_grads": "int4"}),
+    "deepspeed": Spec("deepspeed", {"stage": 2}),
+    "deepspeed_stage3": Spec("deepspeed", {"stage": 3}),
+    "ds_stage2_cpu": Spec("deepspeed", {"stage": 2, **_OFFLOAD_CPU}),
+    "ds_stage2_nvme": Spec("deepspeed", {"stage": 2, "offload_optimizer": "nvme"}),
+    "ds_stage3_cpu": Spec("deepspeed", {"stage": 3, **_OFFLOAD_CPU}),
+    "ds_stage3_cpu_params": Spec("deepspeed", {"stage": 3, **_OFFLOAD_CPU,
+                                               "offload_param": "cpu"}),
+    "ds_stage3_hpz": Spec("deepspeed", {"stage": 3, "zero_hpz_partition_size": K}),
+    # ZeRO++ as DeepSpeed names it (the peers of the zk_*_q* rows)
+    "ds_stage3_qw": Spec("deepspeed", {"stage": 3, "zero_quantized_weights": True}),
+    "ds_stage3_qg": Spec("deepspeed", {"stage": 3, "zero_quantized_gradients": True}),
+    "ds_stage3_qw_qg": Spec("deepspeed", {"stage": 3, "zero_quantized_weights": True,
+                                          "zero_quantized_gradients": True}),
+}
 
 
 class MethodUnavailable(RuntimeError):
     """The method cannot run in this environment; the message says why."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2 params, grads, states)
-    return to_local() if to_local is not None else t
+@dataclass
+class Context:
+    """What every row is built with: the run's options (``zero_step.py``'s flags)."""
+
+    lr: float
+    world_size: int
+    batch_size: int = 8
+    on_bucket: Callable[[int], None] = lambda nbytes: None
+    param_dtype: Optional[torch.dtype] = None
+    shard_size: Optional[int] = None
+    offload_dir: Optional[str] = None
+    nvme_budget: int = 256 * 1024
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
-    total = 0
+def resolve(name: str, shard_size: Optional[int]) -> Dict[str, object]:
+    """Row ``name``'s keywords with ``K`` replaced by ``shard_size``.
+
+    Raises:
+        ValueError: ``name`` is not a row, or it needs ``--shard-size`` and got None.
+    """
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}")
+    kw = dict(METHODS[name].kw)
+    for key, value in kw.items():
+        if value == K:
+            if shard_size is None:
+                raise ValueError(f"{name} needs --shard-size (its {key})")
+            kw[key] = shard_size
+    return kw
+
+
+def _local(tensors: Iterable) -> List[torch.Tensor]:
+    """Tensors (DTensors as their local shard), None and non-tensors dropped."""
+    out = []
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        storage = _local(t).untyped_storage()
-        key = storage.data_ptr()
-        if storage.nbytes() == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
+        if isinstance(t, torch.Tensor):
+            to_local = getattr(t, "to_local", None)
+            out.append(to_local() if to_local is not None else t)
+    return out
 
 
-def _state_tensors(opt: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    for state in opt.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+def _state_tensors(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [v for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
 
 
-def count_memory(model: nn.Module, opt: torch.optim.Optimizer,
-                 buffer_bytes: int = 0) -> Dict[str, int]:
-    """Bytes this rank holds, by kind. ``buffer_bytes``: persistent comm buffers the tensors
-    do not show (DDP's reducer buckets), added to the module's registered buffers."""
-    seen: set = set()
-    params = list(model.parameters())
-    out = {
-        "params": _storage_bytes(params, seen),
-        "grads": _storage_bytes((p.grad for p in params if p.grad is not None), seen),
-        "master": 0,
-        "optimizer_states": _storage_bytes(_state_tensors(opt), seen),
-        "buffers": _storage_bytes(model.buffers(), seen) + buffer_bytes,
-    }
-    out["total"] = sum(out[k] for k in MEMORY_KINDS)
+def _count(kinds: Dict[str, Iterable], host: Optional[Dict[str, Iterable]] = None,
+           extra_buffers: int = 0) -> Dict[str, int]:
+    """Bytes by kind through zkernels' counter; with ``host``, ``kinds`` is what the device
+    holds and the result adds ``device`` / ``host`` / ``disk``."""
+    from zkernels.zero.stats import memory_by_location, memory_bytes
+
+    device = {k: _local(v) for k, v in kinds.items()}
+    if host is None:
+        out = memory_bytes(device)
+    else:
+        out, where, _ = memory_by_location(device, {k: _local(v) for k, v in host.items()}, {})
+        out.update(where)
+    out["buffers"] += extra_buffers
+    out["total"] += extra_buffers
     return out
 
 
 class _TorchMethod:
-    """Shared step for the torch peers: plain backward, optimizer step, grads set to None.
-    ``autocast_dtype`` (None: fp32) runs the forward under CPU autocast (the bf16 rows)."""
+    """Shared step of the torch peers: plain backward, optimizer step, grads set to None;
+    ``param_dtype`` bf16 runs the forward under CPU autocast."""
 
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    autocast_dtype: Optional[torch.dtype] = None
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, ctx: Context):
+        self.model, self.opt, self.autocast_dtype = model, opt, ctx.param_dtype
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
@@ -96,84 +175,109 @@ class _TorchMethod:
     def zk_stats(self) -> Optional[dict]:
         return None
 
-
-def _ddp(model: nn.Module, on_bucket: Callable[[int], None]) -> nn.Module:
-    """DDP whose bucket all-reduces go through Python (``allreduce_hook``), so that the comm
-    meter sees them; the hook also reports each bucket's bytes for the cross-check."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    ddp = nn.parallel.DistributedDataParallel(model)
-
-    def hook(state, bucket):
-        on_bucket(bucket.buffer().numel() * bucket.buffer().element_size())
-        return allreduce_hook(state, bucket)
-
-    ddp.register_comm_hook(None, hook)
-    return ddp
-
-
-def _ddp_bucket_bytes(ddp: nn.Module) -> int:
-    # The reducer's flat buckets are separate from .grad unless gradient_as_bucket_view.
-    info = ddp._get_ddp_logging_data()
-    if info.get("gradient_as_bucket_view"):
-        return 0
-    return sum(int(s) for s in str(info.get("bucket_sizes", "")).split(",") if s.strip())
+    def _kinds(self, inner: torch.optim.Optimizer) -> Dict[str, List[torch.Tensor]]:
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params],
+                "optimizer_states": _state_tensors(inner), "buffers": list(self.model.buffers())}
 
 
 class DDPMethod(_TorchMethod):
-    def __init__(self, model: nn.Module, lr: float, on_bucket: Callable[[int], None]):
-        self.model = _ddp(model, on_bucket)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+    """DDP whose bucket all-reduces go through Python (``allreduce_hook``) so that the comm
+    meter sees them; the hook also reports each bucket's bytes for the cross-check. With
+    ``zero_redundancy``: ``ZeroRedundancyOptimizer(AdamW)`` (each rank updates its parameter
+    partition, then broadcasts it)."""
 
-    def memory(self) -> Dict[str, int]:
-        return count_memory(self.model, self.opt, _ddp_bucket_bytes(self.model))
-
-
-class TorchZeroMethod(_TorchMethod):
-    """``ZeroRedundancyOptimizer(AdamW)`` under DDP: all-reduce of grads, each rank updates
-    its parameter partition, then broadcasts it."""
-
-    def __init__(self, model: nn.Module, lr: float, on_bucket: Callable[[int], None]):
+    def __init__(self, model: nn.Module, ctx: Context, zero_redundancy: bool = False):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        self.model = _ddp(model, on_bucket)
-        self.opt = ZeroRedundancyOptimizer(self.model.parameters(),
-                                           optimizer_class=torch.optim.AdamW, lr=lr)
+        ddp = nn.parallel.DistributedDataParallel(model)
+
+        def hook(state, bucket):
+            ctx.on_bucket(bucket.buffer().numel() * bucket.buffer().element_size())
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+        opt = (ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                       lr=ctx.lr) if zero_redundancy
+               else torch.optim.AdamW(ddp.parameters(), lr=ctx.lr))
+        super().__init__(ddp, opt, ctx)
 
     def memory(self) -> Dict[str, int]:
-        return count_memory(self.model, self.opt.optim, _ddp_bucket_bytes(self.model))
+        # The reducer's flat buckets are separate from .grad unless gradient_as_bucket_view.
+        info = self.model._get_ddp_logging_data()
+        buckets = 0 if info.get("gradient_as_bucket_view") else sum(
+            int(s) for s in str(info.get("bucket_sizes", "")).split(",") if s.strip())
+        return _count(self._kinds(getattr(self.opt, "optim", self.opt)), extra_buffers=buckets)
 
 
 class FSDP2Method(_TorchMethod):
-    """``fully_shard`` on every block, then on the root (which holds the tied embedding/head,
-    the position embedding and the final norm)."""
+    """``fully_shard`` on every block, then on the root (tied embedding/head, position
+    embedding, final norm). ``replicate_groups=K``: HSDP over a (N/K, K) mesh;
+    ``reshard_after_forward=K``: FSDP2's integer (hpZ); ``cpu_offload``: ``CPUOffloadPolicy``
+    (sharded parameters, gradients and state in host RAM, torch's AdamW on the CPU)."""
 
-    def __init__(self, model: GPT, lr: float, world_size: int):
+    def __init__(self, model: nn.Module, ctx: Context, replicate_groups: Optional[int] = None,
+                 reshard_after_forward: Optional[int] = None, cpu_offload: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        self.model = fully_shard(model, mesh=mesh)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        n = ctx.world_size
+        mesh = (init_device_mesh("cpu", (n,)) if replicate_groups is None else init_device_mesh(
+            "cpu", (n // replicate_groups, replicate_groups),
+            mesh_dim_names=("replicate", "shard")))
+        policy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload
+                  else OffloadPolicy())
+        # reshard_after_forward None: FSDP2's default (the root keeps its parameters gathered
+        # from forward to backward, every block frees them)
+        for module in list(model.blocks) + [model]:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        offload_policy=policy)
+        self.cpu_offload = cpu_offload
+        super().__init__(model, torch.optim.AdamW(model.parameters(), lr=ctx.lr), ctx)
 
     def memory(self) -> Dict[str, int]:
-        return count_memory(self.model, self.opt)
+        kinds = self._kinds(self.opt)
+        if not self.cpu_offload:
+            return _count(kinds)
+        return _count({"buffers": kinds.pop("buffers")}, host=kinds)
 
 
 class ZkMethod:
-    """``zkernels.ZeroOptimizer(model, stage=s)``: its own backward, step and stats."""
+    """``zkernels.ZeroOptimizer(model, lr=..., **kw)``: its own backward, step and stats; with
+    ``offload``, an ``OffloadConfig`` whose NVMe slots take ``--nvme-budget`` bytes."""
 
-    def __init__(self, model: nn.Module, lr: float, stage: int, **zk_kwargs):
+    def __init__(self, model: nn.Module, ctx: Context, **kw):
         import zkernels
 
-        zero_cls = getattr(zkernels, "ZeroOptimizer", None)
-        if zero_cls is None:
-            raise MethodUnavailable("ZeroOptimizer not available (zkernels has no "
-                                    "ZeroOptimizer in this checkout)")
-        self.model = model
-        self.opt = zero_cls(model, stage=stage, lr=lr, **zk_kwargs)
+        self.model, self.located = model, "offload" in kw
+        self.opt = zkernels.ZeroOptimizer(model, **self.options(ctx, **kw))
+
+    @staticmethod
+    def options(ctx: Context, **kw) -> Dict[str, object]:
+        """``ZeroOptimizer``'s keywords for this row (no model needed).
+
+        Raises:
+            MethodUnavailable: a keyword this tree's ``ZeroOptimizer`` does not take (an
+                option another branch adds: issue 17's ``quantize_*``).
+        """
+        import zkernels
+
+        accepted = inspect.signature(zkernels.ZeroOptimizer).parameters
+        missing = [k for k in kw if k not in accepted]
+        if missing:
+            raise MethodUnavailable(f"needs {', '.join(missing)} (not in this tree: "
+                                    f"{os.path.dirname(zkernels.__file__)})")
+        kw["lr"] = ctx.lr
+        if ctx.param_dtype is not None:
+            kw["param_dtype"] = ctx.param_dtype
+        if "offload" in kw:
+            from zkernels.zero import OffloadConfig
+            kw["offload_config"] = OffloadConfig(pin_memory=None,
+                                                 nvme_buffer_bytes=ctx.nvme_budget)
+            if kw["offload"] == "nvme":
+                kw["offload_dir"] = ctx.offload_dir
+        return kw
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = self.model(x, y)
@@ -190,257 +294,111 @@ class ZkMethod:
         return self.opt.stats()
 
     def memory(self) -> Dict[str, int]:
-        mem = dict(self.zk_stats()["memory_bytes"])
-        mem.setdefault("total", sum(mem.get(k, 0) for k in MEMORY_KINDS))
-        return mem
-
-
-def _location_bytes(device_tensors: Iterable[torch.Tensor], host_tensors: Iterable[torch.Tensor],
-                    disk_bytes: int = 0) -> Dict[str, int]:
-    """Distinct storages by location (a storage counted once, device first)."""
-    seen: set = set()
-    return {"device": _storage_bytes(device_tensors, seen),
-            "host": _storage_bytes(host_tensors, seen), "disk": int(disk_bytes)}
-
-
-def nvme_budget_bytes() -> int:
-    """Host RAM of the NVMe rows (zero_step.py --nvme-budget, passed to the ranks)."""
-    import os
-    return int(os.environ.get("ZK_BENCH_NVME_BUDGET", 256 * 1024))
-
-
-class ZkOffloadMethod(ZkMethod):
-    """``ZeroOptimizer(model, stage=2, offload="cpu" | "nvme")``; memory by kind and by
-    location (device / host RAM / disk) from its own ``stats()``."""
-
-    def __init__(self, model: nn.Module, lr: float, offload: str, offload_dir: Optional[str]):
-        import zkernels
-        from zkernels.zero import OffloadConfig
-
-        self.model = model
-        kw = {"offload_dir": offload_dir} if offload == "nvme" else {}
-        self.opt = zkernels.ZeroOptimizer(
-            model, stage=2, lr=lr, offload=offload, offload_config=OffloadConfig(
-                pin_memory=None, nvme_buffer_bytes=nvme_budget_bytes()), **kw)
-
-    def memory(self) -> Dict[str, int]:
         st = self.zk_stats()
-        mem = dict(st["memory_bytes"])
-        mem.update(st["memory_location_bytes"])
-        return mem
-
-
-
-
-class DeepSpeedOffloadMethod:
-    """DeepSpeed ZeRO stage 2 with ``offload_optimizer`` to cpu (DeepSpeedCPUAdam) or nvme
-    (its async I/O op, which needs libaio), fp32, on the existing gloo process group."""
-
-    def __init__(self, model: nn.Module, lr: float, device: str, offload_dir: Optional[str],
-                 batch_size: int):
-        import os
-
-        if importlib.util.find_spec("deepspeed") is None:
-            raise MethodUnavailable("deepspeed is not importable here (not installed)")
-        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-        os.environ.setdefault("RANK", str(dist.get_rank()))
-        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-        if device == "nvme":
-            from deepspeed.ops.op_builder import AsyncIOBuilder
-            if not AsyncIOBuilder().is_compatible(verbose=False):
-                raise MethodUnavailable("DeepSpeed's async_io op does not build here (libaio "
-                                        "headers and .so not installed): no DeepSpeed NVMe row")
-        import deepspeed
-
-        off = {"device": device, "pin_memory": torch.cuda.is_available()}
-        if device == "nvme":
-            off.update(nvme_path=offload_dir, buffer_count=4,
-                       buffer_size=nvme_budget_bytes() // 4)
-        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
-               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
-               "zero_optimization": {"stage": 2, "offload_optimizer": off},
-               "bf16": {"enabled": False}, "fp16": {"enabled": False}}
-        self.model, self.opt, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=cfg,
-            dist_init_required=False)
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        self.model.backward(loss)
-        return loss.detach()
-
-    def update(self) -> None:
-        self.model.step()
-
-    def zero_grad(self) -> None:
-        return None  # the engine's step() clears gradients
-
-    def zk_stats(self) -> Optional[dict]:
-        return None
-
-    def memory(self) -> Dict[str, int]:
-        zo = self.opt
-        seen: set = set()
-        params = list(self.model.module.parameters())
-        fp32 = list(getattr(zo, "single_partition_of_fp32_groups", []))
-        states = [v for st in zo.optimizer.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor)]
-        grads = [t.grad for t in fp32 if t.grad is not None]
-        bufs = [b for b in getattr(zo, "ipg_buffer", None) or [] if isinstance(b, torch.Tensor)]
-        out = {"params": _storage_bytes(params, seen), "grads": _storage_bytes(grads, seen),
-               "master": _storage_bytes(fp32, seen),
-               "optimizer_states": _storage_bytes(states, seen),
-               "buffers": _storage_bytes(bufs, seen)}
-        out["total"] = sum(out[k] for k in MEMORY_KINDS)
-        out.update(_location_bytes(params + bufs, fp32 + grads + states))
-        return out
-
-
-class FSDP2CPUOffloadMethod(FSDP2Method):
-    """FSDP2 with ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state in
-    host RAM, the optimizer step on the CPU (torch's AdamW), all-or-nothing by design."""
-
-    def __init__(self, model: GPT, lr: float, world_size: int):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-        mesh = init_device_mesh("cpu", (world_size,))
-        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        self.model = fully_shard(model, mesh=mesh, offload_policy=policy)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-
-    def memory(self) -> Dict[str, int]:
-        out = count_memory(self.model, self.opt)
-        params = list(self.model.parameters())
-        host = params + [p.grad for p in params if p.grad is not None] + \
-            list(_state_tensors(self.opt))
-        out.update(_location_bytes(list(self.model.buffers()), host))
-        return out
-
-
-def build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
-          on_bucket: Callable[[int], None], offload_dir: Optional[str] = None,
-          batch_size: int = 8, param_dtype: Optional[torch.dtype] = None,
-          shard_size: Optional[int] = None):
-    """A fresh model (identical on every rank) wrapped by method ``name``. ``param_dtype``
-    (None: fp32): the stage 1-2 zkernels rows get ``param_dtype=``, the torch rows run under
-    autocast (the stage-3 and offload rows stay fp32).
-
-    Raises MethodUnavailable when the method cannot run here."""
-    from _zero_step_hybrid import HYBRID_METHODS, build_hybrid
-    if name in HYBRID_METHODS:  # --shard-size: groups of K ranks (_zero_step_hybrid.py)
-        torch.manual_seed(seed)
-        return build_hybrid(name, GPT(cfg), lr, world_size, shard_size)
-    method = _build(name, cfg, seed, lr, world_size, on_bucket, offload_dir, batch_size,
-                    param_dtype)
-    if isinstance(method, _TorchMethod):
-        method.autocast_dtype = param_dtype
-    return method
-
-
-def _build(name: str, cfg: GPTConfig, seed: int, lr: float, world_size: int,
-           on_bucket: Callable[[int], None], offload_dir: Optional[str], batch_size: int,
-           param_dtype: Optional[torch.dtype]):
-    if name == "deepspeed":
-        if importlib.util.find_spec("deepspeed") is None:
-            raise MethodUnavailable("deepspeed is not importable here (not installed)")
-        raise MethodUnavailable("deepspeed is importable, but this benchmark has no DeepSpeed "
-                                "row: it was written where DeepSpeed is absent and could not "
-                                "be tested")
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    if name == "ddp":
-        return DDPMethod(model, lr, on_bucket)
-    if name == "torch_zero":
-        return TorchZeroMethod(model, lr, on_bucket)
-    if name == "fsdp2":
-        return FSDP2Method(model, lr, world_size)
-    if name in ("zk_stage1", "zk_stage2"):
-        return ZkMethod(model, lr, stage=int(name[-1]), param_dtype=param_dtype)
-    if name in STAGE3_METHODS:
-        return build_stage3(name, model, lr, batch_size)
-    if name in ("zk_stage2_cpu", "zk_stage2_nvme"):
-        return ZkOffloadMethod(model, lr, name.rsplit("_", 1)[1], offload_dir)
-    if name in ("ds_stage2_cpu", "ds_stage2_nvme"):
-        return DeepSpeedOffloadMethod(model, lr, name.rsplit("_", 1)[1], offload_dir,
-                                      batch_size)
-    if name == "fsdp2_cpu_offload":
-        return FSDP2CPUOffloadMethod(model, lr, world_size)
-    if name in STAGE3_OFFLOAD_METHODS:
-        return build_stage3_offload(name, model, lr, offload_dir, batch_size)
-    raise ValueError(f"method must be one of "
-                     f"{METHODS + OFFLOAD_METHODS + STAGE3_OFFLOAD_METHODS}, got {name!r}")
-
-
-def all_ranks_ok(ok: bool) -> bool:
-    """True when every rank got ``ok``: a method that fails to build on one rank is skipped
-    on all of them instead of leaving the others waiting in its first collective."""
-    flag = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(flag)
-    return flag.item() == 0.0
-
-
-# -- stage 3 rows (added beside the stage 1/2 ones; build() dispatches to them) -----------------
-
-STAGE3_METHODS = ("zk_stage3", "deepspeed_stage3")
-
-
-class ZkStage3Method(ZkMethod):
-    """``ZeroOptimizer(model, stage=3)``: its default units are the GPT's blocks plus the root
-    unit (embeddings, final norm, tied head), the same units as the fsdp2 row's
-    ``fully_shard`` calls; every unit is resharded after forward (3Ψ)."""
-
-    def __init__(self, model: nn.Module, lr: float):
-        import zkernels
-
-        self.model = model
-        self.opt = zkernels.ZeroOptimizer(model, stage=3, lr=lr)
+        return {**st["memory_bytes"], **(st["memory_location_bytes"] if self.located else {})}
 
 
 def _tensors_in(obj, depth: int = 2) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth > 0 and isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors_in(x, depth - 1)
-    elif depth > 0 and isinstance(obj, dict):
-        for x in obj.values():
+    elif depth > 0 and isinstance(obj, (list, tuple, dict)):
+        for x in (obj.values() if isinstance(obj, dict) else obj):
             yield from _tensors_in(x, depth - 1)
 
 
-class DeepSpeedStage3Method:
-    """DeepSpeed ZeRO stage 3 on the CPU accelerator (``DS_ACCELERATOR=cpu``, gloo), fp32,
-    ``gradient_clipping`` 0, torch AdamW as the client optimizer, DeepSpeed's default
-    prefetch settings and ``stage3_param_persistence_threshold`` 0: every parameter resharded,
-    as zk_stage3 and fsdp2 do (the default 1e5 elements would keep every tensor of the small
-    GPT whole on every rank, i.e. stage 2 with extra steps).
+def _ds_quantizer() -> None:
+    """Load the op ZeRO++'s qwZ and qgZ call (``QuantizerBuilder().load()``: in
+    deepspeed/runtime/zero/partition_parameters.py ``CUDAQuantizer`` at initialize, in
+    runtime/comm/coalesced_collectives.py ``all_to_all_quant_reduce`` at the first backward),
+    so that a row whose quantizer cannot load is refused at build time, with DeepSpeed's
+    reason, instead of failing every rank mid-step."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder import QuantizerBuilder
 
-    Memory is counted from the storages DeepSpeed's stage-3 optimizer holds (best effort: its
-    attributes one or two levels deep): the parameter partitions (``ds_tensor``) as params, the
-    fp32 partitions as master, the inner optimizer's state as optimizer_states, tensors whose
-    attribute name mentions "grad" as grads, every other tensor it holds as buffers."""
+    try:
+        QuantizerBuilder().load()
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed raises ValueError, builders others
+        raise MethodUnavailable(
+            f"DeepSpeed's ZeRO++ quantizer does not load on its "
+            f"{get_accelerator().device_name()} accelerator: QuantizerBuilder is "
+            f"{type(QuantizerBuilder()).__name__}: {exc}") from exc
 
-    def __init__(self, model: nn.Module, lr: float, batch_size: int):
-        if importlib.util.find_spec("deepspeed") is None:
-            raise MethodUnavailable("deepspeed is not importable here (not installed)")
-        import os
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        for k, v in (("LOCAL_RANK", str(dist.get_rank())),
-                     ("LOCAL_WORLD_SIZE", str(dist.get_world_size())),
-                     ("RANK", str(dist.get_rank())), ("WORLD_SIZE", str(dist.get_world_size()))):
+
+def _first_role(kinds: Dict[str, Iterable], order) -> Dict[str, List[torch.Tensor]]:
+    """``kinds`` with each storage kept only under the first kind of ``order`` that holds it."""
+    seen: set = set()
+    out: Dict[str, List[torch.Tensor]] = {}
+    for kind in order:
+        out[kind] = []
+        for t in _local(kinds[kind]):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                out[kind].append(t)
+    return out
+
+
+class DeepSpeedMethod:
+    """DeepSpeed ZeRO (stage 2 or 3) on its CPU accelerator (``DS_ACCELERATOR=cpu``) over the
+    existing gloo group, fp32, ``gradient_clipping`` 0; torch's AdamW as the client optimizer,
+    or, with ``offload_optimizer``, DeepSpeed's own AdamW (DeepSpeedCPUAdam; "nvme" needs its
+    async I/O op, i.e. libaio). Stage 3 sets ``stage3_param_persistence_threshold`` 0: every
+    parameter resharded, as zk_stage3 and fsdp2 do (the default 1e5 elements would keep every
+    tensor of the small GPT whole on every rank). Any other keyword goes into
+    ``zero_optimization`` as is (ZeRO++: ``zero_quantized_weights``, ...).
+
+    Memory, by role from the storages DeepSpeed holds (its attributes one or two levels deep):
+    parameters and their partitions (``ds_tensor``) as params, the fp32 partitions as master,
+    the inner optimizer's state, attributes named "grad" (and the partitions' .grad) as grads,
+    every other tensor as buffers. Offloaded rows: master, state and grads on the host, params
+    too with ``offload_param`` (the CPU accelerator puts both places in the same RAM)."""
+
+    def __init__(self, model: nn.Module, ctx: Context, stage: int,
+                 offload_optimizer: Optional[str] = None, offload_param: Optional[str] = None,
+                 **zero_kw):
+        rank, n = str(dist.get_rank()), str(dist.get_world_size())
+        for k, v in (("DS_ACCELERATOR", "cpu"), ("LOCAL_RANK", rank), ("RANK", rank),
+                     ("LOCAL_WORLD_SIZE", n), ("WORLD_SIZE", n)):
             os.environ.setdefault(k, v)
-        import deepspeed
+        try:
+            import deepspeed
+        except ImportError as exc:
+            raise MethodUnavailable(f"deepspeed is not importable here ({exc})") from exc
+        if offload_optimizer == "nvme":
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+            if not AsyncIOBuilder().is_compatible(verbose=False):
+                raise MethodUnavailable("DeepSpeed's async_io op does not build here (libaio "
+                                        "headers and .so not installed): no DeepSpeed NVMe row")
+        if zero_kw.get("zero_quantized_weights") or zero_kw.get("zero_quantized_gradients"):
+            _ds_quantizer()
+        cfg = self.config(ctx, stage, offload_optimizer, offload_param, **zero_kw)
+        opt_kw = ({"model_parameters": model.parameters()} if "optimizer" in cfg else
+                  {"optimizer": torch.optim.AdamW(model.parameters(), lr=ctx.lr)})
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                                           dist_init_required=False, **opt_kw)
+        self.model, self.offloaded, self.offload_param = model, bool(offload_optimizer), \
+            bool(offload_param)
 
-        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
-               "gradient_clipping": 0,
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-               "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                                           config=cfg, dist_init_required=False)
-        self.model = model
+    @staticmethod
+    def config(ctx: Context, stage: int, offload_optimizer: Optional[str] = None,
+               offload_param: Optional[str] = None, **zero_kw) -> dict:
+        """DeepSpeed's config dict for this row (no model, no DeepSpeed import needed)."""
+        zo = {"stage": stage, **zero_kw}
+        if stage == 3:
+            zo["stage3_param_persistence_threshold"] = 0
+        pin = torch.cuda.is_available()
+        if offload_optimizer:
+            zo["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": pin}
+            if offload_optimizer == "nvme":  # (buffer_size is offload_param's, not this one's)
+                zo["offload_optimizer"].update(nvme_path=ctx.offload_dir, buffer_count=4)
+        if offload_param:
+            zo["offload_param"] = {"device": offload_param, "pin_memory": pin}
+        cfg = {"train_micro_batch_size_per_gpu": ctx.batch_size,
+               "gradient_accumulation_steps": 1, "gradient_clipping": 0,
+               "zero_optimization": zo, "steps_per_print": 10 ** 9}
+        if offload_optimizer:  # DeepSpeed refuses a client optimizer with offload
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": ctx.lr, "weight_decay": 0.01}}
+        return cfg
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = self.engine(x, y)
@@ -451,109 +409,78 @@ class DeepSpeedStage3Method:
         self.engine.step()
 
     def zero_grad(self) -> None:
-        self.engine.zero_grad()
+        return None  # the engine's step() clears the gradients
 
     def zk_stats(self) -> Optional[dict]:
         return None
 
     def memory(self) -> Dict[str, int]:
-        seen: set = set()
-        params = [t for p in self.model.parameters()
-                  for t in (p, getattr(p, "ds_tensor", None)) if t is not None]
-        out = {"params": _storage_bytes(params, seen)}
-        ds = self.opt
-        inner = getattr(ds, "optimizer", None)
-        out["master"] = _storage_bytes(_tensors_in(getattr(ds, "fp32_partitioned_groups_flat",
-                                                           [])), seen)
-        out["optimizer_states"] = _storage_bytes(
-            _state_tensors(inner) if inner is not None else [], seen)
-        grads = [t for k, v in vars(ds).items() if "grad" in k.lower() for t in _tensors_in(v)]
-        out["grads"] = _storage_bytes(grads, seen)
-        rest = [t for v in vars(ds).values() for t in _tensors_in(v)]
-        out["buffers"] = _storage_bytes(rest, seen) + _storage_bytes(self.model.buffers(), seen)
-        out["total"] = sum(out[k] for k in MEMORY_KINDS)
-        return out
+        zo = self.opt
+        attrs = vars(zo)
+        master = list(_tensors_in(attrs.get("fp32_partitioned_groups_flat")
+                                  or attrs.get("single_partition_of_fp32_groups") or []))
+        kinds = {
+            "params": [t for p in self.model.parameters()
+                       for t in (p, getattr(p, "ds_tensor", None))],
+            "master": master,
+            "optimizer_states": _state_tensors(zo.optimizer),
+            "grads": [t.grad for t in master] + [
+                t for k, v in attrs.items() if "grad" in k.lower() for t in _tensors_in(v)],
+            "buffers": [t for v in attrs.values() for t in _tensors_in(v)]
+                       + list(self.model.buffers()),
+        }
+        # each storage under its first role in this order (zkernels' counter would put the
+        # grads first, and counts the device and host places apart)
+        kinds = _first_role(kinds, ("params", "master", "optimizer_states", "grads",
+                                    "buffers"))
+        if not self.offloaded:
+            return _count(kinds)
+        host = {k: kinds.pop(k) for k in ("master", "optimizer_states", "grads")}
+        if self.offload_param:
+            host["params"] = kinds.pop("params")
+        return _count(kinds, host=host)
 
 
-def build_stage3(name: str, model: nn.Module, lr: float, batch_size: int):
-    """The stage-3 rows (``STAGE3_METHODS``) over a fresh ``model``."""
-    if name == "zk_stage3":
-        return ZkStage3Method(model, lr)
-    if name == "deepspeed_stage3":
-        return DeepSpeedStage3Method(model, lr, batch_size)
-    raise ValueError(f"not a stage-3 method: {name!r}")
+LIBRARIES = {"ddp": DDPMethod, "fsdp2": FSDP2Method, "zk": ZkMethod,
+             "deepspeed": DeepSpeedMethod}
 
 
-# -- stage 3 offload rows (issue 9): zkernels stage 3 + cpu / nvme, with and without the
-# parameter shards in host RAM (offload_params), beside DeepSpeed stage 3's offload_optimizer
-# (and offload_param) to cpu ---------------------------------------------------------------
+def configure(name: str, ctx: Context) -> Dict[str, object]:
+    """What row ``name`` hands its library, without building anything: ``ZeroOptimizer``'s
+    keywords, DeepSpeed's config dict, or the torch class's keywords (checked against its
+    signature).
 
-STAGE3_OFFLOAD_METHODS = ("zk_stage3_cpu", "zk_stage3_cpu_params", "zk_stage3_nvme",
-                          "zk_stage3_nvme_params", "ds_stage3_cpu", "ds_stage3_cpu_params")
-
-
-class ZkStage3OffloadMethod(ZkOffloadMethod):
-    """``ZeroOptimizer(model, stage=3, offload=..., offload_params=...)``; memory by kind and
-    location from its ``stats()``."""
-
-    def __init__(self, model: nn.Module, lr: float, offload: str, offload_dir: Optional[str],
-                 offload_params: bool):
-        import zkernels
-        from zkernels.zero import OffloadConfig
-
-        self.model = model
-        kw = {"offload_dir": offload_dir} if offload == "nvme" else {}
-        self.opt = zkernels.ZeroOptimizer(
-            model, stage=3, lr=lr, offload=offload, offload_params=offload_params,
-            offload_config=OffloadConfig(pin_memory=None,
-                                         nvme_buffer_bytes=nvme_budget_bytes()), **kw)
+    Raises:
+        MethodUnavailable, ValueError: as :func:`build`; TypeError: a keyword the class does
+            not take.
+    """
+    kw = resolve(name, ctx.shard_size)
+    cls = LIBRARIES[METHODS[name].lib]
+    if cls is ZkMethod:
+        return ZkMethod.options(ctx, **kw)
+    if cls is DeepSpeedMethod:
+        return DeepSpeedMethod.config(ctx, **kw)
+    inspect.signature(cls).bind(None, ctx, **kw)
+    return kw
 
 
-class DeepSpeedStage3OffloadMethod(DeepSpeedStage3Method):
-    """DeepSpeed ZeRO stage 3 (CPU accelerator, gloo, fp32) with ``offload_optimizer`` to cpu
-    (DeepSpeedCPUAdam) and, for ``ds_stage3_cpu_params``, ``offload_param`` to cpu. Memory by
-    kind as :class:`DeepSpeedStage3Method`; by location by role (DeepSpeed's CPU accelerator
-    puts "device" and host tensors in the same RAM): master, states and gradient partitions
-    on the host, parameter partitions too with ``offload_param``."""
+def build(name: str, model_cfg, seed: int, ctx: Context):
+    """A fresh GPT (identical on every rank: seeded) wrapped by row ``name``.
 
-    def __init__(self, model: nn.Module, lr: float, batch_size: int, offload_param: bool):
-        if importlib.util.find_spec("deepspeed") is None:
-            raise MethodUnavailable("deepspeed is not importable here (not installed)")
-        import os
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        for k, v in (("LOCAL_RANK", str(dist.get_rank())),
-                     ("LOCAL_WORLD_SIZE", str(dist.get_world_size())),
-                     ("RANK", str(dist.get_rank())), ("WORLD_SIZE", str(dist.get_world_size()))):
-            os.environ.setdefault(k, v)
-        import deepspeed
+    Raises:
+        MethodUnavailable: the row cannot run here (the message says why).
+        ValueError: unknown row, or a row that needs ``--shard-size`` without one.
+    """
+    from zkernels.demo.model import GPT
 
-        zo = {"stage": 3, "stage3_param_persistence_threshold": 0,
-              "offload_optimizer": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
-        if offload_param:
-            zo["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
-               "gradient_clipping": 0, "zero_optimization": zo,
-               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
-               "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
-        self.offload_param = offload_param
-        self.engine, self.opt, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=cfg,
-            dist_init_required=False)
-        self.model = model
-
-    def memory(self) -> Dict[str, int]:
-        out = super().memory()
-        host = out["master"] + out["optimizer_states"] + out["grads"] + \
-            (out["params"] if self.offload_param else 0)
-        out.update({"device": out["total"] - host, "host": host, "disk": 0})
-        return out
+    kw = resolve(name, ctx.shard_size)
+    torch.manual_seed(seed)
+    return LIBRARIES[METHODS[name].lib](GPT(model_cfg), ctx, **kw)
 
 
-def build_stage3_offload(name: str, model: nn.Module, lr: float, offload_dir: Optional[str],
-                         batch_size: int):
-    """The stage-3 offload rows (``STAGE3_OFFLOAD_METHODS``) over a fresh ``model``."""
-    params = name.endswith("_params")
-    if name.startswith("zk_"):
-        kind = "nvme" if "_nvme" in name else "cpu"
-        return ZkStage3OffloadMethod(model, lr, kind, offload_dir, params)
-    return DeepSpeedStage3OffloadMethod(model, lr, batch_size, params)
+def all_ranks_ok(ok: bool) -> bool:
+    """True when every rank got ``ok``: a method that fails to build on one rank is skipped
+    on all of them instead of leaving the others waiting in its first collective."""
+    flag = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flag)
+    return flag.item() == 0.0

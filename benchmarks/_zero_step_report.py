@@ -88,9 +88,11 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
     return row
 
 
-def add_ratios(rows: List[dict], loss_tolerance: float = LOSS_TOLERANCE) -> None:
+def add_ratios(rows: List[dict], loss_tolerance: float = LOSS_TOLERANCE,
+               lossy=lambda method: False) -> None:
     """Step-time and traffic ratios to the DDP row, and the issue's pass/fail flags
-    (``loss_tolerance``: how far a final loss may be from DDP's; bf16 rows need more)."""
+    (``loss_tolerance``: how far a final loss may be from DDP's; bf16 rows need more;
+    ``lossy(method)``: True for rows whose loss may differ by design, the quantized ones)."""
     ddp = next((r for r in rows if r["method"] == "ddp" and "error" not in r), None)
     for r in rows:
         if "error" in r or ddp is None:
@@ -106,7 +108,7 @@ def add_ratios(rows: List[dict], loss_tolerance: float = LOSS_TOLERANCE) -> None
         r["within_5pct_of_ddp"] = r["step_time_ratio_to_ddp_paired"] <= TIME_BAR
         # Same data, same initial weights, fp32 AdamW: every method should land on DDP's loss.
         r["final_loss_diff_to_ddp"] = r["final_loss"] - ddp["final_loss"]
-        if abs(r["final_loss_diff_to_ddp"]) > loss_tolerance:
+        if abs(r["final_loss_diff_to_ddp"]) > loss_tolerance and not lossy(r["method"]):
             r["notes"].append(f"final loss differs from DDP's by {r['final_loss_diff_to_ddp']:.2e}"
                               f" (> {loss_tolerance:g}): not training the same model")
         tr = r["traffic_ratio_to_ddp"]
@@ -228,3 +230,59 @@ def format_table(rows: List[dict]) -> str:
                    if "param_host_to_device_bytes" in off else ""))
         notes.extend(f"{r['method']}: {n}" for n in r["notes"])
     return "\n".join(lines + [""] + notes)
+
+
+def compare_trees(runs: List[List[dict]], suffix: str = "@before") -> Dict[str, dict]:
+    """``--baseline-tree``: each zkernels row over its baseline twin (``name + suffix``, the
+    same row with zkernels from the other checkout, run in the same rounds).
+
+    Returns:
+        ``{method: {...}}``: ``step_time_ratio`` (median over every timed step of every run
+        of this tree's step over the twin's step in the same round), ``step_time_ratio_medians``
+        (of the two median steps), ``memory_ratio`` and ``traffic_ratio`` (totals, last run),
+        ``memory_equal`` (every kind to the byte), the final losses; or ``{"error": ...}``
+        where a tree could not run the row.
+    """
+    out: Dict[str, dict] = {}
+    for name in [r["method"][:-len(suffix)] for r in runs[0] if r["method"].endswith(suffix)]:
+        pairs = [({r["method"]: r for r in rows}[name], {r["method"]: r for r in rows}[
+            name + suffix]) for rows in runs]
+        bad = [(tree, r["error"]) for a, b in pairs for tree, r in (("after", a), ("before", b))
+               if "error" in r]
+        if bad:
+            out[name] = {"error": f"{bad[0][0]}: {bad[0][1].splitlines()[0]}"}
+            continue
+        a, b = pairs[-1]
+        ma, mb = a["memory_bytes_per_rank"], b["memory_bytes_per_rank"]
+        after = [t for x, _ in pairs for t in x["step_times_s"]]
+        before = [t for _, y in pairs for t in y["step_times_s"]]
+        out[name] = {
+            "step_time_ratio": statistics.median(x / y for x, y in zip(after, before)),
+            "step_time_ratio_medians": statistics.median(after) / statistics.median(before),
+            "memory_ratio": ma["total"] / mb["total"] if mb["total"] else None,
+            "memory_equal": all(ma.get(k) == mb.get(k) for k in MEMORY_KINDS),
+            "traffic_ratio": (a["comm_bytes_per_rank"]["total"] / b["comm_bytes_per_rank"]["total"]
+                              if b["comm_bytes_per_rank"]["total"] else None),
+            "final_loss": {"after": a["final_loss"], "before": b["final_loss"]},
+        }
+    return out
+
+
+def format_baseline(cmp: Dict[str, dict], tree: str, runs: int) -> str:
+    """The after/before table of :func:`compare_trees`."""
+    head = (f"{'method':<21} {'paired':>6} {'medians':>7} {'memory':>7} {'=bytes':>6} "
+            f"{'sent':>7} {'loss after':>10} {'before':>10}")
+    lines = [f"\nbefore/after: this tree over zkernels from {tree}, both in the same rounds "
+             f"({runs} run(s)); ratios after/before of: each step over the baseline's step in "
+             f"the same round, median (paired); the median steps (medians); memory and bytes "
+             f"sent per rank (=bytes: every memory kind equal)", head, "-" * len(head)]
+    for name, c in cmp.items():
+        if "error" in c:
+            lines.append(f"{name:<21} not compared: {c['error']}")
+            continue
+        loss = c["final_loss"]
+        lines.append(f"{name:<21} {c['step_time_ratio']:6.3f} {c['step_time_ratio_medians']:7.3f} "
+                     f"{c['memory_ratio'] or float('nan'):7.4f} {_yn(c['memory_equal']):>6} "
+                     f"{c['traffic_ratio'] or float('nan'):7.4f} {loss['after']:10.6f} "
+                     f"{loss['before']:10.6f}")
+    return "\n".join(lines)

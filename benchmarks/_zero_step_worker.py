@@ -1,8 +1,9 @@
 """One rank of the ZeRO step benchmark: build every method, warm up, time steps round-robin.
 
 Round-robin (step i of every method, then step i + 1 of every method, the order rotated by one
-each step) keeps a change in the machine's background load from landing on one method only,
-and no method always runs right after the same other one: this CPU is shared.
+each step and reversed every other step) keeps a change in the machine's background load from
+landing on one method only, and no method always runs right after the same other one (whatever
+a row leaves running in the background, e.g. I/O, lands on the next row): this CPU is shared.
 Each timed step is ``barrier; t0; forward+backward; optimizer step; zero_grad; barrier; t1``,
 so every rank's time includes waiting for the slowest one. Reading stats and memory after the
 optimizer step is left out of the time.
@@ -38,24 +39,39 @@ def _batch(step: int, rank: int, seed: int, batch_size: int, block_size: int,
 def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
     # Imported only now, with the meter installed: a module that binds a collective at import
     # time (``from torch.distributed import ...``) then binds the wrapped one.
+    from _zero_step_methods import Context, MethodUnavailable, all_ranks_ok, build
+    from _zero_step_trees import BEFORE, InTree, Trees
+
+    # --baseline-tree: a second zkernels beside this one ([Note: before and after in the same
+    # rounds] in _zero_step_trees.py)
+    trees = Trees()
+    results = {"_zkernels": {"": trees.add("", opts["zk_root"])}}
+    if opts.get("baseline_root"):
+        results["_zkernels"][BEFORE] = trees.add(BEFORE, opts["baseline_root"])
+    trees.use("")
     from zkernels.demo.model import GPTConfig
-    from _zero_step_methods import MethodUnavailable, all_ranks_ok, build
 
     cfg = GPTConfig(**opts["model"])
     bucket_log: list = []
-    methods, results = {}, {}
+    ctx = Context(lr=opts["lr"], world_size=world_size, batch_size=opts["batch_size"],
+                  on_bucket=bucket_log.append, param_dtype=_param_dtype(opts),
+                  shard_size=opts.get("shard_size"), offload_dir=opts.get("offload_dir"),
+                  nvme_budget=opts["nvme_budget"])
+    methods = {}
     for name in opts["methods"]:
+        row, _, label = name.partition("@")
+        label = "@" + label if label else ""
         error = None
         try:
-            methods[name] = build(name, cfg, opts["seed"], opts["lr"], world_size,
-                                  bucket_log.append, offload_dir=opts.get("offload_dir"),
-                                  batch_size=opts["batch_size"],
-                                  param_dtype=_param_dtype(opts),
-                                  shard_size=opts.get("shard_size"))
+            trees.use(label)
+            methods[name] = build(row, cfg, opts["seed"], ctx)
+            if len(trees.mods) > 1:  # both trees' rows pay the same module switch
+                methods[name] = InTree(trees, label, methods[name])
         except MethodUnavailable as exc:
             error = str(exc)
         except Exception:  # noqa: BLE001 - reported in the table, the run goes on
             error = "failed to build:\n" + traceback.format_exc()
+        trees.use("")
         if not all_ranks_ok(error is None):
             methods.pop(name, None)
             results[name] = {"error": error or "failed to build on another rank"}
@@ -70,7 +86,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
         timed = step >= opts["warmup"]
         names = list(methods)
         shift = step % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in (order if step % 2 == 0 else order[::-1]):
             m, res = methods[name], results[name]
             meter.reset()
             bucket_log.clear()

@@ -1,11 +1,15 @@
 """One training step of a small GPT on CPU, 2 gloo ranks: DDP, torch's ZeroRedundancyOptimizer,
-FSDP2 and zkernels ZeRO stage 1/2 side by side, with step time, bytes sent and memory per rank.
+FSDP2, DeepSpeed and zkernels ZeRO side by side, with step time, bytes sent and memory per rank.
+The rows are ``_zero_step_methods.METHODS`` (a new one is one line there).
 
-    python benchmarks/zero_step.py                       # small config, all methods
+    python benchmarks/zero_step.py                       # small config, the default rows
     python benchmarks/zero_step.py --config demo --methods ddp,zk_stage1,zk_stage2 --repeats 3
     python benchmarks/zero_step.py --config large --dtype bfloat16 --repeats 3
     python benchmarks/zero_step.py --steps 3 --config tiny --methods ddp,zk_stage2
     python benchmarks/zero_step.py --world-size 4 --shard-size 2   # hybrid: FSDP2 HSDP beside
+    python benchmarks/zero_step.py --offload             # offload rows (cpu, nvme) and peers
+    python benchmarks/zero_step.py --quantized           # ZeRO++ options beside DeepSpeed's
+    python benchmarks/zero_step.py --baseline-tree DIR   # zkernels rows again from DIR: ratios
 
 Prints a table and writes JSON (``--json``, default ``bench_results/zero_step.json``):
 ``{"meta": {machine, cpu, threads_per_rank, versions, git revision, UTC time, config,
@@ -51,6 +55,7 @@ CONFIGS = {
     "large": {"model": dict(n_layer=8, n_head=4, n_embd=256, block_size=64), "batch_size": 8},
 }
 DTYPES = ("float32", "bfloat16")
+# The rows themselves: _zero_step_methods.METHODS. These are the sets the flags pick.
 ALL_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2", "deepspeed", "zk_stage3",
                "deepspeed_stage3")
 # --offload: the offload comparison (issue 9), each beside its non-offloaded stage.
@@ -61,11 +66,22 @@ OFFLOAD_SET = ("ddp", "zk_stage2", "zk_stage2_cpu", "zk_stage2_nvme", "ds_stage2
 # --shard-size K: hybrid sharding (groups of K ranks, replicated across), beside the plain rows.
 HYBRID_SET = ("ddp", "fsdp2", "zk_stage3", "fsdp2_hsdp", "zk_stage3_hybrid", "zk_stage2",
               "zk_stage2_hybrid")
-KNOWN_METHODS = ALL_METHODS + tuple(m for m in OFFLOAD_SET + HYBRID_SET
-                                    + ("fsdp2_hpz", "zk_stage3_hpz") if m not in ALL_METHODS)
-# --dtype bfloat16 applies to the stage 1-2 rows and their torch peers (autocast); the
-# stage-3 and offload rows are fp32 only.
-BF16_METHODS = ("ddp", "torch_zero", "fsdp2", "zk_stage1", "zk_stage2")
+# --quantized: ZeRO++'s compressed collectives (issue 17), zkernels' options beside DeepSpeed's.
+QUANT_SET = ("ddp", "zk_stage2", "zk_stage2_qg8", "zk_stage3", "zk_stage3_qw", "zk_stage3_qg8",
+             "zk_stage3_qg4", "zk_stage3_qw_qg4", "deepspeed_stage3", "ds_stage3_qw",
+             "ds_stage3_qg", "ds_stage3_qw_qg")
+
+# --baseline-tree without --methods: every zkernels rung that runs on 2 ranks, DDP beside.
+BASELINE_SET = ("ddp", "zk_stage1", "zk_stage2", "zk_stage3", "zk_stage2_cpu", "zk_stage2_nvme",
+                "zk_stage3_cpu", "zk_stage3_cpu_params", "zk_stage3_nvme", "zk_stage3_nvme_params")
+
+
+def _on_path() -> None:
+    """Run from anywhere: this checkout's zkernels and the benchmark's modules first (the
+    spawned ranks copy sys.path)."""
+    for path in (str(REPO_ROOT), str(REPO_ROOT / "benchmarks")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -80,8 +96,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="independent runs (fresh ranks each); ratios: median over runs")
     p.add_argument("--methods", default=None,
-                   help=f"comma-separated subset of {','.join(KNOWN_METHODS)} (default: "
-                   f"{','.join(ALL_METHODS)}; with --dtype bfloat16: {','.join(BF16_METHODS)})")
+                   help="comma-separated rows of _zero_step_methods.METHODS (default: "
+                   f"{','.join(ALL_METHODS)}; with --dtype bfloat16: the rows marked bf16)")
     p.add_argument("--offload", action="store_true", help="run the offload comparison: "
                    + ",".join(OFFLOAD_SET) + " (overrides --methods)")
     p.add_argument("--offload-dir", default=None, help="folder for the NVMe rows (default: a "
@@ -99,6 +115,16 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0,
                    help="kill every rank after this long instead of hanging")
+    p.add_argument("--quantized", action="store_true", help="run the compressed-collective "
+                   "comparison: " + ",".join(QUANT_SET) + " (overrides --methods)")
+    p.add_argument("--baseline-tree", default=None, metavar="DIR", help="run the zkernels rows "
+                   "a second time with zkernels imported from the checkout DIR (with its "
+                   "compiled _C), and report after/before ratios of step time, memory and "
+                   "traffic per row (benchmarks/README.md: before and after in one run)")
+    _on_path()
+    from _zero_step_methods import METHODS
+    known = tuple(METHODS)
+    bf16 = tuple(m for m, spec in METHODS.items() if spec.bf16)
     args = p.parse_args(argv)
     if args.shard_size is not None and (args.shard_size < 1
                                         or args.world_size % args.shard_size):
@@ -106,22 +132,28 @@ def _parse_args(argv=None) -> argparse.Namespace:
                 f"{args.shard_size}")
     if args.methods is None:
         args.methods = ",".join(HYBRID_SET if args.shard_size is not None else
-                                ALL_METHODS if args.dtype == "float32" else BF16_METHODS)
+                                BASELINE_SET if args.baseline_tree is not None else
+                                ALL_METHODS if args.dtype == "float32" else bf16)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.offload:
-        methods = list(OFFLOAD_SET)
-    bad = [m for m in methods if m not in KNOWN_METHODS]
+    if args.offload or args.quantized:
+        methods = list(OFFLOAD_SET if args.offload else QUANT_SET)
+    bad = [m for m in methods if m not in known]
     if bad or not methods:
-        p.error(f"--methods: expected a comma-separated subset of {KNOWN_METHODS}, got {bad}")
+        p.error(f"--methods: expected a comma-separated subset of {known}, got {bad}")
     if "ddp" not in methods:
         methods.insert(0, "ddp")  # every ratio is to DDP measured in the same run
     args.methods = methods
     for name in ("steps", "world_size", "threads_per_rank", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.dtype != "float32" and any(m not in BF16_METHODS for m in methods):
-        p.error(f"--dtype {args.dtype}: only {','.join(BF16_METHODS)} run in bf16 here, got "
-                f"{','.join(m for m in methods if m not in BF16_METHODS)}")
+    if args.dtype != "float32" and any(m not in bf16 for m in methods):
+        p.error(f"--dtype {args.dtype}: only {','.join(bf16)} run in bf16 here, got "
+                f"{','.join(m for m in methods if m not in bf16)}")
+    if args.baseline_tree is not None:
+        args.baseline_tree = str(Path(args.baseline_tree).resolve())
+        if not (Path(args.baseline_tree) / "zkernels" / "__init__.py").is_file():
+            p.error(f"--baseline-tree: expected a zkernels checkout (DIR/zkernels/__init__.py), "
+                    f"got {args.baseline_tree!r}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
@@ -187,6 +219,19 @@ def _launch(opts: dict, world_size: int, timeout_s: float) -> list:
     return [results[r] for r in range(world_size)]
 
 
+def _check_trees(per_rank: list, opts: dict) -> None:
+    """Every rank imported zkernels from the checkouts it was given (the before/after
+    comparison measures what it says it does)."""
+    from _zero_step_trees import BEFORE
+
+    want = {"": str(Path(opts["zk_root"]).resolve() / "zkernels")}
+    if opts.get("baseline_root"):
+        want[BEFORE] = str(Path(opts["baseline_root"]).resolve() / "zkernels")
+    for r in per_rank:
+        if r["_zkernels"] != want:
+            raise RuntimeError(f"a rank imported zkernels from {r['_zkernels']}, expected {want}")
+
+
 def _stage3_verdict(rows: list, num_params: int, n: int) -> None:
     """Issue 8's bar for the zk_stage3 row: step time <= 1.25x DDP and below fsdp2's and
     deepspeed_stage3's (same run), traffic 3.00Ψ (Ψ = 4·num_params·(N-1)/N bytes per rank, the
@@ -229,29 +274,24 @@ def _stage3_verdict(rows: list, num_params: int, n: int) -> None:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    # Run from anywhere: the ranks import zkernels from this checkout (spawn copies sys.path).
-    for path in (str(REPO_ROOT), str(REPO_ROOT / "benchmarks")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
     from zkernels.demo.model import GPT, GPTConfig
     from _comm_meter import __doc__ as convention_doc
-    from _zero_step_report import (add_ratios, check_memory, format_table, repeat_summary,
-                                   summarize)
+    from _zero_step_report import (add_ratios, check_memory, compare_trees, format_baseline,
+                                   format_table, repeat_summary, summarize)
 
     config = CONFIGS[args.config]
     num_params = sum(p.numel() for p in GPT(GPTConfig(**config["model"])).parameters())
     opts = {"model": config["model"], "batch_size": config["batch_size"],
             "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
-            "dtype": args.dtype, "shard_size": args.shard_size,
-            "pg_timeout_s": min(120.0, args.timeout_s)}
+            "dtype": args.dtype, "shard_size": args.shard_size, "zk_root": str(REPO_ROOT),
+            "nvme_budget": args.nvme_budget, "pg_timeout_s": min(120.0, args.timeout_s)}
     cleanup = None
     if any("_nvme" in m for m in args.methods):
         import tempfile
         if args.offload_dir is None:
             args.offload_dir = cleanup = tempfile.mkdtemp(prefix="zk-bench-nvme-")
         opts["offload_dir"] = args.offload_dir
-        os.environ["ZK_BENCH_NVME_BUDGET"] = str(args.nvme_budget)
     n = args.world_size
     meta = {
         "benchmark": "zero_step",
@@ -281,16 +321,26 @@ def main(argv=None) -> int:
           f"{config['model']['block_size']} per rank, {args.warmup} warm-up + {args.steps} "
           f"timed steps, methods {','.join(args.methods)}, {args.repeats} run(s)", flush=True)
     meta["load_average_before"] = os.getloadavg()
+    if args.baseline_tree is not None:  # the zkernels rows again, zkernels from that checkout
+        from _zero_step_methods import METHODS
+        from _zero_step_trees import BEFORE
+        opts["baseline_root"] = meta["baseline_tree"] = args.baseline_tree
+        # each row beside its twin: the round order then differs between the two only by
+        # which one goes first (_zero_step_worker.py alternates that)
+        opts["methods"] = [x for m in args.methods
+                           for x in ([m, m + BEFORE] if METHODS[m].lib == "zk" else [m])]
     runs = []
     try:
         for _ in range(args.repeats):
             per_rank = _launch(opts, n, args.timeout_s)
-            rows = [summarize(m, [r[m] for r in per_rank], n) for m in args.methods]
+            _check_trees(per_rank, opts)
+            rows = [summarize(m, [r[m] for r in per_rank], n) for m in opts["methods"]]
             # bf16: zkernels rounds its parameters to bf16, autocast keeps fp32 ones: losses
             # part by bf16 round-off (~1e-2 after a few dozen steps), and DDP all-reduces fp32
             # grads (8Ψ sent) where zkernels sends an fp32 reduce-scatter + a bf16 all-gather
             # (6Ψ).
-            add_ratios(rows, loss_tolerance=1e-4 if args.dtype == "float32" else 5e-2)
+            add_ratios(rows, loss_tolerance=1e-4 if args.dtype == "float32" else 5e-2,
+                       lossy=_quantized)
             check_memory(rows, num_params, n, args.dtype)
             runs.append(rows)
             print(format_table(rows), flush=True)
@@ -325,11 +375,15 @@ def main(argv=None) -> int:
             print(f"{r['method']}: {verdict}")
     _stage3_verdict(rows, num_params, n)
     _hybrid_verdict(rows)
+    _quant_verdict(rows)
     _offload_verdicts(rows, meta)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "repeats": repeats,
-                               "runs": runs[:-1]}, indent=1) + "\n")
+    result = {"meta": meta, "rows": rows, "repeats": repeats, "runs": runs[:-1]}
+    if args.baseline_tree is not None:
+        result["baseline"] = compare_trees(runs)
+        print(format_baseline(result["baseline"], args.baseline_tree, len(runs)))
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 
@@ -353,6 +407,43 @@ def _hybrid_verdict(rows) -> None:
               f"{zs.get('within_group', 0) / 2**20:.3f}/{zs.get('across_groups', 0) / 2**20:.3f}"
               f" vs {fsc.get('within_group', 0) / 2**20:.3f}/"
               f"{fsc.get('across_groups', 0) / 2**20:.3f}")
+
+
+def _spec(method: str):
+    """The table row of ``method`` (a baseline twin ``name@before`` has its row's spec)."""
+    from _zero_step_methods import METHODS
+    return METHODS[method.partition("@")[0]]
+
+
+def _quantized(method: str) -> bool:
+    return any(k.startswith(("quantize_", "zero_quantized_")) for k in _spec(method).kw)
+
+
+def _quant_verdict(rows) -> None:
+    """Issue 17: each quantized row (``quantize_*``, DeepSpeed's ``zero_quantized_*``) beside
+    the same row without quantization in the same run (and from the same tree, for
+    ``--baseline-tree`` twins): bytes sent, step time, final loss. Adds ``quantized_vs``."""
+    def base(method):
+        spec = _spec(method)
+        return (spec.lib, method.partition("@")[2], tuple(sorted(
+            (k, v) for k, v in spec.kw.items()
+            if not k.startswith(("quantize_", "zero_quantized_")))))
+
+    by = {r["method"]: r for r in rows if "error" not in r}
+    plain = {base(m): m for m in by if not _quantized(m)}
+    for name, r in by.items():
+        peer = plain.get(base(name))
+        if peer is None or not _quantized(name):
+            continue
+        p = by[peer]
+        r["quantized_vs"] = {
+            "method": peer,
+            "traffic_ratio": r["comm_bytes_per_rank"]["total"] / p["comm_bytes_per_rank"]["total"],
+            "step_time_ratio": r["step_time_s"]["median"] / p["step_time_s"]["median"],
+            "final_loss_rel_diff": (r["final_loss"] - p["final_loss"]) / p["final_loss"]}
+        q = r["quantized_vs"]
+        print(f"{name} vs {peer}: sent x{q['traffic_ratio']:.3f}, step x{q['step_time_ratio']:.3f}"
+              f", final loss {100 * q['final_loss_rel_diff']:+.2f}%")
 
 
 def _offload_verdicts(rows, meta) -> None:
