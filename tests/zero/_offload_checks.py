@@ -217,8 +217,8 @@ def nvme_budget_and_disk(rank, ws, *, nvme_master):
         assert disk == data + kinds * len(shards) * HEADER_BYTES, (disk, data)
         # = 12 or 8 bytes per shard element, up to the 4096-byte padding of each file
         assert 4 * kinds * psi_over_n <= data < 4 * kinds * psi_over_n + kinds * len(shards) * 4096
-        files = [os.path.join(opt.shard_update.folder, f)
-                 for f in os.listdir(opt.shard_update.folder)]
+        files = [os.path.join(opt.shard_update.files.folder, f)
+                 for f in os.listdir(opt.shard_update.files.folder)]
         assert sum(os.path.getsize(f) for f in files) == disk and len(files) == kinds * len(shards)
         host = st["memory_location_bytes"]["host"]
         arena = opt.shard_update.held_host()["buffers"][0]
@@ -232,7 +232,7 @@ def nvme_budget_and_disk(rank, ws, *, nvme_master):
                                  nvme_buffer_bytes=NVME_BUDGET, nvme_master=nvme_master)
         assert abs(est.disk_bytes - data) <= 0.05 * data + kinds * len(shards) * 4096
         assert expected_host <= est.host_bytes
-        folder_of_run = opt.shard_update.folder
+        folder_of_run = opt.shard_update.files.folder
         opt.close()
         assert not os.path.exists(folder_of_run), "close() removes the run's folder"
 

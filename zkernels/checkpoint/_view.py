@@ -16,7 +16,7 @@ pieces of a parameter tile ``[0, numel)`` exactly (the saver checks it).
 
 This body: the optimizer's flat parameter units (``opt.units``, ``zkernels/zero/parameters/units.py``) and
 the update strategy's shard states (``opt.shard_update.states``, ``shard_state.py``). A state
-knows its unit's parameter names and layout, and ``ShardState.param_slices()`` maps every
+reads its unit's parameter names and layout, and ``unit.param_slices_in_shard()`` maps every
 element of its shard to ``(name, start in the parameter)``; its master and moments are
 [shard_numel] fp32. Loading writes into those tensors, then hands each state back to the
 update strategy (``load_state``: it rewrites the unit's compute shard from the master, in the
@@ -211,13 +211,13 @@ class OptimizerView:
     def piece_ranges(self) -> List[Tuple[str, int, int, int]]:
         """``(name, start, end, step)`` of every piece :meth:`pieces` yields, in that order,
         without touching the tensors (the saver lays out its file from this first)."""
-        return [(name, a, a + n, st.step) for _, st in self._unit_states()
-                for name, a, _, n in st.param_slices()]
+        return [(name, a, a + n, st.step) for u, st in self._unit_states()
+                for name, a, _, n in u.param_slices_in_shard()]
 
     def pieces(self) -> Iterator[ShardPiece]:
-        for _, st in self._unit_states():
+        for u, st in self._unit_states():
             tensors = dict(zip(FIELDS, self._tensors(st)))
-            for name, a, s, n in st.param_slices():
+            for name, a, s, n in u.param_slices_in_shard():
                 yield ShardPiece(name, a, a + n, st.step,
                                  {f: t[s:s + n] for f, t in tensors.items()})
 
