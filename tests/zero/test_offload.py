@@ -275,6 +275,37 @@ def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
     assert where["disk"] >= 10 * budget
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_arena_is_sized_to_the_state(folder, stage):
+    """With the default budget (64 MiB) a 347k-parameter model's NVMe slots hold one
+    sub-group of its largest unit shard, not the budget: host bytes (``stats()``) are the
+    three slots of that shard (aligned), below the 4.2 MB of state on disk. The arena held
+    the whole budget before (67 MB)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(240, 240) for _ in range(6)])
+    ref = nn.Sequential(*[nn.Linear(240, 240) for _ in range(6)])
+    ref.load_state_dict(model.state_dict())
+    psi = sum(p.numel() for p in model.parameters())
+    opt = ZeroOptimizer(model, stage=stage, lr=1e-2, offload="nvme", offload_dir=folder)
+    ropt = ZeroOptimizer(ref, stage=stage, lr=1e-2)   # the same step, states on the device
+    x = torch.randn(4, 240)
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.backward(m(x).square().mean())
+            o.step()
+            o.zero_grad()
+    with opt.gathered(), ropt.gathered():
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    where = opt.stats()["memory_location_bytes"]
+    largest = max(u.layout.shard_numel for u in opt.units)
+    per_elem = 3 * (4 * 3 + 4)          # 3 slots x (master, moments, gradient), fp32 output
+    slots = per_elem * -(-largest // 1024) * 1024
+    state = 12 * psi
+    assert slots <= where["host"] <= slots + 4096, (where, slots)
+    assert where["host"] < state <= where["disk"], (where, state)
+    opt.close()
+
+
 def test_auto_and_plan_offer_offload_rungs(folder, capsys, caplog):
     from zkernels.__main__ import main as zk_main
     from zkernels.zero.planning.auto import auto_rungs
