@@ -47,7 +47,7 @@ def test_no_module_left_flat():
 
 
 def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
-    """The update strategies read ``unit.gather.shard_on_host`` (the parameter side says where
+    """The update engine reads ``unit.gather.shard_on_host`` (the parameter side says where
     its shard lives); none tests ``isinstance`` against a class of parameters/."""
     bad = []
     for f in sorted((ZERO / "state").glob("*.py")):

@@ -501,7 +501,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._param_waiter.wait_all()
 
     def close(self, keep_files: bool = False):
-        """Release what the update strategy holds outside the device: the copy thread or
+        """Release what the update engine holds outside the device: the copy thread or
         stream, the NVMe files and their folder (idempotent; also runs when the optimizer is
         garbage collected). The optimizer cannot step afterwards.
 

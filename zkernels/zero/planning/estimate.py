@@ -55,12 +55,12 @@ their unit (the transient and the all-gathers count them, at p per element), and
 ``offload_params`` their shards live in host RAM too.
 
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
-``ZeroOptimizer``'s strategies place it (``host_update.py``, ``nvme_update.py``): with ``"cpu"``
+``ZeroOptimizer``'s update engine places it (``state/engine.py``): with ``"cpu"``
 the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
 staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
 live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
-the gradient shard stays on the device, and host RAM holds exactly the configured slot budget
-(``nvme_buffer_bytes``), plus the master when ``nvme_master=False``. At stage 3 the parameter
+the gradient shard stays on the device, and host RAM holds the slot arena, at most the
+configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the master when ``nvme_master=False``. At stage 3 the parameter
 shard stays on the device unless ``offload_params=True`` puts it in host RAM (either kind;
 ``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
 and, in pure fp32, no master of its own (the shard is the master).
