@@ -550,8 +550,8 @@ opt.close()
 def test_nvme_step_rss_stays_within_budget(folder):
     """Measured by the kernel, not by our own counters: the resident memory a step adds (its
     peak RSS over the RSS before it, in a fresh process) stays within the NVMe budget while
-    the moments streamed through it are 16x the budget. The first step touches the slot
-    arena's pages for the first time (up to the budget); later steps add ~nothing."""
+    the moments streamed through it are 16x the budget. The slot arena's pages are touched
+    when it is allocated (at most the budget); a step adds its working tensors only."""
     import sys
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("no /proc/self/clear_refs to reset the peak RSS")

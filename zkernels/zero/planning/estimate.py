@@ -60,9 +60,9 @@ the master, optimizer states and the gradient shard live in host RAM, plus two c
 staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
 live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
 the gradient shard stays on the device, and host RAM holds the slot arena, at most the
-configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the master when ``nvme_master=False``. At stage 3 the parameter
-shard stays on the device unless ``offload_params=True`` puts it in host RAM (either kind;
-``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
+configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the
+master when ``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
+``offload_params=True`` puts it in host RAM (either kind; ``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
 and, in pure fp32, no master of its own (the shard is the master).
 
 [Note: traffic model]
@@ -84,7 +84,8 @@ from typing import Dict, Optional, Union
 import torch
 
 from .buckets import auto_bucket_bytes
-from .offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
+from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL,
+                             nvme_arena_bytes, nvme_sub_group_numel)
 from .policy import (NUM_REDUCE_BUFFERS, STAGES, check_reshard_after_forward, offload_policy,
                      stage_policy)
 from .unit_plan import gathered_peak_numel, plan_units
@@ -429,7 +430,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             disk[k] = device.pop(k)
         if not nvme_master:
             host["master"] = device.pop("master")
-        host["staging"] = nvme_buffer_bytes   # the fixed slot arena
+        # The slot arena: sub-groups of the largest unit shard, capped by the budget.
+        kinds_in_slot, cb = len(on_disk) + 2, p if mixed else 0
+        host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
+            nvme_buffer_bytes, kinds_in_slot, cb,
+            _div(bucket_numel, big_n) if bucket_numel else shard), kinds_in_slot, cb)
 
     frac = (big_n - 1) / big_n
     if stage == 0:      # DDP all-reduces in reduce_dtype if given, else in the grads' dtype

@@ -15,6 +15,36 @@ DEFAULT_NVME_BUFFER_BYTES = 1 << 26  # the most host RAM NVMe offload streams th
 NUM_NVME_BUFFERS = 3      # read sub-group k+1, update k, write k-1
 
 
+ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
+
+
+def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
+                         largest_shard: int) -> int:
+    """Elements per NVMe sub-group: the largest unit shard (rounded up to an aligned block),
+    capped so that ``NUM_NVME_BUFFERS`` slots fit ``budget_bytes``. Each element of a slot
+    holds ``num_kinds`` fp32 states, one fp32 gradient and one compute-dtype output
+    (``compute_bytes``, 0 in pure fp32); the arena's alignment slack (one block) is part of
+    the budget.
+
+    Raises:
+        ValueError: the budget cannot hold one aligned block per slot.
+    """
+    per_elem = NUM_NVME_BUFFERS * (4 * num_kinds + 4 + compute_bytes)
+    cap = (budget_bytes - 2 * IO_ALIGN) // per_elem // ALIGN_NUMEL * ALIGN_NUMEL
+    if cap < ALIGN_NUMEL:
+        need = ALIGN_NUMEL * per_elem + 2 * IO_ALIGN
+        raise ValueError(f"OffloadConfig.nvme_buffer_bytes={budget_bytes} is too small: "
+                         f"{NUM_NVME_BUFFERS} slots of one {IO_ALIGN}-byte block need at "
+                         f"least {need} bytes")
+    return min(cap, -(-largest_shard // ALIGN_NUMEL) * ALIGN_NUMEL)
+
+
+def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int) -> int:
+    """Host bytes of the NVMe slot arena of ``sub_group_numel`` elements per slot (its
+    allocation, alignment slack included)."""
+    return NUM_NVME_BUFFERS * sub_group_numel * (4 * num_kinds + 4 + compute_bytes) + IO_ALIGN
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Knobs of ``offload="cpu"`` and ``offload="nvme"``.

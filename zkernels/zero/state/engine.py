@@ -62,7 +62,7 @@ import torch
 
 from ...ops import OpSet
 from ...ops.adamw import Scalar
-from ..planning.offload_config import IO_ALIGN, NUM_NVME_BUFFERS, OffloadConfig
+from ..planning.offload_config import NUM_NVME_BUFFERS, OffloadConfig, nvme_sub_group_numel
 from ..parameters.units import FlatParamUnit
 from .grad_sink import GradShards
 from .nvme_files import NvmeFiles
@@ -71,25 +71,6 @@ from .swap import aligned_empty
 from .transfer import Copier
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
-
-
-def sub_group_numel_for(budget_bytes: int, num_kinds: int, compute_bytes: int) -> int:
-    """Elements per NVMe sub-group so that the slots fit ``budget_bytes``: each element of a
-    slot holds ``num_kinds`` fp32 states, one fp32 gradient and one compute-dtype output; the
-    arena's alignment slack (one block) is part of the budget.
-
-    Raises:
-        ValueError: the budget cannot hold one aligned block per slot.
-    """
-    per_elem = NUM_NVME_BUFFERS * (4 * num_kinds + 4 + compute_bytes)
-    numel = (budget_bytes - 2 * IO_ALIGN) // per_elem // ALIGN_NUMEL * ALIGN_NUMEL
-    if numel < ALIGN_NUMEL:
-        need = ALIGN_NUMEL * per_elem + 2 * IO_ALIGN
-        raise ValueError(f"OffloadConfig.nvme_buffer_bytes={budget_bytes} is too small: "
-                         f"{NUM_NVME_BUFFERS} slots of one {IO_ALIGN}-byte block need at "
-                         f"least {need} bytes")
-    return numel
 
 
 def adamw_hparams(group: dict, step: int, grad_scale: Optional[Scalar]) -> dict:
@@ -246,16 +227,16 @@ class UpdateEngine:
         elif self.placement == "nvme":
             cb = 0 if cdt == torch.float32 else cdt.itemsize  # fp32: the copy reads the master
             kinds = self.files.kinds
-            cap = sub_group_numel_for(self.config.nvme_buffer_bytes, len(kinds), cb)
-            sub = min(cap, -(-n // ALIGN_NUMEL) * ALIGN_NUMEL)
+            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n)
             if sub <= self.sub_group_numel:
                 return
             self._settle_all()
             self._release_buffers()
             self.sub_group_numel = sub
             per_slot = sub * (4 * len(kinds) + 4 + cb)
+            # Touched now (zeroed): host RAM holds what stats() reports from the start.
             arena = aligned_empty(NUM_NVME_BUFFERS * per_slot,
-                                  self.copier.pin if self.copier.pinned else None)
+                                  self.copier.pin if self.copier.pinned else None).zero_()
             self._buffers, self._slots = [arena], []
             for s in range(NUM_NVME_BUFFERS):
                 views = [arena[s * per_slot + i * 4 * sub:s * per_slot + (i + 1) * 4 * sub]
