@@ -408,10 +408,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                      optimizer_states=ADAM_STATE_BYTES * shard,
                      buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
                      transient=transient)
-    if offload is not None and not mixed and not (offload_params and offload == "cpu"):
+    if offload is not None and not mixed and not (
+            offload_params and (offload == "cpu" or not nvme_master)):
         # Pure fp32 offload: the device parameter can no longer be the master (the update
         # runs elsewhere), so the host or disk holds an fp32 master shard of its own (with
-        # offload_params the host parameter shard is the CPU strategy's master).
+        # offload_params a host master is the host parameter shard itself).
         kinds["master"] = MASTER_BYTES * shard
     device = dict(kinds)
     host, disk = {}, {}

@@ -182,9 +182,6 @@ class UpdateEngine:
                              f"{len(self.states)})")
         n = unit.layout.shard_numel
         shard_at = "host" if unit.gather.shard_on_host else "device"
-        if self.files is not None and self.files.resumed and self.where["master"] != "disk":
-            raise ValueError("resume_dir needs nvme_master=True (the master was in host RAM "
-                             "and did not survive)")
         if self.where["master"] == shard_at and unit.compute_dtype == torch.float32:
             master = unit.compute_shard   # the fp32 parameter shard is its own master
         else:
