@@ -5,7 +5,8 @@ import torch
 
 from zkernels.zero.planning.estimate import estimate_memory, largest_unit_numel
 from zkernels.zero.planning.ladder import RUNGS, NoRungFitsError, choose_rung
-from zkernels.zero.planning.offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
+from zkernels.zero.planning.offload_config import (
+    DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL, nvme_arena_bytes, nvme_sub_group_numel)
 
 PSI, N = 7_500_000_000, 64
 
@@ -73,17 +74,21 @@ def test_offload_moves_states_off_the_device():
     cpu_p = estimate_memory(PSI, N, 3, offload="cpu", offload_params=True, **kw)
     assert cpu_p.device_bytes == 0 and cpu_p.host_bytes == e3.model_states_bytes  # no staging
     # NVMe: master and states on disk, the gradient shard stays on the device, host RAM is
-    # the slot budget (plus the parameter shard with offload_params).
+    # the slot arena, here capped by the budget (plus the parameter shard with
+    # offload_params): three slots of 3 fp32 states, an fp32 gradient and a bf16 output.
+    arena = nvme_arena_bytes(nvme_sub_group_numel(2**26, 3, 2, -(-PSI // N)), 3, 2)
+    assert 2**26 - 3 * 1024 * 22 - 2 * 4096 < arena <= 2**26
     assert nvme.disk_bytes == e3.master_bytes + e3.optimizer_states_bytes
-    assert nvme.device_bytes == e3.grads_bytes + e3.params_bytes and nvme.host_bytes == 2**26
+    assert nvme.device_bytes == e3.grads_bytes + e3.params_bytes and nvme.host_bytes == arena
     assert nvme.disk_io_bytes == 2 * nvme.disk_bytes
     nvme_p = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26,
                              offload_params=True, **kw)
     assert nvme_p.device_bytes == e3.grads_bytes
-    assert nvme_p.host_bytes == 2**26 + e3.params_bytes and nvme_p.disk_bytes == nvme.disk_bytes
+    assert nvme_p.host_bytes == arena + e3.params_bytes and nvme_p.disk_bytes == nvme.disk_bytes
     off = estimate_memory(PSI, N, 3, offload="nvme", nvme_master=False, **kw)
     assert off.disk_bytes == nvme.disk_bytes - e3.master_bytes
-    assert off.host_bytes == DEFAULT_NVME_BUFFER_BYTES + e3.master_bytes
+    assert off.host_bytes == e3.master_bytes + nvme_arena_bytes(
+        nvme_sub_group_numel(DEFAULT_NVME_BUFFER_BYTES, 2, 2, -(-PSI // N)), 2, 2)
     assert cpu.host_device_bytes == 6 * (PSI // N)     # fp32 grad shard down, bf16 params up
     # offload_params: the bf16 shard comes up at each of stage 3's two gathers per step.
     assert cpu_p.host_device_bytes == (4 + 2 * 2) * (PSI // N)

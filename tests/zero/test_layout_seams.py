@@ -1,8 +1,9 @@
 """zkernels/zero/ shows the design ([Note: parameters and state]): planning/ imports nothing
-of the other sub-packages; gradients/ never reaches into the state side; nothing below the
-optimizer imports it. The edges left between parameters/ and state/ (stage 3's host-sharded
-parameters use the state side's copy engine; the update strategies build the gather policies
-and read the units) are listed here, so a new one is a decision, not an accident."""
+of the other sub-packages; gradients/ reaches into the state side only for its gradient
+sink; nothing below the optimizer imports it. The edges left between the sub-packages (stage
+3's host-sharded parameters use the state side's copy engine; the update engine reads the
+units; the gradient strategies fill the state side's gradient sink) are listed here, so a new
+one is a decision, not an accident."""
 import ast
 from pathlib import Path
 
@@ -11,7 +12,8 @@ SUBPACKAGES = ("planning", "parameters", "gradients", "state")
 ALLOWED = {
     "planning": set(),
     "parameters": {"planning", "state.transfer"},
-    "gradients": {"planning", "parameters"},
+    # The gradient strategies' default sink is the state side's one GradSink (grad_sink.py).
+    "gradients": {"planning", "parameters", "state.grad_sink"},
     "state": {"planning", "parameters"},
 }
 
@@ -45,7 +47,7 @@ def test_no_module_left_flat():
 
 
 def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
-    """The update strategies read ``unit.gather.shard_on_host`` (the parameter side says where
+    """The update engine reads ``unit.gather.shard_on_host`` (the parameter side says where
     its shard lives); none tests ``isinstance`` against a class of parameters/."""
     bad = []
     for f in sorted((ZERO / "state").glob("*.py")):

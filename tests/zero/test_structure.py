@@ -16,7 +16,7 @@ from zkernels.zero.planning.auto import RungNotAvailableError, resolve_auto_stag
 from zkernels.zero.planning.estimate import estimate_memory
 from zkernels.zero.optimizer import resolve_stage
 from zkernels.zero.parameters.units import ReplicatedParams, build_replicated_unit, param_names
-from zkernels.zero.state.update import DeviceUpdate
+from zkernels.zero.state.engine import UpdateEngine
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_master_is_the_compute_shard_in_fp32_only(param_dtype):
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_shard_ranges_map_back_to_parameter_names(world_size):
     """Over all ranks, every element of every parameter is in exactly one rank's master
-    shard, where ``param_slices`` says, with its original fp32 value."""
+    shard, where the unit's ``param_slices_in_shard`` says, with its original fp32 value."""
     ref = dict((n, p.detach().clone()) for n, p in make_model().named_parameters())
     covered = {n: torch.zeros(p.numel(), dtype=torch.int64) for n, p in ref.items()}
     ops = zk.ops.for_device("cpu")
@@ -140,14 +140,13 @@ def test_shard_ranges_map_back_to_parameter_names(world_size):
         layout = FlatLayout.build([p.numel() for p in params], world_size, align=8)
         unit, initial = build_replicated_unit(0, 0, params, param_names(model), layout, rank,
                                               torch.bfloat16, ops)
-        st = DeviceUpdate(ops).init_state(unit, initial)
-        assert st.shard_range == layout.shard_range(rank)
-        for name, start_in_param, start_in_shard, n in st.param_slices():
+        st = UpdateEngine("device", ops=ops).init_state(unit, initial)
+        assert st.shard_range == layout.shard_range(rank) and st.unit is unit
+        for name, start_in_param, start_in_shard, n in unit.param_slices_in_shard():
             torch.testing.assert_close(st.master[start_in_shard:start_in_shard + n],
                                        ref[name].view(-1)[start_in_param:start_in_param + n],
                                        rtol=0, atol=0)
             covered[name][start_in_param:start_in_param + n] += 1
-        assert list(st.param_slices()) == list(unit.param_slices_in_shard())
     assert all(bool((c == 1).all()) for c in covered.values())
 
 

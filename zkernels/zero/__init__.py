@@ -9,8 +9,8 @@ The folder follows the design (see [Note: parameters and state] in ``parameters/
   sharded, host-sharded), stage 3's gather schedule;
 - ``gradients/``: the gradient strategies (reduction during backward), precision and loss
   scaling, clipping, the non-finite policy;
-- ``state/``: ShardState and the update strategies that place it (device, host RAM, NVMe),
-  their configuration and copies, the optimizer's state_dict;
+- ``state/``: ShardState records and the update engine that places them (device, host
+  RAM, NVMe), their configuration and copies, the optimizer's state_dict;
 - ``optimizer.py`` composes them; ``stats.py`` counts the bytes held. The bucketed
   reduce-scatter lives in ``zkernels.comm.bucketed``.
 """

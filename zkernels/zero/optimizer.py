@@ -3,8 +3,8 @@
 The class is thin glue (see [Note: parameters and state] in ``units.py``): the stage's
 :class:`~zkernels.zero.planning.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
 units (``units.py``, cut by ``buckets.py``) own the compute copy through their gather policy;
-the update strategy (``update.py``) owns the ShardStates (master, moments) and their
-placement; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers this
+the update engine (``state/engine.py``) owns the per-unit state records (master, moments)
+and their placement; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers this
 rank's reduced gradient shard per unit; ``clip.py`` folds the 1/N, the loss scale and the clip
 coefficient into one divisor; then one fused AdamW per unit shard and each unit's gather
 policy's ``publish`` (one all-gather per unit at stages 1-2) rebuild the parameters. Every op
@@ -25,9 +25,9 @@ from ..comm.quantized import QuantizedWeightComm, check_quantize_args, quantize_
 from .state import state_dict as _state
 from .planning.auto import resolve_auto_placement
 from .planning.buckets import align_numel, bucket_capacities, plan_buckets
-from .gradients.clip import grad_scale_and_overflow
+from .gradients.clip import StepScale
 from .gradients.grad_reducers import make_grad_reducer
-from .gradients.nonfinite import NonFiniteGradientError, check_policy, locate
+from .gradients.nonfinite import NonFiniteGradientError, check_policy
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.groups import frozen_params, resolve_param_groups
 from .planning.policy import STAGES, check_reshard_after_forward, implemented_stages
@@ -38,7 +38,7 @@ from .parameters.stage3 import GatherSchedule, build_units
 from .parameters.units import build_replicated_unit, param_names
 from .planning.offload_config import OffloadConfig
 from .state.placement import (check_offload_args, check_offload_params, check_offload_stage,
-                        make_update_strategy)
+                              make_engine)
 
 
 def resolve_stage(stage) -> int:
@@ -101,9 +101,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             the fp32 master shard lives with the optimizer.
         reduce_dtype: dtype of the gradient reduction (default fp32).
         offload: None (states on the device), "cpu" (fp32 master, moments and gradient shard
-            in host RAM, the step on the CPU: see ``host_update.py``) or "nvme" (moments and
+            in host RAM, the step on the CPU: see ``state/engine.py``) or "nvme" (moments and
             master in files under ``offload_dir``, streamed through a fixed host budget: see
-            ``nvme_update.py``). Stages 2 and up (stage 1 raises ValueError).
+            ``state/engine.py``). Stages 2 and up (stage 1 raises ValueError).
         offload_dir: with "nvme", an existing folder; the run's files go in a folder of
             its own inside, removed by :meth:`close`.
         offload_config: an :class:`~zkernels.zero.planning.offload_config.OffloadConfig` (pinning,
@@ -184,10 +184,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         units: the :class:`~zkernels.zero.parameters.units.FlatParamUnit` list, in launch order.
         frozen_units: stage 3: the frozen parameters' flat units (gathered with their unit,
             no state; see [Note: frozen parameters at stage 3] in ``units.py``); else empty.
-        shard_update: the update strategy (``DeviceUpdate``, ``HostUpdate`` or
-            ``NvmeUpdate``: see ``placement.py``); its ``states`` are the per-unit
-            :class:`~zkernels.zero.state.shard_state.ShardState`.
-        offload: the offload kind (None, "cpu", "nvme").
+        shard_update: the update engine (``state/engine.py``), placed by ``placement.py``;
+            its ``states`` are the per-unit
+            :class:`~zkernels.zero.state.shard_state.ShardState` records.
+        offload: the offload kind (None, "cpu", "nvme"), read from the engine's placement.
         reducer: the gradient strategy.
         schedule: stage 3's :class:`~zkernels.zero.parameters.stage3.GatherSchedule` (None below).
     """
@@ -267,7 +267,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 offload_dir = None   # it only offered the NVMe rungs
             if offload is None:
                 offload_config = None
-        self.offload = offload
         self.policy = STAGES[self.stage]
         if weight_bits is not None and not self.policy.shards_params:
             raise ValueError(f"quantize_weights={quantize_weights!r} applies to stage 3 (the "
@@ -312,7 +311,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         ordered = [(group_of[id(p)], p) for p in model.parameters() if id(p) in group_of]
         names = param_names(model)
-        self.shard_update = make_update_strategy(
+        self.shard_update = make_engine(
             offload, ops=self.ops, device=device, ops_backend=ops_backend,
             offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
             offload_config=offload_config, offload_params=self.offload_params)
@@ -349,6 +348,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for h in [u.gather.publish(self.comm) for u in self.units]:
                     h.wait()
+        self._step_scale = StepScale(self.comm, self.shard_update.grad_ops, self.nonfinite,
+                                     device, self.units, model)
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
                                          self.ops, grad_sink=self.shard_update.grad_sink)
         if self.policy.shards_params:
@@ -435,12 +436,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.wait_params()  # the update writes the shards a gather may still be reading
         shards, divisor = self.reducer.finish()
         try:
-            grad_scale, skip = grad_scale_and_overflow(
-                shards, self.comm, divisor, self.scaler.scale if self.scaler else None,
-                self.max_grad_norm, self.shard_update.grad_ops, self.nonfinite,
-                self._num_steps + 1, lambda: locate(
-                    shards, self.units, {id(p): n for n, p in self._named}, self.comm.rank),
-                comm_device=self._device, on_norm=self._set_grad_norm)
+            grad_scale, skip, self._last_grad_norm = self._step_scale(
+                shards, divisor, self.scaler.scale if self.scaler else None,
+                self.max_grad_norm, self._num_steps + 1)
         except NonFiniteGradientError:  # counted as a skipped step, then raised
             self._overflow_skips, self._num_steps = self._overflow_skips + 1, self._num_steps + 1
             self._close_step()
@@ -463,13 +461,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._buffer_peak = self.reducer.take_buffer_peak()
 
     def _update(self, shards, grad_scale) -> None:
-        # Forward order (units are in backward order), so the gathers land in the order the
-        # next forward needs them (see [Note: lazy parameter gathers] in param_wait.py); NVMe
-        # offload streams the units' states from disk in index order (it prefetches unit i+1
-        # while unit i updates), so it keeps that order.
-        order = self.units if self.offload == "nvme" else reversed(self.units)
         handles = []
-        for u in order:
+        for u in self.shard_update.update_order(self.units):
             self.shard_update.update(u, shards[u.index], self.param_groups[u.group_index],
                                      grad_scale)
             # Gather this unit while the next one updates.
@@ -481,6 +474,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_update.finish_step()
         for h in handles:
             h.wait()
+
+    @property
+    def offload(self) -> Optional[str]:
+        """The offload kind (None, "cpu", "nvme"): the update engine's placement."""
+        placement = self.shard_update.placement
+        return None if placement == "device" else placement
 
     @property
     def step_was_skipped(self) -> bool:
@@ -496,9 +495,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``clip_grad_norm_`` returns over the full gradients, read from the all-reduce every step
         makes anyway."""
         return self._last_grad_norm
-
-    def _set_grad_norm(self, norm: float) -> None:
-        self._last_grad_norm = norm
 
     @contextlib.contextmanager
     def gathered(self, module: Optional[nn.Module] = None) -> Iterator[None]:
@@ -532,7 +528,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._param_waiter.wait_all()
 
     def close(self, keep_files: bool = False):
-        """Release what the update strategy holds outside the device: the copy thread or
+        """Release what the update engine holds outside the device: the copy thread or
         stream, the NVMe files and their folder (idempotent; also runs when the optimizer is
         garbage collected). The optimizer cannot step afterwards.
 
@@ -543,12 +539,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Returns:
             the kept folder (NVMe with ``keep_files``), else None.
         """
-        if keep_files:
-            if self.offload != "nvme":
-                raise ValueError("close(keep_files=True) applies only to offload='nvme'")
-            return self.shard_update.close(keep_files=True)
-        self.shard_update.close()
-        return None
+        return self.shard_update.close(keep_files=keep_files)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (see ``zkernels/zero/state/state_dict.py``)."""

@@ -20,68 +20,84 @@ it.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn as nn
 
 from ...comm.base import Comm
 from ...ops import OpSet
-from .nonfinite import on_nonfinite
+from .nonfinite import locate, on_nonfinite
 
 GradScale = Union[None, float, torch.Tensor]
 
 
-def grad_scale_and_overflow(shards: List[torch.Tensor], comm: Comm, divisor: float,
-                            loss_scale: Optional[float], max_grad_norm: Optional[float], ops: OpSet,
-                            nonfinite: str = "skip", step: int = 0,
-                            where: Callable[[], str] = lambda: "",
-                            comm_device: Optional[torch.device] = None,
-                            on_norm: Optional[Callable[[float], None]] = None
-                            ) -> Tuple[GradScale, bool]:
-    """What to divide the gradient shards by, and whether the step must be skipped.
+@dataclass(frozen=True)
+class StepScale:
+    """What to divide the gradient shards by, and whether the step must be skipped: fixed per
+    optimizer here, the step's values passed to :meth:`__call__`.
 
-    Args:
-        shards: this rank's reduced gradient shards ([shard_numel] each).
+    Attributes:
         comm: collectives of the data-parallel group.
-        divisor: factor not yet divided out of ``shards`` (N or 1; see precision.py's Note).
-        loss_scale: the current loss scale (fp16), or None.
-        max_grad_norm: clip the global norm to this, or None.
         ops: an OpSet for the shards' device (``sum_squares``).
         nonfinite: without a loss scale, what an inf/NaN gradient does: ``"skip"`` the step
             (logged) or ``"raise"`` (see nonfinite.py's Note).
-        step: the 1-based ``step()`` call, for the warning or error.
-        where: says where the non-finite element is (called only to raise).
         comm_device: where ``comm``'s buffers live, when not the shards' device (CPU offload
             on a GPU: host shards, an NCCL all-reduce); the sum moves there and back.
-        on_norm: called with the global gradient norm before clipping (loss scale and divisor
-            taken out) when it is finite; it costs nothing more, the sum is read anyway.
-
-    Returns:
-        ``(grad_scale, skip)``: ``grad_scale`` is None (nothing to divide), a float, or a
-        1-element fp32 tensor on the shards' device (when clipping); ``skip`` is True when
-        any rank has an inf/NaN gradient.
-
-    Raises:
-        NonFiniteGradientError: an inf/NaN gradient under ``nonfinite="raise"`` (not fp16).
+        units, model: the optimizer's units and model, to say where a non-finite element is
+            (read only to raise).
     """
-    scale = divisor * (loss_scale if loss_scale is not None else 1.0)
-    sq = ops.sum_squares(shards).reshape(1)
-    if comm_device is not None and sq.device != torch.device(comm_device):
-        on_comm = sq.to(comm_device)
-        comm.all_reduce(on_comm, op="sum").wait()
-        sq = on_comm.to(sq.device)
-    else:
-        comm.all_reduce(sq, op="sum").wait()
-    total = float(sq.item())
-    if not math.isfinite(total):
-        if loss_scale is None:  # fp16's overflows are the loss scaler's business
-            on_nonfinite(nonfinite, step, comm.rank, where)
-        return None, True
-    if on_norm is not None:
-        on_norm(math.sqrt(total) / scale)
-    if max_grad_norm is None:
-        return (None if scale == 1.0 else scale), False
-    norm = sq.sqrt() / scale
-    # torch.nn.utils.clip_grad_norm_'s coefficient, clamped so clipping never scales up.
-    coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-    return scale / coef, False
+
+    comm: Comm
+    ops: OpSet
+    nonfinite: str = "skip"
+    comm_device: Optional[torch.device] = None
+    units: Sequence = ()
+    model: Optional[nn.Module] = None
+
+    def __call__(self, shards: List[torch.Tensor], divisor: float, loss_scale: Optional[float],
+                 max_grad_norm: Optional[float], step: int
+                 ) -> Tuple[GradScale, bool, Optional[float]]:
+        """One sum of squares, one all-reduce (see the Note).
+
+        Args:
+            shards: this rank's reduced gradient shards ([shard_numel] each).
+            divisor: factor not yet divided out of ``shards`` (N or 1; precision.py's Note).
+            loss_scale: the current loss scale (fp16), or None.
+            max_grad_norm: clip the global norm to this, or None.
+            step: the 1-based ``step()`` call, for the warning or error.
+
+        Returns:
+            ``(grad_scale, skip, norm)``: ``grad_scale`` is None (nothing to divide), a
+            float, or a 1-element fp32 tensor on the shards' device (when clipping); ``skip``
+            is True when any rank has an inf/NaN gradient; ``norm`` the global gradient norm
+            before clipping (loss scale and divisor taken out), None when not finite.
+
+        Raises:
+            NonFiniteGradientError: an inf/NaN gradient under ``nonfinite="raise"`` (not fp16).
+        """
+        scale = divisor * (loss_scale if loss_scale is not None else 1.0)
+        sq = self.ops.sum_squares(shards).reshape(1)
+        dev = self.comm_device
+        if dev is not None and sq.device != torch.device(dev):
+            on_comm = sq.to(dev)
+            self.comm.all_reduce(on_comm, op="sum").wait()
+            sq = on_comm.to(sq.device)
+        else:
+            self.comm.all_reduce(sq, op="sum").wait()
+        total = float(sq.item())
+        if not math.isfinite(total):
+            if loss_scale is None:  # fp16's overflows are the loss scaler's business
+                on_nonfinite(self.nonfinite, step, self.comm.rank, lambda: self._where(shards))
+            return None, True, None
+        norm = math.sqrt(total) / scale
+        if max_grad_norm is None:
+            return (None if scale == 1.0 else scale), False, norm
+        # torch.nn.utils.clip_grad_norm_'s coefficient, clamped so clipping never scales up.
+        coef = (max_grad_norm / (sq.sqrt() / scale + 1e-6)).clamp(max=1.0)
+        return scale / coef, False, norm
+
+    def _where(self, shards: List[torch.Tensor]) -> str:
+        names = {id(p): n for n, p in self.model.named_parameters()} if self.model else {}
+        return locate(shards, self.units, names, self.comm.rank)

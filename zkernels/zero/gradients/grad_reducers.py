@@ -52,6 +52,7 @@ from ...ops import OpSet
 from ..planning.policy import StagePolicy
 from .precision import MixedPrecision
 from ..parameters.units import FlatParamUnit
+from ..state.grad_sink import GradShards as DeviceGradShards
 
 
 class GradReducer(Protocol):
@@ -94,33 +95,6 @@ class GradSink(Protocol):
 
     def reset(self) -> None:
         """Forget accumulated shards (``zero_grad``)."""
-
-
-class DeviceGradShards:
-    """The default sink: one fp32 shard per bucket on the device, added into in place."""
-
-    on_device = True
-
-    def __init__(self, buckets: Sequence[FlatParamUnit]) -> None:
-        self.shards = [torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.device)
-                       for b in buckets]
-        self._filled = [False] * len(self.shards)  # holds a reduced gradient since reset
-
-    def accumulate(self, bucket: int, reduced: torch.Tensor) -> None:
-        if self._filled[bucket]:
-            self.shards[bucket].add_(reduced)
-        else:
-            self.shards[bucket].copy_(reduced)
-            self._filled[bucket] = True
-
-    def collect(self) -> List[torch.Tensor]:
-        for bi, filled in enumerate(self._filled):
-            if not filled:  # no backward since zero_grad on this (and every) rank
-                self.shards[bi].zero_()
-        return self.shards
-
-    def reset(self) -> None:
-        self._filled = [False] * len(self.shards)
 
 
 class FullGradReducer:

@@ -2,11 +2,11 @@
 uses and come to the device ahead of their unit's all-gather.
 
 [Note: parameter offload]
-At stage 3 a rank holds its parameter shard (pΨ/N) permanently; with ``offload_params`` the
-offload strategy (``host_update.HostUpdate`` or ``nvme_update.NvmeUpdate``: placement is the
-update strategy's) keeps that shard in host RAM instead, in a buffer of a
-:class:`HostParamStore` (pinned when a GPU is present, see ``OffloadConfig.pin_memory``), and
-gives each unit a :class:`HostShardedParams` gather policy:
+At stage 3 a rank holds its parameter shard (pΨ/N) permanently; with ``offload_params`` it
+keeps that shard in host RAM instead (beside the offloaded state of the update engine,
+``state/engine.py``, whose copier it shares), in a buffer of a :class:`HostParamStore`
+(pinned when a GPU is present, see ``OffloadConfig.pin_memory``), and
+:func:`sharded_params_factory` gives each unit a :class:`HostShardedParams` gather policy:
 
 - ``ensure_gathered`` (the unit's forward or backward, or the schedule's prefetch of the unit
   predicted next: [Note: stage-3 gather schedule]) allocates the full device buffer, copies the
@@ -169,3 +169,13 @@ class HostParamStore:
     def held_host(self) -> List[torch.Tensor]:
         """The host shards (for ``stats()``)."""
         return [p.compute_shard for p in self.policies]
+
+
+def sharded_params_factory(store: Optional[HostParamStore]):
+    """Stage 3's gather-policy builder ``(params, layout, rank, compute_shard) -> policy``:
+    the shard stays on the device (:class:`ShardedParams`), or, with ``offload_params`` (a
+    ``store``), moves to host RAM (:class:`HostShardedParams`)."""
+    if store is not None:
+        return store.sharded_params
+    return lambda params, layout, rank, compute_shard: ShardedParams(params, layout,
+                                                                     compute_shard)

@@ -55,14 +55,14 @@ their unit (the transient and the all-gathers count them, at p per element), and
 ``offload_params`` their shards live in host RAM too.
 
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
-``ZeroOptimizer``'s strategies place it (``host_update.py``, ``nvme_update.py``): with ``"cpu"``
+``ZeroOptimizer``'s update engine places it (``state/engine.py``): with ``"cpu"``
 the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
 staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
 live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
-the gradient shard stays on the device, and host RAM holds exactly the configured slot budget
-(``nvme_buffer_bytes``), plus the master when ``nvme_master=False``. At stage 3 the parameter
-shard stays on the device unless ``offload_params=True`` puts it in host RAM (either kind;
-``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
+the gradient shard stays on the device, and host RAM holds the slot arena, at most the
+configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the
+master when ``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
+``offload_params=True`` puts it in host RAM (either kind; ``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
 and, in pure fp32, no master of its own (the shard is the master).
 
 [Note: traffic model]
@@ -91,7 +91,8 @@ from typing import Dict, Optional, Union
 import torch
 
 from .buckets import auto_bucket_bytes
-from .offload_config import DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL
+from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL,
+                             nvme_arena_bytes, nvme_sub_group_numel)
 from .policy import (NUM_REDUCE_BUFFERS, STAGES, check_reshard_after_forward, offload_policy,
                      stage_policy)
 from .unit_plan import gathered_peak_numel, plan_units
@@ -432,10 +433,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                      optimizer_states=ADAM_STATE_BYTES * shard,
                      buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
                      transient=transient)
-    if offload is not None and not mixed and not (offload_params and offload == "cpu"):
+    if offload is not None and not mixed and not (
+            offload_params and (offload == "cpu" or not nvme_master)):
         # Pure fp32 offload: the device parameter can no longer be the master (the update
         # runs elsewhere), so the host or disk holds an fp32 master shard of its own (with
-        # offload_params the host parameter shard is the CPU strategy's master).
+        # offload_params a host master is the host parameter shard itself).
         kinds["master"] = MASTER_BYTES * shard
     device = dict(kinds)
     host, disk = {}, {}
@@ -454,7 +456,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             disk[k] = device.pop(k)
         if not nvme_master:
             host["master"] = device.pop("master")
-        host["staging"] = nvme_buffer_bytes   # the fixed slot arena
+        # The slot arena: sub-groups of the largest unit shard, capped by the budget.
+        kinds_in_slot, cb = len(on_disk) + 2, p if mixed else 0
+        host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
+            nvme_buffer_bytes, kinds_in_slot, cb,
+            _div(bucket_numel, big_n) if bucket_numel else shard), kinds_in_slot, cb)
 
     rq, pq = quantized_element_bytes(stage, quantize_weights, quantize_grads, quantize_block)
     rq, pq = rq or r, pq or p

@@ -11,8 +11,38 @@ from typing import Optional
 
 IO_ALIGN = 4096           # bytes: O_DIRECT's alignment of buffers, offsets and lengths
 DEFAULT_SUB_GROUP_NUMEL = 1 << 22    # elements per CPU AdamW sub-group (16 MiB of fp32)
-DEFAULT_NVME_BUFFER_BYTES = 1 << 26  # host RAM the NVMe strategy streams through (64 MiB)
+DEFAULT_NVME_BUFFER_BYTES = 1 << 26  # the most host RAM NVMe offload streams through (64 MiB)
 NUM_NVME_BUFFERS = 3      # read sub-group k+1, update k, write k-1
+
+
+ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
+
+
+def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
+                         largest_shard: int) -> int:
+    """Elements per NVMe sub-group: the largest unit shard (rounded up to an aligned block),
+    capped so that ``NUM_NVME_BUFFERS`` slots fit ``budget_bytes``. Each element of a slot
+    holds ``num_kinds`` fp32 states, one fp32 gradient and one compute-dtype output
+    (``compute_bytes``, 0 in pure fp32); the arena's alignment slack (one block) is part of
+    the budget.
+
+    Raises:
+        ValueError: the budget cannot hold one aligned block per slot.
+    """
+    per_elem = NUM_NVME_BUFFERS * (4 * num_kinds + 4 + compute_bytes)
+    cap = (budget_bytes - 2 * IO_ALIGN) // per_elem // ALIGN_NUMEL * ALIGN_NUMEL
+    if cap < ALIGN_NUMEL:
+        need = ALIGN_NUMEL * per_elem + 2 * IO_ALIGN
+        raise ValueError(f"OffloadConfig.nvme_buffer_bytes={budget_bytes} is too small: "
+                         f"{NUM_NVME_BUFFERS} slots of one {IO_ALIGN}-byte block need at "
+                         f"least {need} bytes")
+    return min(cap, -(-largest_shard // ALIGN_NUMEL) * ALIGN_NUMEL)
+
+
+def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int) -> int:
+    """Host bytes of the NVMe slot arena of ``sub_group_numel`` elements per slot (its
+    allocation, alignment slack included)."""
+    return NUM_NVME_BUFFERS * sub_group_numel * (4 * num_kinds + 4 + compute_bytes) + IO_ALIGN
 
 
 @dataclass(frozen=True)
@@ -25,10 +55,11 @@ class OffloadConfig:
             False (never: for hosts where pinning fails or is capped).
         sub_group_numel: elements per CPU AdamW call (cpu offload): the updated compute
             params of one sub-group go back to the device while the next one updates.
-        nvme_buffer_bytes: host RAM the NVMe strategy holds in all (its fixed aligned buffers:
-            moments, master, gradient and output staging of ``NUM_NVME_BUFFERS`` sub-groups);
-            the sub-group size follows from it. Host RAM stays at this budget whatever the
-            model size.
+        nvme_buffer_bytes: the most host RAM the NVMe placement holds (its aligned slots:
+            moments, master, gradient and output staging of ``NUM_NVME_BUFFERS`` sub-groups).
+            The slots are sized to need: a sub-group is the largest unit shard, or less where
+            this budget caps it, so host RAM stays within the budget whatever the model size
+            and does not exceed what a small model's state needs.
         nvme_master: keep the fp32 master on disk too (12 bytes per parameter on disk, not 8);
             False keeps it in host RAM (4Ψ/N, outside the budget).
         io_threads: threads of the file I/O pool (each runs blocking ``os.preadv`` /

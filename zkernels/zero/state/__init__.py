@@ -1,5 +1,6 @@
-"""The state side: this rank's fp32 master and AdamW moments per unit (``shard_state``), the
-update strategies that own them and decide where they live (``update`` on the device,
-``host_update`` in host RAM, ``nvme_update`` on disk through ``swap``; ``transfer`` moves
-shards between device and host), chosen by ``placement`` from an ``OffloadConfig``
-(``planning/offload_config.py``), and the optimizer's ``state_dict`` (``state_dict``)."""
+"""The state side: one update engine (``engine``) over per-unit state records
+(``shard_state``: fp32 master, AdamW moments, gradient shard, swap files), placed on the
+device, in host RAM or on disk by ``placement`` from an ``OffloadConfig``
+(``planning/offload_config.py``); the gradient sink it fills (``grad_sink``), the NVMe files
+(``nvme_files`` over ``swap``), host/device copies (``transfer``), and the optimizer's
+``state_dict`` (``state_dict``)."""

@@ -1,9 +1,9 @@
-"""Where the optimizer state lives: the one place that turns ``offload=`` into an update
-strategy (``update.DeviceUpdate``, ``host_update.HostUpdate``, ``nvme_update.NvmeUpdate``).
+"""Where the optimizer state lives: the one place that turns ``offload=`` into a placement of
+the update engine (``engine.UpdateEngine``: "device", "cpu" or "nvme").
 
 The registry (``policy.OFFLOADS``) says which kinds exist, which are implemented and the lowest
 stage each combines with; this module checks the constructor's offload arguments against it
-and builds the strategy.
+and builds the engine.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from ... import ops as _ops
 from ...ops import OpSet
 from ..planning.offload_config import OffloadConfig
 from ..planning.policy import OFFLOADS, STAGES, StagePolicy
+from ..parameters.param_offload import HostParamStore, sharded_params_factory
+from .engine import UpdateEngine
+from .nvme_files import NvmeFiles
+from .transfer import Copier
 
 
 def check_offload_args(offload, offload_dir, offload_config, auto: bool = False) -> None:
@@ -103,20 +107,22 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
     return _ops.for_device("cpu", backend, arg_name="ops_backend")
 
 
-def make_update_strategy(offload, *, ops: OpSet, device: torch.device,
-                         ops_backend: Optional[str], offload_dir, rank: int,
-                         world_size: int, offload_config: Optional[OffloadConfig],
-                         offload_params: bool = False):
-    """The update strategy for ``offload`` (None: states on the device); with
-    ``offload_params`` (stage 3, checked by :func:`check_offload_params`) it also keeps the
-    parameter shards in host RAM (``param_offload.py``)."""
+def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optional[str],
+                offload_dir, rank: int, world_size: int,
+                offload_config: Optional[OffloadConfig], offload_params: bool = False):
+    """The update engine placed for ``offload`` (None: states on the device); with
+    ``offload_params`` (stage 3, checked by :func:`check_offload_params`) the parameter side
+    keeps its shards in host RAM (``param_offload.py``), beside the offloaded state."""
     if offload is None:
-        from .update import DeviceUpdate
-        return DeviceUpdate(ops)
+        return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None))
     config = offload_config or OffloadConfig()
-    if offload == "cpu":
-        from .host_update import HostUpdate
-        return HostUpdate(host_ops_for(ops_backend), device, config, offload_params)
-    from .nvme_update import NvmeUpdate
-    return NvmeUpdate(ops, host_ops_for(ops_backend), device, config, offload_dir, rank,
-                      world_size, offload_params)
+    copier = Copier(device, config.pin_memory)
+    store = HostParamStore(copier) if offload_params else None
+    try:
+        files = NvmeFiles(config, offload_dir, rank, world_size) if offload == "nvme" else None
+    except BaseException:
+        copier.close()
+        raise
+    return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,
+                        config=config, files=files, param_store=store,
+                        sharded_params=sharded_params_factory(store))

@@ -1,53 +1,67 @@
-"""This rank's optimizer state of one unit: fp32 master shard, AdamW moments, step count.
+"""This rank's optimizer state of one unit: the per-unit record the update engine steps.
 
-See [Note: parameters and state] in ``units.py``. The update strategy (``update.py``) allocates
-and owns these (it decides where their tensors live); a state knows its unit's layout and this
-rank, so a checkpoint can map every element of the shard to ``(parameter name, range)``.
+See [Note: parameters and state] in ``units.py``. The engine (``engine.py``) allocates and
+owns these records (its placement decides where their tensors live). A record holds its
+unit's *view*, read from the unit and never copied (index, layout, names, rank: so a checkpoint
+maps every element of the shard through ``unit.param_slices_in_shard()``), the unit's fp32
+master and AdamW moments, its gradient shard (the engine's grad sink fills it) and, with NVMe
+offload, its swap files.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ...layout import FlatLayout
+from ..parameters.units import FlatParamUnit
 
 
-@dataclass
+@dataclass(eq=False)
 class ShardState:
-    """Optimizer state of ``rank``'s shard of one unit.
+    """Optimizer state of this rank's shard of one unit.
 
     Attributes:
-        unit_index: the unit's ``index``.
-        names: the unit's canonical parameter names (in layout order).
-        layout: the unit's layout; this state covers ``layout.shard_range(rank)``.
-        rank: the rank whose shard this is.
-        master: [shard_numel] fp32; in pure fp32 a view of the unit's compute shard.
-        exp_avg, exp_avg_sq: [shard_numel] fp32 AdamW moments.
+        unit: the unit (its index, layout, names and shard are read through it).
+        master: [shard_numel] fp32; in pure fp32 on the device a view of the unit's compute
+            shard; a meta tensor where the master lives in files (read with
+            ``engine.state_tensors``).
+        exp_avg, exp_avg_sq: [shard_numel] fp32 AdamW moments (meta tensors on NVMe).
         step: AdamW steps applied.
+        grad: [shard_numel] fp32 gradient shard where the engine's grad sink keeps one
+            (device or host RAM), else None.
+        files: NVMe offload: the unit's swap files by kind ("master", "exp_avg", ...).
     """
 
-    unit_index: int
-    names: Tuple[str, ...]
-    layout: FlatLayout
-    rank: int
+    unit: FlatParamUnit
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
+    grad: Optional[torch.Tensor] = None
+    files: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def unit_index(self) -> int:
+        return self.unit.index
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.unit.names
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.unit.layout
+
+    @property
+    def numel(self) -> int:
+        return self.unit.layout.shard_numel
 
     @property
     def shard_range(self) -> Tuple[int, int]:
         """``[start, end)`` of the unit's flat buffer this state covers."""
-        return self.layout.shard_range(self.rank)
-
-    def param_slices(self) -> Iterator[Tuple[str, int, int, int]]:
-        """For each parameter overlapping the shard: ``(name, start_in_param, start_in_shard,
-        length)``, flat element offsets (``master[start_in_shard:start_in_shard + length]`` is
-        ``param.view(-1)[start_in_param:start_in_param + length]``)."""
-        for i, a, s, n in self.layout.tensor_slices_in_shard(self.rank):
-            yield self.names[i], a, s, n
+        return self.unit.layout.shard_range(self.unit.rank)
 
     def tensors(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(master, exp_avg, exp_avg_sq)``."""

@@ -254,14 +254,18 @@ class AsyncFileIO:
     def _submit(self, *args) -> Future:
         return self._pool.submit(self._timed, *args)
 
-    def read(self, f: SwapFile, buf: torch.Tensor, offset: int, nbytes: int) -> Future:
-        """Read ``nbytes`` of ``f``'s data at ``offset`` into ``buf`` (aligned)."""
-        self.bytes_read += nbytes
+    def read(self, f: SwapFile, buf: torch.Tensor, offset: int, nbytes: int,
+             counted: bool = True) -> Future:
+        """Read ``nbytes`` of ``f``'s data at ``offset`` into ``buf`` (aligned); ``counted``:
+        part of a step's traffic (:meth:`take_counters`), not a load or a save."""
+        self.bytes_read += nbytes if counted else 0
         return self._submit(os.preadv, f, buf, offset, nbytes, "read")
 
-    def write(self, f: SwapFile, buf: torch.Tensor, offset: int, nbytes: int) -> Future:
-        """Write ``nbytes`` of ``buf`` to ``f``'s data at ``offset``."""
-        self.bytes_written += nbytes
+    def write(self, f: SwapFile, buf: torch.Tensor, offset: int, nbytes: int,
+              counted: bool = True) -> Future:
+        """Write ``nbytes`` of ``buf`` to ``f``'s data at ``offset`` (``counted``: as
+        :meth:`read`)."""
+        self.bytes_written += nbytes if counted else 0
         return self._submit(os.pwritev, f, buf, offset, nbytes, "write")
 
     def take_counters(self) -> dict:

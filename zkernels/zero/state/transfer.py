@@ -134,6 +134,14 @@ class Copier:
                                f"pin_memory=False) on hosts that cap page-locked memory")
         self._registered.append(t)
 
+    def unpin(self, t: torch.Tensor) -> None:
+        """Unlock a buffer :meth:`pin` locked (before it is dropped); others: nothing."""
+        for i, r in enumerate(self._registered):
+            if r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                torch.cuda.cudart().cudaHostUnregister(r.data_ptr())
+                del self._registered[i]
+                return
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         """Copy device ``src`` into host ``dst`` (dtype cast allowed) off the compute stream."""
         self.bytes_to_host += src.numel() * src.element_size()

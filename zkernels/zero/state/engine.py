@@ -1,0 +1,517 @@
+"""The update engine: one AdamW sub-group loop over per-unit state records, parametrized by
+where the master, the moments and the updated parameters live.
+
+See [Note: parameters and state] in ``units.py``. A placement (``"device"``, ``"cpu"``,
+``"nvme"``, chosen once by ``placement.make_engine`` from ``offload=``) says where each kind
+lives: the device (no offload), host RAM (CPU offload) or files streamed through host slots
+(NVMe offload; the master too with ``nvme_master``). The engine allocates each unit's
+:class:`~zkernels.zero.state.shard_state.ShardState` there, walks its shard in sub-groups,
+runs one fused AdamW per sub-group where the state is (the device's OpSet, or the host's: the
+native CPU AdamW where built) and writes the updated parameters into the unit's compute shard
+(directly where it lives beside the step, else by a copy off the compute stream). The engine
+also names the update order it wants (NVMe streams units in index order), the gradient sink
+it fills (CPU offload) and the OpSet of the gradient shards (clipping's sum of squares).
+
+[Note: CPU offload step]
+Three overlaps make the offloaded step cheap (ZeRO-Offload's schedule, with our fused C++ AdamW):
+
+1. During backward, each unit's reduced gradient shard is copied to a host fp32 shard the
+   moment its reduce-scatter finishes (``grad_sink.GradShards`` with a copier: ``accumulate``
+   issues the copy off the compute stream and hands its fence to the reduce pool, which waits
+   it before reusing the buffer). Only the copies still running when backward ends are
+   exposed: ``stats()["offload"]`` reports copy time and the part hidden.
+2. The step runs the CPU AdamW over host buffers in sub-groups of
+   ``OffloadConfig.sub_group_numel`` elements, reading the fp32 gradient and writing the
+   updated parameters in the compute dtype in the same pass (no separate cast).
+3. The compute-dtype result of sub-group k goes to the device (into the unit's compute
+   shard) on the copy stream while sub-group k+1 updates; two host staging slots alternate,
+   and a slot is reused only after its copy finished. In pure fp32 the master itself is
+   copied (no staging). The unit's last copy is fenced onto the compute stream before the
+   gather policy's ``publish`` reads the shard.
+
+Host memory per rank: master 4Ψ/N + moments 8Ψ/N + gradient shard 4Ψ/N + two staging
+sub-groups. Stage 1 is refused (its full gradients live on the device until ``step()``).
+With ``offload_params=True`` (stage 3) the parameter shards live in host RAM
+(``param_offload.py``, [Note: parameter offload]); the step then writes the host shard in
+place (no staging, nothing sent in ``step()``), and in pure fp32 the master is the shard.
+
+[Note: NVMe offload step]
+Host RAM holds ``NUM_NVME_BUFFERS`` (3) slots carved out of one aligned arena: each slot holds
+one sub-group's moments (and master), its gradient slice and its compute-dtype output. The
+arena is sized to need: a sub-group never exceeds the largest unit shard, and the whole arena
+never exceeds ``OffloadConfig.nvme_buffer_bytes`` (the budget caps the sub-group). The step
+walks every unit's shard in sub-groups, slot after slot, so that sub-group k+1 is being read
+from disk while k is updated by the CPU AdamW and k-1 written back (a slot is reused only
+after its writes and its device copy finished); the read of the next unit's first sub-group
+starts during the current unit's last, so units go in index order (``update_order``). The
+gradient shard stays where stage 2 keeps it (the device); each sub-group's slice comes to
+its slot by the copier, and the updated parameters go back the same way. Host RAM is the
+arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master).
+Before the first sub-group of a step every file's size is checked, so a truncated file fails
+the step before any state changes. Files live in the run's own folder (``nvme_files.py``)
+and go at :meth:`UpdateEngine.close` unless ``close(keep_files=True)`` keeps them.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...ops import OpSet
+from ...ops.adamw import Scalar
+from ..planning.offload_config import NUM_NVME_BUFFERS, OffloadConfig, nvme_sub_group_numel
+from ..parameters.units import FlatParamUnit
+from .grad_sink import GradShards
+from .nvme_files import NvmeFiles
+from .shard_state import ShardState
+from .swap import aligned_empty
+from .transfer import Copier
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def adamw_hparams(group: dict, step: int, grad_scale: Optional[Scalar]) -> dict:
+    """The AdamW keywords of a param group, read at each step (schedulers apply next step)."""
+    beta1, beta2 = group["betas"]
+    return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                step=step, grad_scale=grad_scale)
+
+
+def host_scalar(grad_scale: Optional[Scalar]) -> Optional[float]:
+    """``grad_scale`` as a host number (a device tensor is read once: one sync per step)."""
+    return float(grad_scale.item()) if isinstance(grad_scale, torch.Tensor) else grad_scale
+
+
+@dataclass
+class _Slot:
+    """One sub-group's host buffers (by kind, gradient, compute-dtype output) and what still
+    uses them (futures and fences to finish before the slot is reused)."""
+
+    states: Dict[str, torch.Tensor] = field(default_factory=dict)
+    grad: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None
+    busy: list = field(default_factory=list)
+
+    def settle(self) -> float:
+        t0 = time.perf_counter()
+        for b in self.busy:
+            b.result() if hasattr(b, "result") else b.synchronize()
+        self.busy = []
+        return time.perf_counter() - t0
+
+
+@dataclass
+class _Piece:
+    """The tensors one AdamW call of a sub-group reads and writes."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    out: Optional[torch.Tensor]
+    busy: list
+
+
+class UpdateEngine:
+    """Owns every unit's :class:`ShardState` and applies one AdamW step per unit shard (see
+    the module's Notes).
+
+    Args:
+        placement: "device", "cpu" or "nvme".
+        ops: the optimizer's (device) OpSet.
+        host_ops: a CPU OpSet (offload: the host step), else None.
+        copier: offload: the :class:`Copier` of host<->device copies, else None.
+        config: the :class:`OffloadConfig` (offload).
+        files: NVMe: the :class:`~zkernels.zero.state.nvme_files.NvmeFiles`, else None.
+        param_store: stage 3 ``offload_params``: the parameter side's host shard store
+            (``param_offload.HostParamStore``), settled before the step writes a shard.
+        sharded_params: stage 3's gather-policy builder (the parameter side's, fed by
+            ``offload_params``: ``param_offload.sharded_params_factory``).
+
+    Attributes:
+        placement: where the state lives ("device", "cpu", "nvme"): the one place that knows.
+        states: one :class:`ShardState` per unit, by unit index.
+        grad_sink: CPU offload's host :class:`GradShards` (the gradient strategy fills it),
+            else None (the strategy keeps its own shards on the device).
+        grad_ops: the OpSet of the gradient shards ``update`` receives.
+        last_step: transfer figures of the last step (offload), for ``stats()``.
+        resumed: NVMe: the files of a kept run were adopted (the optimizer re-gathers).
+        sub_group_numel: elements per AdamW call (offload; the NVMe arena's slot size).
+    """
+
+    def __init__(self, placement: str, *, ops: OpSet, host_ops: Optional[OpSet] = None,
+                 copier: Optional[Copier] = None, config: Optional[OffloadConfig] = None,
+                 files: Optional[NvmeFiles] = None, param_store=None,
+                 sharded_params=None) -> None:
+        self.placement = placement
+        self.on_host = placement != "device"          # the step runs on the host
+        self.step_ops = host_ops if self.on_host else ops
+        self.host_ops, self.copier, self.config = host_ops, copier, config
+        self.files, self.param_store, self.sharded_params = files, param_store, sharded_params
+        # Where each kind lives: "device", "host" or "disk" (the files' kinds).
+        disk = files.kinds if files is not None else ()
+        self.where = {k: "disk" if k in disk else "host" if self.on_host else "device"
+                      for k in KINDS}
+        self.grad_sink = GradShards(copier=copier) if placement == "cpu" else None
+        self.grad_ops = host_ops if self.grad_sink is not None else ops
+        self.resumed = files is not None and files.resumed
+        self.states: List[ShardState] = []
+        self.sub_group_numel = config.sub_group_numel if placement == "cpu" else 0
+        self._slots: List[_Slot] = []
+        self._buffers: List[torch.Tensor] = []   # the host memory behind the slots
+        self._next_slot = 0
+        self._prefetched: Optional[Tuple[ShardState, _Slot]] = None
+        self._in_step = False
+        self._update_s = self._exposed_s = 0.0
+        self.last_step: Dict[str, float] = {}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, Copier.close, copier) if copier else None
+
+    # -- construction -------------------------------------------------------------------
+
+    def init_state(self, unit: FlatParamUnit, initial_master: torch.Tensor) -> ShardState:
+        """Allocate ``unit``'s record where the placement keeps it, from its fp32 shard values
+        (``build_*_unit``'s second result); units come in index order. NVMe: create (or,
+        resuming, open and check) the unit's files and write the initial state."""
+        if unit.index != len(self.states):
+            raise ValueError(f"init_state: unit {unit.index} out of order (expected "
+                             f"{len(self.states)})")
+        n = unit.layout.shard_numel
+        shard_at = "host" if unit.gather.shard_on_host else "device"
+        if self.where["master"] == shard_at and unit.compute_dtype == torch.float32:
+            master = unit.compute_shard   # the fp32 parameter shard is its own master
+        else:
+            master = self._alloc(n, "master", unit.device)
+            if not master.is_meta:
+                master.copy_(initial_master)
+        rec = ShardState(unit, master, self._alloc(n, "exp_avg", unit.device),
+                         self._alloc(n, "exp_avg_sq", unit.device))
+        if self.grad_sink is not None:
+            rec.grad = self.grad_sink.add(n, torch.device("cpu"))
+        self._ensure_slots(n, unit)
+        self.states.append(rec)
+        if self.files is not None:
+            rec.step = self.files.open(rec)
+            if self.files.resumed:
+                self._write_compute(unit, self.files.read_all(rec, "master"))
+            else:
+                self._fill(rec, {"master": initial_master})
+        return rec
+
+    def _alloc(self, n: int, kind: str, device: torch.device) -> torch.Tensor:
+        where = self.where[kind]
+        if where == "disk":
+            return torch.empty(n, dtype=torch.float32, device="meta")
+        if where == "host":
+            return self.copier.host_empty(n, torch.float32).zero_()
+        return torch.zeros(n, dtype=torch.float32, device=device)
+
+    def _ensure_slots(self, n: int, unit: FlatParamUnit) -> None:
+        """Host slots big enough for ``unit``: CPU offload's two output staging slots (mixed
+        precision, shard on the device), NVMe's arena (sized to need, capped by the budget)."""
+        cdt = unit.compute_dtype
+        if self.placement == "cpu":
+            need = min(n, self.sub_group_numel)
+            if cdt == torch.float32 or unit.gather.shard_on_host or self._slots and \
+                    self._slots[0].out.numel() >= need and self._slots[0].out.dtype == cdt:
+                return
+            self._buffers = [self.copier.host_empty(need, cdt) for _ in range(2)]
+            self._slots = [_Slot(out=b) for b in self._buffers]
+        elif self.placement == "nvme":
+            cb = 0 if cdt == torch.float32 else cdt.itemsize  # fp32: the copy reads the master
+            kinds = self.files.kinds
+            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n)
+            if sub <= self.sub_group_numel:
+                return
+            self._settle_all()
+            self._release_buffers()
+            self.sub_group_numel = sub
+            per_slot = sub * (4 * len(kinds) + 4 + cb)
+            # Touched now (zeroed): host RAM holds what stats() reports from the start.
+            arena = aligned_empty(NUM_NVME_BUFFERS * per_slot,
+                                  self.copier.pin if self.copier.pinned else None).zero_()
+            self._buffers, self._slots = [arena], []
+            for s in range(NUM_NVME_BUFFERS):
+                views = [arena[s * per_slot + i * 4 * sub:s * per_slot + (i + 1) * 4 * sub]
+                         .view(torch.float32) for i in range(len(kinds) + 1)]
+                ofs = s * per_slot + (len(kinds) + 1) * 4 * sub
+                out = None if cb == 0 else arena[ofs:ofs + cb * sub].view(cdt)
+                self._slots.append(_Slot(dict(zip(kinds, views)), views[-1], out))
+
+    def _release_buffers(self) -> None:
+        for b in self._buffers:
+            self.copier.unpin(b)
+        self._buffers, self._slots, self._next_slot = [], [], 0
+
+    def adopt(self, num_units: int) -> None:
+        """Resuming (NVMe): every unit's files checked out; the kept folder is this run's.
+
+        Raises:
+            RuntimeError: this placement resumes nothing. OffloadIOError: another layout.
+        """
+        if self.files is None:
+            raise RuntimeError(f"placement {self.placement!r} does not resume kept state")
+        self.files.adopt(num_units)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def update_order(self, units: Sequence[FlatParamUnit]) -> List[FlatParamUnit]:
+        """The order ``update`` wants the units in: forward order (units are in backward
+        order), so the gathers land as the next forward needs them ([Note: lazy parameter
+        gathers] in param_wait.py); NVMe streams states in index order (it prefetches unit
+        i+1 while unit i updates)."""
+        return list(units) if self.files is not None else list(reversed(units))
+
+    def update(self, unit: FlatParamUnit, grad: torch.Tensor, group: dict,
+               grad_scale: Optional[Scalar]) -> None:
+        """Apply one AdamW step to ``unit``'s state and write its compute shard.
+
+        Args:
+            unit: its ``compute_shard`` receives the updated parameters.
+            grad: [shard_numel] reduced gradient (the device's, or CPU offload's host shard),
+                to be divided by ``grad_scale``.
+            group: the unit's param group (lr, betas, eps, weight_decay read now).
+            grad_scale: None, float or 1-element fp32 tensor (1/N, loss scale, clipping).
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("this ZeroOptimizer was closed (close()): its offloaded state "
+                               "is gone, build a new optimizer to train on")
+        if self.files is not None and not self._in_step:
+            self.files.check_sizes()
+        self._in_step = True
+        rec = self.states[unit.index]
+        rec.step += 1
+        hp = adamw_hparams(group, rec.step, host_scalar(grad_scale) if self.on_host
+                           else grad_scale)
+        mixed = unit.compute_dtype != torch.float32
+        # The compute shard lives beside the step: the AdamW writes it in place.
+        direct = unit.gather.shard_on_host == self.on_host
+        if direct and self.param_store is not None:
+            self.param_store.settle()   # no copy still reads the shard written now
+        shard, last = unit.compute_shard, None
+        pieces = self._streamed(rec, grad) if self.files is not None else \
+            self._resident(rec, grad, staged=mixed and not direct)
+        for lo, hi, p in pieces:
+            out = (shard[lo:hi] if direct else p.out) if mixed else None
+            self.step_ops.adamw_step(p.master, p.grad, p.exp_avg, p.exp_avg_sq, out=out, **hp)
+            if not direct:
+                last = self.copier.to_device(shard[lo:hi], out if mixed else p.master)
+                p.busy.append(last)
+            elif not mixed and p.master.data_ptr() != shard[lo:hi].data_ptr():
+                shard[lo:hi].copy_(p.master)
+        if last is not None:
+            last.wait()  # the gather (publish) reads the compute shard after the copy
+        self._update_s += time.perf_counter() - t0
+
+    def _ranges(self, n: int) -> List[Tuple[int, int]]:
+        sub = self.sub_group_numel or max(n, 1)
+        return [(lo, min(n, lo + sub)) for lo in range(0, n, sub)]
+
+    def _take_slot(self) -> _Slot:
+        slot = self._slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._slots)
+        self._exposed_s += slot.settle()
+        return slot
+
+    def _resident(self, rec: ShardState, grad: torch.Tensor,
+                  staged: bool) -> Iterator[Tuple[int, int, _Piece]]:
+        """Sub-groups of a state held in memory (device or host RAM): views, and an output
+        staging slot when the result must travel."""
+        for lo, hi in self._ranges(rec.numel):
+            slot = self._take_slot() if staged else _Slot()
+            yield lo, hi, _Piece(rec.master[lo:hi], grad[lo:hi], rec.exp_avg[lo:hi],
+                                 rec.exp_avg_sq[lo:hi],
+                                 None if slot.out is None else slot.out[:hi - lo], slot.busy)
+
+    def _read_into(self, slot: _Slot, rec: ShardState, lo: int, hi: int) -> None:
+        slot.busy = [self.files.read(rec, k, slot.states[k], lo, hi) for k in self.files.kinds]
+
+    def _streamed(self, rec: ShardState, grad: torch.Tensor) -> Iterator[Tuple[int, int, _Piece]]:
+        """Sub-groups of a state in files, through the slots (see [Note: NVMe offload step]):
+        the next sub-group (or the next unit's first) is read while this one updates, and each
+        is written back once updated."""
+        ranges = self._ranges(rec.numel)
+        if self._prefetched is not None and self._prefetched[0] is rec:
+            slot = self._prefetched[1]
+        else:
+            slot = self._take_slot()
+            self._read_into(slot, rec, *ranges[0])
+        self._prefetched = None
+        lo0, hi0 = ranges[0]
+        slot.busy.append(self.copier.to_host(slot.grad[:hi0 - lo0], grad[lo0:hi0]))
+        for j, (lo, hi) in enumerate(ranges):
+            nxt = None
+            if j + 1 < len(ranges):
+                nxt = self._take_slot()
+                a, b = ranges[j + 1]
+                self._read_into(nxt, rec, a, b)
+                nxt.busy.append(self.copier.to_host(nxt.grad[:b - a], grad[a:b]))
+            elif rec.unit_index + 1 < len(self.states):
+                following = self.states[rec.unit_index + 1]
+                nxt = self._take_slot()
+                self._read_into(nxt, following, *self._ranges(following.numel)[0])
+                self._prefetched = (following, nxt)
+            self._exposed_s += slot.settle()
+            k = hi - lo
+            master = slot.states["master"][:k] if "master" in slot.states else rec.master[lo:hi]
+            yield lo, hi, _Piece(master, slot.grad[:k], slot.states["exp_avg"][:k],
+                                 slot.states["exp_avg_sq"][:k],
+                                 None if slot.out is None else slot.out[:k], slot.busy)
+            slot.busy.extend(self.files.write(rec, kd, slot.states[kd], lo, hi)
+                             for kd in self.files.kinds)
+            if nxt is not None and self._prefetched is None:
+                slot = nxt
+
+    def finish_step(self) -> None:
+        """After every unit's update: every write and copy of the step finished; the step's
+        transfer figures go into :attr:`last_step`."""
+        if not self.on_host:
+            return
+        t0 = time.perf_counter()
+        self._settle_all()
+        c = self.copier.take_counters()
+        params = self.param_store.take_counters() if self.param_store is not None else {}
+        io = self.files.io.take_counters() if self.files is not None else None
+        tail = time.perf_counter() - t0
+        exposed = self._exposed_s + tail
+        out = {"update_s": self._update_s + tail,
+               "host_to_device_bytes": c["to_device_bytes"],
+               "device_to_host_bytes": c["to_host_bytes"],
+               "host_to_device_s": c["to_device_busy_s"],
+               "device_to_host_s": c["to_host_busy_s"]}
+        if io is None:
+            busy, waited = c["to_host_busy_s"], self.grad_sink.exposed_s
+            out.update(device_to_host_exposed_s=min(waited, busy),
+                       device_to_host_hidden_s=max(0.0, busy - waited),
+                       host_to_device_exposed_s=exposed, disk_read_bytes=0,
+                       disk_write_bytes=0)
+            self.grad_sink.exposed_s = 0.0
+        else:   # I/O thread seconds the step did not wait for (ran beside the CPU AdamW)
+            out.update(io_exposed_s=exposed,
+                       disk_io_hidden_s=max(0.0, io["disk_io_s"] - exposed), **io,
+                       sub_group_numel=self.sub_group_numel, direct_io=self.files.direct_io)
+        self.last_step = {**out, **params}
+        self._update_s = self._exposed_s = 0.0
+        self._in_step = False
+
+    def _settle_all(self) -> None:
+        for s in self._slots:
+            s.settle()
+        self._prefetched = None
+
+    # -- state in and out ---------------------------------------------------------------
+
+    def _fill(self, rec: ShardState, src: Dict[str, Optional[torch.Tensor]]) -> None:
+        """Write ``rec``'s files from tensors (absent or None: zeros), synchronously, through
+        the first slot (a load, not a step's traffic)."""
+        slot = self._slots[0]
+        slot.settle()
+        for lo, hi in self._ranges(rec.numel):
+            futs = []
+            for k in self.files.kinds:
+                buf = slot.states[k]
+                buf[hi - lo:].zero_()
+                if src.get(k) is None:
+                    buf[:hi - lo].zero_()
+                else:
+                    self.copier.copy_untracked(buf[:hi - lo], src[k][lo:hi]).synchronize()
+                futs.append(self.files.write(rec, k, buf, lo, hi, counted=False))
+            for f in futs:
+                f.result()
+
+    def _write_compute(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
+        """The unit's compute shard from an fp32 master (a load: not a step's traffic)."""
+        shard = unit.compute_shard
+        if master.data_ptr() == shard.data_ptr():
+            return   # fp32: the master is the shard
+        if unit.gather.shard_on_host == self.on_host:
+            if self.param_store is not None:
+                self.param_store.settle()
+            self.step_ops.cast(master.contiguous(), out=shard) \
+                if shard.dtype != torch.float32 else shard.copy_(master)
+            return
+        src = master if shard.dtype == torch.float32 else \
+            self.host_ops.cast(master.contiguous(), shard.dtype)
+        self.copier.copy_untracked(shard, src).synchronize()
+
+    def state_tensors(self, unit_index: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(master, exp_avg, exp_avg_sq)`` of a unit: the live tensors where they are in
+        memory, new CPU tensors read from the files where they are on disk."""
+        self._settle_all()
+        rec = self.states[unit_index]
+        return tuple(self.files.read_all(rec, k) if t.is_meta else t
+                     for k, t in zip(KINDS, rec.tensors()))
+
+    def load_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Overwrite ``unit``'s state (tensors, files) and rebuild its compute shard."""
+        self._settle_all()
+        rec = self.states[unit.index]
+        rec.step = int(step)
+        src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
+        for k, t in zip(KINDS, rec.tensors()):
+            if not t.is_meta:
+                t.copy_(src[k])
+        if self.files is not None:
+            self._fill(rec, src)
+        self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
+                            else rec.master)
+
+    # -- accounting and lifetime --------------------------------------------------------
+
+    def _held_at(self, where: str) -> Dict[str, List[torch.Tensor]]:
+        out = {"master": [], "optimizer_states": []}
+        for rec in self.states:
+            for k, t in zip(KINDS, rec.tensors()):
+                if self.where[k] == where:
+                    out["master" if k == "master" else "optimizer_states"].append(t)
+        return out
+
+    def held(self) -> Dict[str, List[torch.Tensor]]:
+        """Device tensors held by kind ("master", "optimizer_states") for ``stats()``."""
+        return self._held_at("device")
+
+    def held_host(self) -> Dict[str, List[torch.Tensor]]:
+        """Host tensors held by kind (offload) for ``stats()``: parameter shards
+        (``offload_params``), master, moments, gradient shards and the slots' buffers."""
+        if not self.on_host:
+            return {}
+        return {"params": self.param_store.held_host() if self.param_store is not None else [],
+                **self._held_at("host"),
+                "grads": list(self.grad_sink.shards) if self.grad_sink is not None else [],
+                "buffers": list(self._buffers)}
+
+    def disk_bytes(self) -> Dict[str, int]:
+        """Bytes of files held by kind (NVMe offload), measured from the files."""
+        return self.files.disk_bytes() if self.files is not None else {}
+
+    def close(self, keep_files: bool = False) -> Optional[str]:
+        """Finish copies and I/O, stop the copy thread, close the files and remove the run
+        folder (idempotent; also at garbage collection).
+
+        Args:
+            keep_files: NVMe: keep the folder with a manifest (steps, rank, kinds) so that a
+                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it.
+
+        Returns:
+            the kept folder, or None.
+        """
+        if keep_files and self.files is None:
+            raise ValueError("close(keep_files=True) applies only to offload='nvme'")
+        if keep_files and self.where["master"] != "disk":
+            raise ValueError("close(keep_files=True) needs OffloadConfig(nvme_master=True): "
+                             "the master is in host RAM and would not survive")
+        if not self.on_host:
+            return None
+        if not self._closed:
+            self._settle_all()
+        self._closed = True
+        self._finalizer()
+        if self.files is None:
+            return None
+        return self.files.close([r.step for r in self.states] if keep_files else None)
