@@ -18,9 +18,11 @@ class _Packing(ReduceBucket):
     """A bucket whose owner still holds nothing: ``pack_held`` records the flush."""
 
     def __init__(self, i, pool, numel, members, got, packed):
-        super().__init__(pool, numel, slice(0, numel), members,
-                         lambda s: got.append((i, s.sum().item())))
-        self.i, self.packed = i, packed
+        super().__init__(pool, numel, slice(0, numel), members)
+        self.i, self.got, self.packed = i, got, packed
+
+    def reduced(self, shard):
+        self.got.append((self.i, shard.sum().item()))
 
     def pack_held(self):
         self.packed.append(self.i)
@@ -50,7 +52,7 @@ def test_launch_order_and_rounds():
     assert comm.launched == [4, 8, 12] and not order.started()
     order.drain()
     assert got == [(0, 0.0), (1, 16.0), (2, 12.0)]
-    assert len(order.buffers) == 3, "one extra buffer while complete buckets waited"
+    assert len(order.pool.buffers) == 3, "one extra buffer while complete buckets waited"
     # A member arriving twice: the caller flushes; pending buckets launch (zeros included).
     b0.add(0)
     assert b0.seen(0) and b1.seen(0) is False
@@ -60,4 +62,4 @@ def test_launch_order_and_rounds():
     b1.buffer()
     assert order.started()
     order.discard()
-    assert not order.started() and not b1.filling
+    assert not order.started() and b1._buf is None

@@ -14,9 +14,9 @@ rule (``policy.num_reduce_buffers``).
 Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype); under ``no_sync``
 its hooks do nothing, so nothing is communicated, and the next synced backward reduces each
 bucket's accumulated sum once it is complete (see [Note: stage 1 reduces during backward]).
-Stage 2 under ``no_sync`` leaves ``param.grad`` alone: full gradients accumulate in the param dtype exactly as in DDP/FSDP's
-``no_sync``, and the next synced backward's hooks (or ``step()``) pack the accumulated sum and
-reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed), would
+Stage 2 under ``no_sync`` leaves ``param.grad`` alone: full gradients accumulate in the param
+dtype exactly as in DDP/FSDP's ``no_sync``, and the next synced backward's hooks (or ``step()``)
+pack the accumulated sum and reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed), would
 save the full-gradient memory during accumulation but pay the whole reduce-scatter on every
 micro-step; ``no_sync`` is asked to skip communication, so it trades memory for traffic like
 DDP. Two synced backwards without ``zero_grad`` add their reduced shards (fp32) as torch adds
@@ -130,7 +130,7 @@ class _Reducer:
     """What both strategies share: their buckets in launch order, the order, ``sync``."""
 
     def __init__(self, buckets: Sequence["_Bucket"], pool: Optional[ReducePool]) -> None:
-        self.buckets = list(buckets)
+        self.buckets, self.pool = list(buckets), pool
         self.order = LaunchOrder(self.buckets, pool)
         self._sync = True
 
@@ -146,10 +146,10 @@ class _Reducer:
             b.sync = value
 
     def held_buffers(self) -> List[torch.Tensor]:
-        return self.order.buffers
+        return list(self.pool.buffers) if self.pool is not None else []
 
     def take_buffer_peak(self) -> int:
-        return self.order.take_peak_bytes()
+        return self.pool.take_peak() if self.pool is not None else 0
 
 
 class _Bucket(ReduceBucket):
@@ -185,33 +185,29 @@ class FullGradBucket(_Bucket):
         self._handles: List = []  # direct reductions in flight (superseded ones included)
         hook_grads(self, unit.params, "on_grad")
 
-    def attach(self, zero_foreign: bool) -> None:
-        """Point every ``param.grad`` at its view again. A gradient someone replaced (e.g.
-        ``model.zero_grad()`` set it to None, then backward made a new tensor) is copied in."""
-        for pi in range(len(self._views)):
-            self._attach_one(pi, zero_foreign)
-
-    def _attach_one(self, pi: int, zero_foreign: bool) -> None:
-        p, v = self.unit.params[pi], self._views[pi]
-        g = p.grad
-        if g is not None and g.data_ptr() == v.data_ptr():
-            return
-        if g is None or zero_foreign:
-            v.zero_()
-        else:
-            v.copy_(g)
-        p.grad = v
+    def attach(self, zero_foreign: bool, members: Sequence[int] = ()) -> None:
+        """Point ``param.grad`` (of ``members``, default all) at its view again. A gradient
+        someone replaced (e.g. ``model.zero_grad()`` set it to None, then backward made a new
+        tensor) is copied in."""
+        for pi in members or range(len(self._views)):
+            p, v, g = self.unit.params[pi], self._views[pi], self.unit.params[pi].grad
+            if g is None or g.data_ptr() != v.data_ptr():
+                if g is None or zero_foreign:
+                    v.zero_()
+                else:
+                    v.copy_(g)
+                p.grad = v
 
     def on_grad(self, p: torch.Tensor) -> None:
         if not self.sync or p.grad is None:
             return
         pi = self._member[id(p)]
-        self._attach_one(pi, zero_foreign=False)
+        self.attach(False, (pi,))
         if self.seen(pi):
             # A second gradient for a parameter this round (two synced backwards, some
             # parameter unused in the first): a new round; what was launched before is stale
             # once its buffer changes (its version), and is redone.
-            self.order.new_round()
+            self._order().new_round()
         self.add(pi)
 
     def launch(self) -> None:
@@ -239,8 +235,10 @@ class FullGradBucket(_Bucket):
             h.wait()
         self._handles = []
 
-    def forget(self) -> None:
-        self.result, self._version = None, None
+    def take(self) -> Optional[torch.Tensor]:
+        """The reduced shard (after the waits); the bucket forgets it and its launch."""
+        out, self.result, self._version = self.result, None, None
+        return out
 
 
 class FullGradReducer(_Reducer):
@@ -250,43 +248,37 @@ class FullGradReducer(_Reducer):
 
     def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
                  precision: MixedPrecision, ops: OpSet) -> None:
-        self._direct = not policy.uses_reduce_pool(precision.param_dtype, precision.reduce_dtype)
-        pool = None if self._direct else ReducePool(
-            comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype,
-            buckets[0].device, policy.num_reduce_buffers(
-                len(buckets), len({b.group_index for b in buckets})))
+        direct = not policy.uses_reduce_pool(precision.param_dtype, precision.reduce_dtype)
+        pool = None if direct else _pool(policy, buckets, comm, precision)
         super().__init__([FullGradBucket(b, pool, comm, ops, precision.param_dtype)
                           for b in buckets], pool)
         self._comm = comm
-        self._attach(zero_foreign=True)
+        for b in self.buckets:
+            b.attach(zero_foreign=True)
 
     @property
     def grads(self) -> List[torch.Tensor]:
         """The flat gradient buffer of each bucket."""
         return [b.grad for b in self.buckets]
 
-    def _attach(self, zero_foreign: bool) -> None:
-        for b in self.buckets:
-            b.attach(zero_foreign)
+    def held_grads(self) -> List[torch.Tensor]:
+        return self.grads
 
-    def _drain(self) -> None:
+    def _settle(self) -> List[Optional[torch.Tensor]]:
+        """Wait for every reduction; take the shards; start a new round."""
         for b in self.buckets:
             b.wait()
         self.order.drain()
-
-    def _forget(self) -> None:
-        for b in self.buckets:
-            b.forget()
         self.order.new_round()
+        return [b.take() for b in self.buckets]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # param.grad stays a view of the flat buffer either way (zeros): backward accumulates
         # straight into the bucket layout.
-        self._drain()  # no reduction may read a buffer while it is zeroed
-        self._forget()
+        self._settle()  # no reduction may read a buffer while it is zeroed
         for b in self.buckets:
             b.grad.zero_()
-        self._attach(zero_foreign=True)
+            b.attach(zero_foreign=True)
 
     def finish(self) -> Tuple[List[torch.Tensor], float]:
         """Launch every bucket whose reduction is missing or stale, in order, wait for all.
@@ -296,16 +288,10 @@ class FullGradReducer(_Reducer):
             still to apply (N where the sum was not pre-divided, else 1). They are the
             caller's now: the reducer forgets them, so they live until the step drops them.
         """
-        self._attach(zero_foreign=False)
         for b in self.buckets:
+            b.attach(zero_foreign=False)
             b.launch()
-        self._drain()
-        shards = [b.result for b in self.buckets]
-        self._forget()
-        return shards, (float(num_averaged(self._comm)) if self._direct else 1.0)
-
-    def held_grads(self) -> List[torch.Tensor]:
-        return self.grads
+        return self._settle(), (float(num_averaged(self._comm)) if self.pool is None else 1.0)
 
 
 class GradBucket(_Bucket):
@@ -348,7 +334,7 @@ class GradBucket(_Bucket):
         if self.seen(pi):
             # A second gradient for a parameter this round (two backwards, some parameter
             # unused in the first): close the round, start a new one.
-            self.order.flush()
+            self._order().flush()
         self._pack(pi, p)
         self.add(pi)
 
@@ -356,12 +342,12 @@ class GradBucket(_Bucket):
         g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
         self._ops.bucket_pack([g], self.buffer(), self._offsets[pi], scale=self._scale)
         p.grad = None
-        self.mark(pi)
+        self.members.add(pi)
 
     def pack_held(self) -> None:
         """Gradients still held (``no_sync`` micro-steps, parameters whose hook has not run)."""
         for pi, p in enumerate(self.unit.params):
-            if p.grad is not None and not self.has(pi):
+            if p.grad is not None and pi not in self.members:
                 self._pack(pi, p)
 
     def reduced(self, shard: torch.Tensor):
@@ -395,11 +381,7 @@ class ShardedGradReducer(_Reducer):
                  precision: MixedPrecision, ops: OpSet,
                  grad_sink: Optional["GradSink"] = None, hooks: bool = True) -> None:
         self.sink = grad_sink if grad_sink is not None else DeviceGradShards(buckets)
-        pool = ReducePool(comm, max(b.layout.padded_numel for b in buckets),
-                          precision.reduce_dtype, buckets[0].device,
-                          policy.num_reduce_buffers(len(buckets),
-                                                    len({b.group_index for b in buckets})),
-                          transient=not policy.holds_reduce_buffers)
+        pool = _pool(policy, buckets, comm, precision)
         scale = 1.0 / num_averaged(comm)
         super().__init__([GradBucket(b, pool, ops, scale, self.sink, hooks) for b in buckets],
                          pool)
@@ -424,6 +406,16 @@ class ShardedGradReducer(_Reducer):
     def held_grads(self) -> List[torch.Tensor]:
         """Gradient storage on the device (a host sink reports its own, see ``update.py``)."""
         return list(self.sink.shards) if self.sink.on_device else []
+
+
+def _pool(policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
+          precision: MixedPrecision) -> ReducePool:
+    """The reduce pool of ``buckets``: the registry's number of buffers of the largest one,
+    kept between steps or not as the stage says ([Note: transient reduce buffers])."""
+    return ReducePool(comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype,
+                      buckets[0].device, policy.num_reduce_buffers(
+                          len(buckets), len({b.group_index for b in buckets})),
+                      transient=not policy.holds_reduce_buffers)
 
 
 GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer, 3: ShardedGradReducer}

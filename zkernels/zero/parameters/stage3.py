@@ -1,9 +1,13 @@
-"""Stage 3's parameter schedule: module hooks that gather each unit just in time (one
+"""Stage 3's units and their schedule: module hooks that gather each unit just in time (one
 all-gather per flat unit, the next one prefetched) and free it as soon as it is not needed.
 
 [Note: stage-3 gather schedule]
-Units come from ``unit_plan.py``; each is one or more FlatParamUnits (one per param group,
-usually one) whose gather policy is :class:`~zkernels.zero.parameters.units.ShardedParams`.
+Units come from ``unit_plan.py``; each :class:`GatherUnit` is one or more FlatParamUnits (one
+per param group, usually one, and its frozen ones) whose gather policy is
+:class:`~zkernels.zero.parameters.units.ShardedParams`. The unit owns its step, as FSDP2's
+``FSDPParamGroup`` does: it gathers (start, wait), frees, and hooks its own parameters; the
+:class:`GatherSchedule` only decides when (order, prefetch, the path check, ``gathered()``'s
+pins, the end of backward).
 
 - Forward: a unit's forward pre-hook gathers it (waiting for a prefetch in flight) and
   prefetches the unit predicted to run next (the order of the previous forward, module order
@@ -18,11 +22,13 @@ usually one) whose gather policy is :class:`~zkernels.zero.parameters.units.Shar
   the first gradient reaches them, before the unit's backward, and gathers the unit (and
   prefetches the unit predicted next in backward order: the previous backward's, or the
   reversed forward order). The first one of a backward queues an end-of-backward callback on
-  the autograd engine. A post-accumulate-grad hook on every parameter (registered after the
-  gradient strategy's, which packs and reduce-scatters) counts the unit's gradients; when all
-  are in, no node of the graph needs the unit's parameters any more (a node that saved a
-  parameter computes that parameter's gradient), so the unit is freed. The end-of-backward
-  callback frees every unit still gathered (unused parameters, ``no_sync``).
+  the autograd engine. The unit's one post-accumulate-grad hook on each trainable parameter
+  hands the gradient to its flat's gradient bucket (``grad_reducers.GradBucket``: pack into
+  the reduce buffer, reduce-scatter once the flat's gradients are all in, hand the shard to
+  the state side), then counts it; when all are in, no node of the graph needs the unit's
+  parameters any more (a node that saved a parameter computes that parameter's gradient), so
+  the unit frees itself. The end-of-backward callback frees every unit still gathered (unused
+  parameters, ``no_sync``).
 - Activation checkpointing re-runs forwards inside backward: while a backward runs, forward
   hooks gather but never free and register nothing (reentrant checkpointing recomputes under
   ``enable_grad`` and then runs a nested backward: the gradient count frees the unit).
@@ -76,11 +82,8 @@ from .units import (FlatParamUnit, build_frozen_unit, build_sharded_unit, frozen
 
 class GatherUnit:
     """One stage-3 unit: a module and its FlatParamUnits (one per param group, and its frozen
-    ones), owning the unit's step as FSDP2's ``FSDPParamGroup`` does: its gathers (start,
-    wait), its free, and the gradient hook on each trainable parameter, which hands the
-    gradient to its flat's gradient bucket (pack, reduce-scatter, hand-off to the state side:
-    ``grad_reducers.GradBucket``) and frees the unit once nothing needs it any more (see
-    [Note: stage-3 gather schedule]). The schedule decides when: order, prefetch, pins."""
+    ones). It owns its step ([Note: stage-3 gather schedule]): gathers, frees, and hooks its
+    own parameters; the schedule decides when."""
 
     def __init__(self, name: str, module: nn.Module, flats: Sequence[FlatParamUnit]) -> None:
         self.name = name
@@ -141,19 +144,19 @@ class GatherUnit:
                 f.gather.drop_secondary()
         self.keep_for_backward = False
 
-    def reshard(self) -> None:
-        """After forward with ``reshard_after_forward=R``: keep the secondary chunks, free."""
-        for f in self.flats:
-            f.gather.reshard()
-
-    def bind_grads(self, buckets: Sequence) -> None:
-        """Install the gradient hook on each trainable parameter; ``buckets`` are the gradient
-        buckets of its trainable flats (``bucket.unit`` is the flat)."""
+    def install_hooks(self, buckets: Sequence) -> None:
+        """Hook each trainable parameter (its gradient goes to its flat's bucket, among
+        ``buckets``) and, with frozen parameters, the forward's inputs. Held weakly."""
         mine = {id(f) for f in self.flats}
         for b in buckets:
             if id(b.unit) in mine:
                 self._bucket_of.update((id(p), b) for p in b.unit.params)
         hook_grads(self, [p for f in self.flats if not f.frozen for p in f.params], "_on_grad")
+        if self.frozen_ids:
+            this = weakref.ref(self)
+            weakref.finalize(self, remove_hooks, [self.module.register_forward_pre_hook(
+                lambda m, args, kwargs: this() and this().watch_inputs(args, kwargs),
+                with_kwargs=True)])
 
     def _on_grad(self, p: torch.Tensor) -> None:
         bucket = self._bucket_of.get(id(p))
@@ -279,10 +282,7 @@ class GatherSchedule:
         for u in self.units:
             handles.append(u.module.register_forward_pre_hook(pre(u)))
             handles.append(u.module.register_forward_hook(post(u), always_call=True))
-            if u.frozen_ids:
-                handles.append(u.module.register_forward_pre_hook(
-                    _input_hook(this, u), with_kwargs=True))
-            u.bind_grads(grad_buckets)
+            u.install_hooks(grad_buckets)
         weakref.finalize(self, remove_hooks, handles)
 
     # -- gathering --------------------------------------------------------------------------
@@ -319,9 +319,6 @@ class GatherSchedule:
                 f"different lengths, diverges); gather the model once with opt.gathered() "
                 f"around such loops")
 
-    def _check_same_unit(self, u: GatherUnit) -> None:
-        self._check_same_point(self._index[id(u)], u.flats[0].device)
-
     def check_step(self) -> None:
         """Before ``step()``'s collectives: a rank that skipped a backward (or a forward) would
         otherwise meet its peers' backward gathers with its reduce-scatters ([Note: divergent
@@ -334,7 +331,7 @@ class GatherSchedule:
     def _start(self, u: GatherUnit) -> List[Handle]:
         fresh = u.to_gather
         if fresh and self.check_paths:
-            self._check_same_unit(u)
+            self._check_same_point(self._index[id(u)], u.flats[0].device)
         self.gathers += fresh
         handles = u.start(self.comm)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
@@ -384,7 +381,8 @@ class GatherSchedule:
                 u.keep_for_backward = True
         if u.active == 0 and not u.keep_for_backward:
             if self.reshard_to is not None and tensors and u.pins == 0:
-                u.reshard()  # backward gathers from the secondary group
+                for f in u.flats:   # backward gathers from the secondary group
+                    f.gather.reshard()
             else:
                 u.free()
         if u.is_root and u.active == 0:
@@ -529,10 +527,6 @@ def build_frozen_flats(specs, names: dict, world_size: int, rank: int, align: in
             index += 1
         out[id(spec.module)] = mine
     return out
-
-
-def _input_hook(this, u: GatherUnit):
-    return lambda m, args, kwargs: this() and u.watch_inputs(args, kwargs)
 
 
 def _with_unit(exc: Exception, message: str) -> Exception:
