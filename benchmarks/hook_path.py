@@ -79,14 +79,14 @@ def _instrument_stage2() -> None:
                 total, calls = _TIMES.get(name, (0.0, 0))
                 _TIMES[name] = (total + time.perf_counter() - t0, calls + 1)
         return wrapper
-    cls = gr.ShardedGradReducer
+    cls = gr.GradBucket  # each bucket owns its gradient hook (on_grad) and pack
     # The reducer packs through the optimizer's OpSet (backend chosen once, see
     # [Note: ops chosen once]), not through zkernels.ops.bucket_pack.
     OpSet.bucket_pack = ranged(ZK_EVENTS["zk_pack"], OpSet.bucket_pack)
     gr.ReducePool.acquire = ranged(ZK_EVENTS["zk_acquire"], gr.ReducePool.acquire)
     gr.ReducePool.launch = ranged(ZK_EVENTS["zk_launch"], gr.ReducePool.launch)
     cls._pack = ranged(ZK_EVENTS["zk_pack_path"], cls._pack)
-    cls._hook = ranged(ZK_EVENTS["zk_hook"], cls._hook)
+    cls.on_grad = ranged(ZK_EVENTS["zk_hook"], cls.on_grad)
     gr.DeviceGradShards.accumulate = ranged(ZK_EVENTS["zk_accumulate"],
                                             gr.DeviceGradShards.accumulate)
 

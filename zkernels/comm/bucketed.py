@@ -8,133 +8,141 @@ members arrive may differ (autograd's order, unused parameters). So buckets laun
 index order: a complete bucket waits for the ones before it (its buffer is held meanwhile, see
 ``ReducePool``). A round ends when the last bucket has launched. A member arriving twice in a
 round, or for a bucket already launched (a second backward, some member unused in the first),
-closes the round: the caller flushes (packs what it still holds, every pending bucket launches,
-one with no member at all reduces zeros) and a new round begins. Callers own what a member is
-and how it is packed; this class owns buffers, order and launches.
+closes the round: the caller flushes (every pending bucket packs what it still holds and
+launches, one with no member at all reduces zeros) and a new round begins.
+
+Each :class:`ReduceBucket` owns its members this round, its reduce buffer (from the shared pool,
+at its first member) and its launch; a subclass packs. :class:`LaunchOrder` owns the order.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Set
+import weakref
+from typing import Optional, Sequence
 
 import torch
 
-from .base import Comm
 from .reduce_pool import ReducePool
 
 
-class BucketedReduceScatter:
-    """Launch order and buffers of a list of buckets' reduce-scatters.
+class ReduceBucket:
+    """One bucket's reduce-scatter; a subclass defines :meth:`reduced` (and may define
+    :meth:`pack_held`).
 
     Args:
-        comm: the collectives.
-        numels: padded elements of each bucket, in launch order.
-        shards: this rank's slice of each bucket (``FlatLayout.shard_range``).
-        num_members: members each bucket waits for before it may launch.
-        dtype, device: of the reduce buffers.
-        num_buffers: buffers in the pool (see ``zkernels.zero.planning.policy.num_reduce_buffers``).
-        transient_buffers: the buffers live only while a round is filling or in flight
-            ([Note: transient reduce buffers] in ``reduce_pool.py``).
-        on_reduced: ``on_reduced(bucket_index, shard)`` receives each bucket's reduced shard
-            (a view into the buffer, valid only during the call); it may return a fence that
-            must be waited before the buffer is reused (see ``ReducePool``).
+        pool: the shared :class:`ReducePool` (None: a subclass that launches without one).
+        numel: padded elements of the bucket.
+        shard: this rank's slice of it (``FlatLayout.shard_range``).
+        num_members: members it waits for before it may launch.
     """
 
-    def __init__(self, comm: Comm, numels: Sequence[int], shards: Sequence[slice],
-                 num_members: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 num_buffers: int, on_reduced: Callable[[int, torch.Tensor], None],
-                 transient_buffers: bool = False) -> None:
-        if not (len(numels) == len(shards) == len(num_members)) or not numels:
-            raise ValueError("numels, shards and num_members must describe the same, non-empty, "
-                             "list of buckets")
-        self._numels = list(numels)
-        self._shards = list(shards)
-        self._num_members = list(num_members)
-        self._on_reduced = on_reduced
-        self._pool = ReducePool(comm, max(self._numels), dtype, device, num_buffers,
-                                transient=transient_buffers)
-        self._reset_round()
+    def __init__(self, pool: Optional[ReducePool], numel: int, shard: slice,
+                 num_members: int) -> None:
+        self.pool, self.numel, self.shard = pool, numel, shard
+        self.num_members = num_members
+        self._buf: Optional[torch.Tensor] = None
+        self.members: set = set()  # members packed this round
+        self.launched = False      # launched this round
+        self._order = None         # weakref to the LaunchOrder (set by it)
 
     @property
-    def num_buckets(self) -> int:
-        return len(self._numels)
+    def complete(self) -> bool:
+        return len(self.members) == self.num_members
 
-    @property
-    def buffers(self) -> List[torch.Tensor]:
-        """The pool's reduce buffers held now (for memory accounting)."""
-        return list(self._pool.buffers)
+    def seen(self, member) -> bool:
+        """Whether ``member`` already arrived (or the bucket launched) this round: the caller
+        must flush the order before adding it again."""
+        return self.launched or member in self.members
 
-    def take_peak_bytes(self) -> int:
-        """The most reduce-buffer bytes held at once since the last call."""
-        return self._pool.take_peak()
+    def buffer(self) -> torch.Tensor:
+        """This round's zeroed reduce buffer ([numel] view), acquired on first use."""
+        if self._buf is None:
+            self._buf = self.pool.acquire(self.numel)
+        return self._buf
 
-    def _reset_round(self) -> None:
-        self._bufs: List[Optional[torch.Tensor]] = [None] * len(self._numels)
-        self._done: List[Set[int]] = [set() for _ in self._numels]
+    def add(self, member) -> None:
+        """``member`` is packed; if that completes the bucket, launch every bucket of the
+        order that is now ready."""
+        self.members.add(member)
+        if self.complete:
+            self._order().advance()
+
+    def launch(self) -> None:
+        """Start the reduce-scatter (no member at all on this rank: it reduces zeros)."""
+        buf = self.buffer()
+        self._buf, self.launched = None, True
+        self.pool.launch(buf, self.shard, self.reduced)
+
+    def reduced(self, shard: torch.Tensor):
+        """Receives the reduced shard (a view into the buffer, valid only during the call); may
+        return a fence to wait before the buffer is reused (see ``ReducePool``)."""
+        raise NotImplementedError
+
+    def pack_held(self) -> None:
+        """Before a flush launches it: pack what the owner still holds (default nothing)."""
+
+    def new_round(self) -> None:
+        self.members, self.launched = set(), False
+
+    def discard(self) -> None:
+        """Give back a buffer filled but not launched."""
+        if self._buf is not None:
+            self.pool.release(self._buf)
+            self._buf = None
+
+
+class LaunchOrder:
+    """The launch order and rounds of a list of buckets ([Note: bucket launch order]).
+
+    Args:
+        buckets: the :class:`ReduceBucket` s in launch order.
+        pool: their shared reduce pool (None: the buckets launch without one).
+    """
+
+    def __init__(self, buckets: Sequence[ReduceBucket], pool: Optional[ReducePool]) -> None:
+        if not buckets:
+            raise ValueError("a launch order needs at least one bucket")
+        self.buckets, self.pool = list(buckets), pool
         self._next = 0  # first bucket not yet launched this round
+        for b in self.buckets:
+            b._order = weakref.ref(self)
 
-    def round_started(self) -> bool:
+    def started(self) -> bool:
         """Whether some bucket was filled or launched in this round."""
-        return self._next > 0 or any(b is not None for b in self._bufs)
+        return self._next > 0 or any(b._buf is not None for b in self.buckets)
 
-    def seen(self, bucket: int, member: int) -> bool:
-        """Whether ``member`` of ``bucket`` already arrived (or its bucket launched) this
-        round: the caller must :meth:`flush` before adding it again."""
-        return bucket < self._next or member in self._done[bucket]
+    def advance(self) -> None:
+        """Launch every bucket that is ready, in order; the round ends after the last."""
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self.buckets[self._next].launch()
+            self._next += 1
+        if self._next == len(self.buckets):
+            self.new_round()
 
-    def is_done(self, bucket: int, member: int) -> bool:
-        return member in self._done[bucket]
+    def flush(self) -> None:
+        """End the round: every bucket not yet launched, in order, packs what its owner still
+        holds (``pack_held``) and launches."""
+        for b in self.buckets[self._next:]:
+            b.pack_held()
+            b.launch()
+        self.new_round()
 
-    def buffer(self, bucket: int) -> torch.Tensor:
-        """The bucket's zeroed reduce buffer for this round ([numel] view), acquired on first
-        use."""
-        if self._bufs[bucket] is None:
-            self._bufs[bucket] = self._pool.acquire(self._numels[bucket])
-        return self._bufs[bucket]
-
-    def mark(self, bucket: int, member: int) -> None:
-        """``member`` is packed into the bucket's buffer (launches nothing)."""
-        self._done[bucket].add(member)
-
-    def complete(self, bucket: int, member: int) -> None:
-        """Mark ``member`` packed and launch every bucket that is now ready, in order."""
-        self.mark(bucket, member)
-        if len(self._done[bucket]) == self._num_members[bucket]:
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while (self._next < len(self._numels)
-               and len(self._done[self._next]) == self._num_members[self._next]):
-            self._launch(self._next)
-        if self._next == len(self._numels):
-            self._reset_round()
-
-    def _launch(self, bi: int) -> None:
-        buf = self.buffer(bi)  # no member at all on this rank: reduce zeros
-        # on_reduced's fence (if any) passes through to the pool.
-        self._pool.launch(buf, self._shards[bi], lambda s: self._on_reduced(bi, s))
-        self._bufs[bi] = None
-        self._next = bi + 1
-
-    def flush(self, pack_missing: Callable[[int], None]) -> None:
-        """End the round: for every bucket not yet launched, in order, ``pack_missing(bucket)``
-        packs what the caller still holds (with :meth:`buffer` and :meth:`mark`), then the
-        bucket launches."""
-        for bi in range(self._next, len(self._numels)):
-            pack_missing(bi)
-            self._launch(bi)
-        self._reset_round()
+    def new_round(self) -> None:
+        """Start a new round (what was launched stays in flight)."""
+        self._next = 0
+        for b in self.buckets:
+            b.new_round()
 
     def drain(self) -> None:
-        """Finish every reduction in flight (their ``on_reduced`` run); a transient pool then
+        """Finish every reduction in flight (their ``reduced`` run); a transient pool then
         gives its buffers back unless a bucket of a new round is filling."""
-        self._pool.drain()
-        self._pool.trim()
+        if self.pool is not None:
+            self.pool.drain()
+            self.pool.trim()
 
     def discard(self) -> None:
         """Drop the round: finish what is in flight, release filled buffers unlaunched."""
-        self._pool.drain()
-        for buf in self._bufs:
-            if buf is not None:
-                self._pool.release(buf)
-        self._reset_round()
-        self._pool.trim()
+        self.pool.drain()
+        for b in self.buckets:
+            b.discard()
+        self.new_round()
+        self.pool.trim()

@@ -10,7 +10,9 @@ from .base import Comm, Handle
 
 
 class ReducePool:
-    """Bucket-sized buffers for reduce-scatters, reused round robin.
+    """Bucket-sized buffers for reduce-scatters, reused round robin, shared by the buckets of
+    one launch order (``bucketed.ReduceBucket``: a bucket acquires its buffer at its first
+    member and launches it; the pool gives it back once that reduction is retired).
 
     ``acquire`` hands out a zeroed buffer (zero padding and gaps: they must add nothing to the
     sum); ``launch`` starts an in-place reduce-scatter of it (this rank's shard is the output,
@@ -28,8 +30,8 @@ class ReducePool:
     With ``transient=True`` (stage 3, whose formula must hold between steps as FSDP2's does)
     the pool holds no buffer until the first ``acquire`` of a round, allocates up to
     ``num_buffers`` as they are needed, and gives every buffer back in :meth:`trim` once no
-    reduction is in flight and none is filling (the end of ``step()``'s drain, or a
-    discarded round): the buffers live only while gradients are in flight, and the peak is
+    reduction is in flight and no bucket is filling one (the end of ``step()``'s drain, or a
+    discarded round): a unit's buffer lives only while its gradients are in flight, and the peak is
     the persistent pool's (the same ``num_buffers`` at most). Readers' fences are waited first,
     so no copy still reading a buffer (an offload copy) sees its memory reused.
     ``peak_bytes`` is the most buffer bytes held at once since :meth:`take_peak`.

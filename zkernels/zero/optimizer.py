@@ -353,13 +353,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
                                          self.ops, grad_sink=self.shard_update.grad_sink)
         if self.policy.shards_params:
-            # After the reducer: its gradient hooks (pack, reduce) run before the schedule's
-            # (count, free), see [Note: stage-3 gather schedule].
-            # ZeRO++'s qwZ: the schedule's gathers are quantized ([Note: quantized all-gather]).
+            # Each unit hooks its parameters and calls its flats' gradient buckets; ZeRO++'s
+            # qwZ quantizes the schedule's gathers ([Note: quantized all-gather]).
             gather_comm = self.comm if weight_bits is None else QuantizedWeightComm(
                 self.comm, self.ops, quantize_block)
             self.schedule = GatherSchedule(gather_units, gather_comm, reshard_after_forward,
-                                           check_paths=check_paths)
+                                           check_paths=check_paths,
+                                           grad_buckets=self.reducer.buckets)
             if not isinstance(reshard_after_forward, bool):  # [Note: secondary shards]
                 second = secondary_comm(self.comm, reshard_after_forward, device,
                                         comm_backend, timeout, self.meter)

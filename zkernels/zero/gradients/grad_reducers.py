@@ -1,23 +1,27 @@
 """Gradient strategies: what happens to gradients between backward and the optimizer update.
 
 Both reduce bucket by bucket *during* backward: stage 1 (:class:`FullGradReducer`) keeps the
-full gradients too; stage 2 (:class:`ShardedGradReducer`) keeps only this rank's shard. The
-optimizer talks to either through the same four members: ``sync`` (False inside
-``no_sync``), ``finish()``, ``zero_grad()`` and the tensors they hold (for ``stats()``). Stage 3 and offload add strategies here (``GRAD_REDUCERS``) instead of branches
-in shared code. Stage 2's launch order and buffers are ``zkernels.comm.bucketed``'s; the number
-of reduce buffers is the registry's rule (``policy.num_reduce_buffers``).
+full gradients too; stages 2-3 (:class:`ShardedGradReducer`) keep only this rank's shard. Each
+bucket is one object that owns its step (:class:`FullGradBucket`, :class:`GradBucket`: its
+gradient hooks, the pack, its reduce buffer, the launch and the hand-off of the reduced shard),
+as FSDP2's ``FSDPParamGroup`` does; the reducers only hold them, their launch order
+(``zkernels.comm.bucketed.LaunchOrder``) and the pool. The optimizer talks to either reducer
+through the same members: ``sync`` (False inside ``no_sync``), ``finish()``, ``zero_grad()``
+and the tensors they hold (for ``stats()``). The number of reduce buffers is the registry's
+rule (``policy.num_reduce_buffers``).
 
 [Note: gradient accumulation]
 Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype); under ``no_sync``
 its hooks do nothing, so nothing is communicated, and the next synced backward reduces each
 bucket's accumulated sum once it is complete (see [Note: stage 1 reduces during backward]).
-Stage 2 under ``no_sync`` leaves ``param.grad`` alone: full gradients accumulate in the param dtype exactly as in DDP/FSDP's
-``no_sync``, and the next synced backward's hooks (or ``step()``) pack the accumulated sum and
-reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed), would
+Stage 2 under ``no_sync`` leaves ``param.grad`` alone: full gradients accumulate in the param
+dtype exactly as in DDP/FSDP's ``no_sync``, and the next synced backward's hooks (or ``step()``)
+pack the accumulated sum and reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed), would
 save the full-gradient memory during accumulation but pay the whole reduce-scatter on every
 micro-step; ``no_sync`` is asked to skip communication, so it trades memory for traffic like
 DDP. Two synced backwards without ``zero_grad`` add their reduced shards (fp32) as torch adds
-gradients. Stage 3 reuses stage 2's strategy over its units, so the same holds there: inside
+gradients. Stage 3 reuses stage 2's buckets over its units' flats (each GatherUnit's hook calls
+its flat's bucket, then counts the gradient to free the unit), so the same holds there: inside
 ``no_sync`` full gradients (Ψ in the param dtype) accumulate while the parameters themselves
 stay sharded, like FSDP2's ``set_requires_gradient_sync(False)``.
 
@@ -39,19 +43,18 @@ away and it is waited for before ``step()`` returns (its buffers stay alive unti
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from ...comm.base import Comm
-from ...comm.bucketed import BucketedReduceScatter
+from ...comm.bucketed import LaunchOrder, ReduceBucket
 from ...comm.hybrid import num_averaged
 from ...comm.reduce_pool import ReducePool
 from ...ops import OpSet
 from ..planning.policy import StagePolicy
 from .precision import MixedPrecision
-from ..parameters.units import FlatParamUnit
+from ..parameters.units import FlatParamUnit, hook_grads
 from ..state.grad_sink import GradShards as DeviceGradShards
 
 
@@ -97,124 +100,159 @@ class GradSink(Protocol):
         """Forget accumulated shards (``zero_grad``)."""
 
 
-class FullGradReducer:
-    """Stage 1: ``param.grad`` is a view into a flat gradient buffer per bucket (param dtype),
-    so autograd accumulates straight into the bucket layout. A post-accumulate-grad hook counts
-    each bucket's gradients as backward produces them; a bucket whose gradients are all there
-    starts its async reduce-scatter at once, in bucket order, while backward goes on (as stage
-    2 and DDP do), with no pack copy when the reduce dtype is the gradient's (fp32 or bf16).
-    Otherwise (a different reduce dtype, or fp16 which must be pre-divided: see precision.py's
-    Note) the launch casts the bucket, times 1/N, into a pooled reduce buffer first. The full
-    gradients stay in ``param.grad``; the reduced shards exist from their launch to the end of
-    ``step()``. See [Note: stage 1 reduces during backward].
+class _Reducer:
+    """What both strategies share: their buckets in launch order, the order, ``sync``."""
+
+    def __init__(self, buckets: Sequence["_Bucket"], pool: Optional[ReducePool]) -> None:
+        self.buckets, self.pool = list(buckets), pool
+        self.order = LaunchOrder(self.buckets, pool)
+        self._sync = True
+
+    @property
+    def sync(self) -> bool:
+        """False inside ``no_sync()``: the buckets' hooks do nothing."""
+        return self._sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self._sync = value
+        for b in self.buckets:
+            b.sync = value
+
+    def held_buffers(self) -> List[torch.Tensor]:
+        return list(self.pool.buffers) if self.pool is not None else []
+
+    def take_buffer_peak(self) -> int:
+        return self.pool.take_peak() if self.pool is not None else 0
+
+
+class _Bucket(ReduceBucket):
+    """One flat unit's gradients (a bucket at stages 1-2, a unit's flat at stage 3): the
+    members are its parameters' positions."""
+
+    def __init__(self, unit: FlatParamUnit, pool: Optional[ReducePool]) -> None:
+        super().__init__(pool, unit.layout.padded_numel, unit.shard_slice, len(unit.params))
+        self.unit = unit
+        self.sync = True
+        self._member = {id(p): i for i, p in enumerate(unit.params)}
+
+
+class FullGradBucket(_Bucket):
+    """Stage 1's bucket: ``param.grad`` are views into its flat gradient buffer (param dtype),
+    so autograd accumulates straight into the bucket layout. Its hook on each parameter counts
+    the gradient; once all are in (and every bucket before it launched), it reduce-scatters
+    the buffer in place, with no pack copy when the reduce dtype is the gradient's (fp32 or
+    bf16); otherwise (a different reduce dtype, or fp16 which must be pre-divided: see
+    precision.py's Note) it casts the buffer, times 1/N, into a pooled reduce buffer first.
+    See [Note: stage 1 reduces during backward].
     """
 
-    def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
-                 precision: MixedPrecision, ops: OpSet) -> None:
-        self.sync = True
-        self._buckets = list(buckets)
-        self._comm = comm
-        self._ops = ops
-        dev = buckets[0].device
-        self.grads = [torch.zeros(b.layout.padded_numel, dtype=precision.param_dtype, device=dev)
-                      for b in buckets]
-        self._views = [ops.unflatten(g, [p.shape for p in b.params], offsets=b.layout.offsets)
-                       for b, g in zip(buckets, self.grads)]
-        self._direct = not policy.uses_reduce_pool(precision.param_dtype, precision.reduce_dtype)
-        num_groups = len({b.group_index for b in buckets})
-        self._pool = None if self._direct else ReducePool(
-            comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype, dev,
-            policy.num_reduce_buffers(len(buckets), num_groups))
-        self._where: Dict[int, Tuple[int, int]] = {
-            id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
-        # Per bucket: the reduced shard (or None), the gradient buffer's version when its
-        # reduction was launched (None: not launched), the direct path's handle in flight.
-        self._shards: List = [None] * len(buckets)
-        self._launched: List = [None] * len(buckets)
-        self._handles: List = []
-        self._reset_round()
-        self._attach(zero_foreign=True)
-        _hook_params(self, buckets)
+    def __init__(self, unit: FlatParamUnit, pool: Optional[ReducePool], comm: Comm, ops: OpSet,
+                 dtype: torch.dtype) -> None:
+        super().__init__(unit, pool)
+        self._comm, self._ops = comm, ops
+        self.grad = torch.zeros(unit.layout.padded_numel, dtype=dtype, device=unit.device)
+        self._views = ops.unflatten(self.grad, [p.shape for p in unit.params],
+                                    offsets=unit.layout.offsets)
+        self.result: Optional[torch.Tensor] = None  # the reduced shard, once it is in
+        self._version = None  # the buffer's version at the launch (None: not launched)
+        self._handles: List = []  # direct reductions in flight (superseded ones included)
+        hook_grads(self, unit.params, "on_grad")
 
-    def _reset_round(self) -> None:
-        self._seen = [set() for _ in self._buckets]
-        self._next = 0  # first bucket not launched in this round
+    def attach(self, zero_foreign: bool, members: Sequence[int] = ()) -> None:
+        """Point ``param.grad`` (of ``members``, default all) at its view again. A gradient
+        someone replaced (e.g. ``model.zero_grad()`` set it to None, then backward made a new
+        tensor) is copied in."""
+        for pi in members or range(len(self._views)):
+            p, v, g = self.unit.params[pi], self._views[pi], self.unit.params[pi].grad
+            if g is None or g.data_ptr() != v.data_ptr():
+                if g is None or zero_foreign:
+                    v.zero_()
+                else:
+                    v.copy_(g)
+                p.grad = v
 
-    def _attach(self, zero_foreign: bool) -> None:
-        """Point every ``param.grad`` at its view again. A gradient someone replaced (e.g.
-        ``model.zero_grad()`` set it to None, then backward made a new tensor) is copied in."""
-        for b, views in zip(self._buckets, self._views):
-            for p, v in zip(b.params, views):
-                self._attach_one(p, v, zero_foreign)
-
-    @staticmethod
-    def _attach_one(p: torch.Tensor, v: torch.Tensor, zero_foreign: bool) -> None:
-        g = p.grad
-        if g is not None and g.data_ptr() == v.data_ptr():
-            return
-        if g is None or zero_foreign:
-            v.zero_()
-        else:
-            v.copy_(g)
-        p.grad = v
-
-    def _hook(self, p: torch.Tensor) -> None:
+    def on_grad(self, p: torch.Tensor) -> None:
         if not self.sync or p.grad is None:
             return
-        bi, pi = self._where[id(p)]
-        self._attach_one(p, self._views[bi][pi], zero_foreign=False)
-        if bi < self._next or pi in self._seen[bi]:
+        pi = self._member[id(p)]
+        self.attach(False, (pi,))
+        if self.seen(pi):
             # A second gradient for a parameter this round (two synced backwards, some
             # parameter unused in the first): a new round; what was launched before is stale
             # once its buffer changes (its version), and is redone.
-            self._reset_round()
-        self._seen[bi].add(pi)
-        while (self._next < len(self._buckets) and
-               len(self._seen[self._next]) == len(self._buckets[self._next].params)):
-            self._launch(self._next)
-            self._next += 1
+            self._order().new_round()
+        self.add(pi)
 
-    def _valid(self, bi: int) -> bool:
-        return self._launched[bi] is not None and self._launched[bi] == self.grads[bi]._version
-
-    def _launch(self, bi: int) -> None:
-        """Start bucket ``bi``'s reduce-scatter (unless the one launched is still current)."""
-        if self._valid(bi):
+    def launch(self) -> None:
+        """Start the reduce-scatter, unless the one launched is still current."""
+        self.launched = True
+        if self._version is not None and self._version == self.grad._version:
             return
-        b, g = self._buckets[bi], self.grads[bi]
-        self._launched[bi] = g._version
-        if self._direct:
-            out = torch.empty(b.layout.shard_numel, dtype=g.dtype, device=g.device)
-            self._handles.append(self._comm.reduce_scatter(out, g))
-            self._shards[bi] = out
+        self._version = self.grad._version
+        if self.pool is None:
+            out = torch.empty(self.unit.layout.shard_numel, dtype=self.grad.dtype,
+                              device=self.grad.device)
+            self._handles.append(self._comm.reduce_scatter(out, self.grad))
+            self.result = out
             return
-        n = num_averaged(self._comm)  # all N ranks, also with hybrid sharding
-        buf = self._pool.acquire(b.layout.padded_numel)
-        self._ops.bucket_pack([g], buf, [0], scale=1.0 / n)
-        self._shards[bi] = None
-        self._pool.launch(buf, b.shard_slice,
-                          lambda s, i=bi: self._shards.__setitem__(i, s.clone()))
+        buf = self.pool.acquire(self.numel)
+        self._ops.bucket_pack([self.grad], buf, [0], scale=1.0 / num_averaged(self._comm))
+        self.result = None
+        self.pool.launch(buf, self.shard, self.reduced)
 
-    def _drain(self) -> None:
+    def reduced(self, shard: torch.Tensor) -> None:
+        self.result = shard.clone()
+
+    def wait(self) -> None:
         for h in self._handles:
             h.wait()
         self._handles = []
-        if self._pool is not None:
-            self._pool.drain()
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The reduced shard (after the waits); the bucket forgets it and its launch."""
+        out, self.result, self._version = self.result, None, None
+        return out
+
+
+class FullGradReducer(_Reducer):
+    """Stage 1: one :class:`FullGradBucket` per bucket, launched in bucket order as backward
+    completes them, as stage 2 and DDP do. The full gradients stay in ``param.grad``; the
+    reduced shards exist from their launch to the end of ``step()``."""
+
+    def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
+                 precision: MixedPrecision, ops: OpSet) -> None:
+        direct = not policy.uses_reduce_pool(precision.param_dtype, precision.reduce_dtype)
+        pool = None if direct else _pool(policy, buckets, comm, precision)
+        super().__init__([FullGradBucket(b, pool, comm, ops, precision.param_dtype)
+                          for b in buckets], pool)
+        self._comm = comm
+        for b in self.buckets:
+            b.attach(zero_foreign=True)
+
+    @property
+    def grads(self) -> List[torch.Tensor]:
+        """The flat gradient buffer of each bucket."""
+        return [b.grad for b in self.buckets]
+
+    def held_grads(self) -> List[torch.Tensor]:
+        return self.grads
+
+    def _settle(self) -> List[Optional[torch.Tensor]]:
+        """Wait for every reduction; take the shards; start a new round."""
+        for b in self.buckets:
+            b.wait()
+        self.order.drain()
+        self.order.new_round()
+        return [b.take() for b in self.buckets]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # param.grad stays a view of the flat buffer either way (zeros): backward accumulates
         # straight into the bucket layout.
-        self._drain()  # no reduction may read a buffer while it is zeroed
-        self._forget()
-        for g in self.grads:
-            g.zero_()
-        self._attach(zero_foreign=True)
-
-    def _forget(self) -> None:
-        self._shards = [None] * len(self._buckets)
-        self._launched = [None] * len(self._buckets)
-        self._reset_round()
+        self._settle()  # no reduction may read a buffer while it is zeroed
+        for b in self.buckets:
+            b.grad.zero_()
+            b.attach(zero_foreign=True)
 
     def finish(self) -> Tuple[List[torch.Tensor], float]:
         """Launch every bucket whose reduction is missing or stale, in order, wait for all.
@@ -224,98 +262,103 @@ class FullGradReducer:
             still to apply (N where the sum was not pre-divided, else 1). They are the
             caller's now: the reducer forgets them, so they live until the step drops them.
         """
-        self._attach(zero_foreign=False)
-        for bi in range(len(self._buckets)):
-            self._launch(bi)
-        self._drain()
-        shards = list(self._shards)
-        self._forget()
-        return shards, (float(num_averaged(self._comm)) if self._direct else 1.0)
-
-    def held_grads(self) -> List[torch.Tensor]:
-        return list(self.grads)
-
-    def held_buffers(self) -> List[torch.Tensor]:
-        return list(self._pool.buffers) if self._pool is not None else []
-
-    def take_buffer_peak(self) -> int:
-        return self._pool.take_peak() if self._pool is not None else 0
+        for b in self.buckets:
+            b.attach(zero_foreign=False)
+            b.launch()
+        return self._settle(), (float(num_averaged(self._comm)) if self.pool is None else 1.0)
 
 
-class ShardedGradReducer:
-    """Stage 2: a post-accumulate-grad hook packs each gradient (times 1/N, cast to the reduce
-    dtype) into its bucket's pooled reduce buffer as backward produces it and frees the full
-    gradient (``param.grad = None``); a bucket whose gradients are all packed starts its async
-    reduce-scatter at once, in bucket order (every rank issues the same collectives in the same
-    order), while backward goes on. The reduced shard is added into a persistent fp32 gradient
-    shard per bucket, the only gradient memory held between steps.
+class GradBucket(_Bucket):
+    """A bucket of stage 2, or one flat unit's gradients at stage 3: its hook on each
+    parameter packs the gradient (times 1/N, cast to the reduce dtype) into the bucket's
+    pooled reduce buffer as backward produces it and frees the full gradient (``param.grad =
+    None``); once all are packed (and every bucket before it launched: every rank issues the
+    same collectives in the same order) it starts its async reduce-scatter while backward goes
+    on, and hands the reduced shard to the grad sink (``sink.accumulate(unit.index, shard)``).
+
+    [Note: the per-gradient pack] The hook runs once per gradient per step (dozens to
+    thousands of times): it calls the optimizer's OpSet (backend chosen once) with each
+    gradient's offset list built here once. On CPU with the C++ backend, OpSet's copy ops
+    check their arguments natively (ops/_fast.py) before the copy, which measured faster than
+    calling the backend function directly with the checks skipped in Python (1.1 vs 1.4 us at
+    256 elements, 2.7 vs 3.3 us at 16K, one thread).
+
+    Args:
+        unit: the flat unit.
+        pool: the shared reduce pool.
+        ops: the optimizer's OpSet.
+        scale: 1/N (all N ranks, also with hybrid sharding).
+        sink: the :class:`GradSink`.
+        hooks: install the hook on each parameter (stage 2); False: the unit's owner calls
+            :meth:`on_grad` from its own hook (stage 3's ``GatherUnit``).
+    """
+
+    def __init__(self, unit: FlatParamUnit, pool: ReducePool, ops: OpSet, scale: float,
+                 sink: "GradSink", hooks: bool = True) -> None:
+        super().__init__(unit, pool)
+        self._ops, self._scale, self._sink = ops, scale, sink
+        self._offsets = [[o] for o in unit.layout.offsets[:len(unit.params)]]
+        if hooks:
+            hook_grads(self, unit.params, "on_grad")
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        if not self.sync or p.grad is None:
+            return
+        pi = self._member[id(p)]
+        if self.seen(pi):
+            # A second gradient for a parameter this round (two backwards, some parameter
+            # unused in the first): close the round, start a new one.
+            self._order().flush()
+        self._pack(pi, p)
+        self.add(pi)
+
+    def _pack(self, pi: int, p: torch.Tensor) -> None:
+        g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+        self._ops.bucket_pack([g], self.buffer(), self._offsets[pi], scale=self._scale)
+        p.grad = None
+        self.members.add(pi)
+
+    def pack_held(self) -> None:
+        """Gradients still held (``no_sync`` micro-steps, parameters whose hook has not run)."""
+        for pi, p in enumerate(self.unit.params):
+            if p.grad is not None and pi not in self.members:
+                self._pack(pi, p)
+
+    def reduced(self, shard: torch.Tensor):
+        return self._sink.accumulate(self.unit.index, shard)
+
+    def holds_grads(self) -> bool:
+        return any(p.grad is not None for p in self.unit.params)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for p in self.unit.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:  # a full gradient held (no_sync): zeros, as torch's zero_grad(False)
+                p.grad.detach_()
+                p.grad.zero_()
+
+
+class ShardedGradReducer(_Reducer):
+    """Stages 2-3: one :class:`GradBucket` per bucket (stage 3: per unit's flat, in backward
+    order). The reduced shards go to the grad sink, whose fp32 shard per bucket is the only
+    gradient memory held between steps. The pool holds one open (partly filled) bucket per
+    param group beyond two (one may wait for an earlier one: see plan_buckets); at stage 3 it
+    holds its buffers only while gradients are in flight ([Note: transient reduce buffers]).
+
+    Args:
+        hooks: install each bucket's gradient hooks (stage 2); stage 3's GatherUnits install
+            their own and call the buckets (see [Note: stage-3 gather schedule]).
     """
 
     def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
                  precision: MixedPrecision, ops: OpSet,
-                 grad_sink: Optional["GradSink"] = None) -> None:
-        self.sync = True
-        self._buckets = list(buckets)
-        self._comm = comm
-        self._ops = ops
-        dev = buckets[0].device
+                 grad_sink: Optional["GradSink"] = None, hooks: bool = True) -> None:
         self.sink = grad_sink if grad_sink is not None else DeviceGradShards(buckets)
-        self._where: Dict[int, Tuple[int, int]] = {
-            id(p): (b.index, i) for b in buckets for i, p in enumerate(b.params)}
-        # [Note: the per-gradient pack] The hook runs once per gradient per step (dozens to
-        # thousands of times): it calls the optimizer's OpSet (backend chosen once) with each
-        # gradient's offset list built here once. On CPU with the C++ backend, OpSet's copy
-        # ops check their arguments natively (ops/_fast.py) before the copy, which measured
-        # faster than calling the backend function directly with the checks skipped in Python
-        # (1.1 vs 1.4 us at 256 elements, 2.7 vs 3.3 us at 16K, one thread).
-        self._offsets = [[[o] for o in b.layout.offsets[:len(b.params)]] for b in buckets]
-        self._scale = 1.0 / num_averaged(comm)  # all N ranks, also with hybrid sharding
-        # One open (partly filled) bucket per group can wait for an earlier one: see
-        # plan_buckets. More buffers than that, or than buckets, would only hold memory.
-        # The hooks (and the reduce-scatter's callback) hold the reducer weakly and go away
-        # with it, so a dropped optimizer leaves no hooks (and no buffers) behind on the model.
-        this = weakref.ref(self)
-
-        def on_reduced(bi: int, shard: torch.Tensor):
-            return this().sink.accumulate(bi, shard)
-
-        num_groups = len({b.group_index for b in buckets})
-        self._rs = BucketedReduceScatter(
-            comm, [b.layout.padded_numel for b in buckets], [b.shard_slice for b in buckets],
-            [len(b.params) for b in buckets], precision.reduce_dtype, dev,
-            policy.num_reduce_buffers(len(buckets), num_groups), on_reduced,
-            transient_buffers=not policy.holds_reduce_buffers)
-        _hook_params(self, buckets)
-
-    def _hook(self, p: torch.Tensor) -> None:
-        if not self.sync or p.grad is None:
-            return
-        bi, pi = self._where[id(p)]
-        if self._rs.seen(bi, pi):
-            # A second gradient for a parameter this round (two backwards, some parameter
-            # unused in the first): close the round, start a new one.
-            self._flush_round()
-        self._pack(bi, pi)
-        self._rs.complete(bi, pi)
-
-    def _pack(self, bi: int, pi: int) -> None:
-        b = self._buckets[bi]
-        p = b.params[pi]
-        g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-        self._ops.bucket_pack([g], self._rs.buffer(bi), self._offsets[bi][pi],
-                              scale=self._scale)
-        p.grad = None
-        self._rs.mark(bi, pi)
-
-    def _pack_held(self, bi: int) -> None:
-        for pi, p in enumerate(self._buckets[bi].params):
-            if p.grad is not None and not self._rs.is_done(bi, pi):
-                self._pack(bi, pi)
-
-    def _flush_round(self) -> None:
-        """Launch every bucket not launched this round, packing gradients still held (from
-        ``no_sync`` micro-steps, or parameters whose hook has not run)."""
-        self._rs.flush(self._pack_held)
+        pool = _pool(policy, buckets, comm, precision)
+        scale = 1.0 / num_averaged(comm)
+        super().__init__([GradBucket(b, pool, ops, scale, self.sink, hooks) for b in buckets],
+                         pool)
 
     def finish(self) -> Tuple[List[torch.Tensor], float]:
         """Launch what backward left, wait for everything in flight.
@@ -323,76 +366,48 @@ class ShardedGradReducer:
         Returns:
             the fp32 gradient shard per bucket ([shard_numel], already divided by N) and 1.0.
         """
-        if self._rs.round_started() or any(p.grad is not None for b in self._buckets
-                                            for p in b.params):
-            self._flush_round()
-        self._rs.drain()
+        if self.order.started() or any(b.holds_grads() for b in self.buckets):
+            self.order.flush()
+        self.order.drain()
         return self.sink.collect(), 1.0
 
-    @property
-    def shards(self) -> List[torch.Tensor]:
-        """The gradient shards where the sink keeps them (device or host)."""
-        return self.sink.shards
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._rs.discard()
+        self.order.discard()
         self.sink.reset()
-        for b in self._buckets:
-            for p in b.params:
-                if set_to_none or p.grad is None:
-                    p.grad = None
-                else:  # a full gradient held (no_sync): zeros, as torch's zero_grad(False)
-                    p.grad.detach_()
-                    p.grad.zero_()
+        for b in self.buckets:
+            b.zero_grad(set_to_none)
 
     def held_grads(self) -> List[torch.Tensor]:
         """Gradient storage on the device (a host sink reports its own, see ``update.py``)."""
         return list(self.sink.shards) if self.sink.on_device else []
 
-    def held_buffers(self) -> List[torch.Tensor]:
-        return self._rs.buffers
 
-    def take_buffer_peak(self) -> int:
-        return self._rs.take_peak_bytes()
-
-
-def _hook_params(reducer, buckets: Sequence[FlatParamUnit]) -> None:
-    """A post-accumulate-grad hook on every parameter of ``buckets`` that calls
-    ``reducer._hook(p)``. The hooks hold the reducer weakly and are removed when it is
-    collected, so a dropped optimizer leaves no hooks behind on the model."""
-    this = weakref.ref(reducer)
-
-    def hook(p: torch.Tensor) -> None:
-        alive = this()
-        if alive is not None:
-            alive._hook(p)
-
-    handles = [p.register_post_accumulate_grad_hook(hook) for b in buckets for p in b.params]
-    weakref.finalize(reducer, _remove_all, handles)
+def _pool(policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
+          precision: MixedPrecision) -> ReducePool:
+    """The reduce pool of ``buckets``: the registry's number of buffers of the largest one,
+    kept between steps or not as the stage says ([Note: transient reduce buffers])."""
+    return ReducePool(comm, max(b.layout.padded_numel for b in buckets), precision.reduce_dtype,
+                      buckets[0].device, policy.num_reduce_buffers(
+                          len(buckets), len({b.group_index for b in buckets})),
+                      transient=not policy.holds_reduce_buffers)
 
 
-def _remove_all(handles) -> None:
-    for h in handles:
-        h.remove()
-
-
-# Stage 3 reduces exactly as stage 2, over its units (blocks, in backward order) instead of
-# buckets; freeing the gathered parameters is the gather schedule's (zero/stage3.py).
 GRAD_REDUCERS = {1: FullGradReducer, 2: ShardedGradReducer, 3: ShardedGradReducer}
 
 
 def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm: Comm,
                       precision: MixedPrecision, ops: OpSet,
                       grad_sink: Optional[GradSink] = None) -> GradReducer:
-    """The gradient strategy of ``policy``'s stage (``GRAD_REDUCERS``; stage 3 registers its
-    own). ``grad_sink``: where reduced shards go (the update strategy's, for offload); only
-    the stages that shard gradients take one."""
+    """The gradient strategy of ``policy``'s stage (``GRAD_REDUCERS``). ``grad_sink``: where
+    reduced shards go (the update strategy's, for offload); only the stages that shard
+    gradients take one. A stage that shards parameters reduces over its units' flats with the
+    hooks left to its units (``GatherSchedule`` binds them)."""
     if policy.stage not in GRAD_REDUCERS:
         raise ValueError(f"no gradient strategy for stage {policy.stage} (have "
                          f"{tuple(GRAD_REDUCERS)})")
-    if grad_sink is None:
-        return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops)
-    if not policy.shards_grads:
+    if grad_sink is not None and not policy.shards_grads:
         raise ValueError(f"{policy.name} keeps full gradients until step(): it takes no "
                          f"grad_sink (offload needs a stage that shards gradients)")
-    return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops, grad_sink=grad_sink)
+    extra = {} if not policy.shards_grads else {"grad_sink": grad_sink,
+                                                "hooks": not policy.shards_params}
+    return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops, **extra)

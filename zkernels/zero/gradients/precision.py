@@ -51,11 +51,6 @@ class MixedPrecision:
         return cls(param_dtype or torch.float32, reduce_dtype or torch.float32)
 
     @property
-    def has_master(self) -> bool:
-        """Whether an fp32 master shard exists apart from the compute parameters."""
-        return self.param_dtype != torch.float32
-
-    @property
     def needs_loss_scaling(self) -> bool:
         """fp16 gradients underflow without a loss scale; bf16 and fp32 do not need one."""
         return self.param_dtype == torch.float16

@@ -1,9 +1,13 @@
-"""Stage 3's parameter schedule: module hooks that gather each unit just in time (one
+"""Stage 3's units and their schedule: module hooks that gather each unit just in time (one
 all-gather per flat unit, the next one prefetched) and free it as soon as it is not needed.
 
 [Note: stage-3 gather schedule]
-Units come from ``unit_plan.py``; each is one or more FlatParamUnits (one per param group,
-usually one) whose gather policy is :class:`~zkernels.zero.parameters.units.ShardedParams`.
+Units come from ``unit_plan.py``; each :class:`GatherUnit` is one or more FlatParamUnits (one
+per param group, usually one, and its frozen ones) whose gather policy is
+:class:`~zkernels.zero.parameters.units.ShardedParams`. The unit owns its step, as FSDP2's
+``FSDPParamGroup`` does: it gathers (start, wait), frees, and hooks its own parameters; the
+:class:`GatherSchedule` only decides when (order, prefetch, the path check, ``gathered()``'s
+pins, the end of backward).
 
 - Forward: a unit's forward pre-hook gathers it (waiting for a prefetch in flight) and
   prefetches the unit predicted to run next (the order of the previous forward, module order
@@ -18,11 +22,13 @@ usually one) whose gather policy is :class:`~zkernels.zero.parameters.units.Shar
   the first gradient reaches them, before the unit's backward, and gathers the unit (and
   prefetches the unit predicted next in backward order: the previous backward's, or the
   reversed forward order). The first one of a backward queues an end-of-backward callback on
-  the autograd engine. A post-accumulate-grad hook on every parameter (registered after the
-  gradient strategy's, which packs and reduce-scatters) counts the unit's gradients; when all
-  are in, no node of the graph needs the unit's parameters any more (a node that saved a
-  parameter computes that parameter's gradient), so the unit is freed. The end-of-backward
-  callback frees every unit still gathered (unused parameters, ``no_sync``).
+  the autograd engine. The unit's one post-accumulate-grad hook on each trainable parameter
+  hands the gradient to its flat's gradient bucket (``grad_reducers.GradBucket``: pack into
+  the reduce buffer, reduce-scatter once the flat's gradients are all in, hand the shard to
+  the state side), then counts it; when all are in, no node of the graph needs the unit's
+  parameters any more (a node that saved a parameter computes that parameter's gradient), so
+  the unit frees itself. The end-of-backward callback frees every unit still gathered (unused
+  parameters, ``no_sync``).
 - Activation checkpointing re-runs forwards inside backward: while a backward runs, forward
   hooks gather but never free and register nothing (reentrant checkpointing recomputes under
   ``enable_grad`` and then runs a nested backward: the gradient count frees the unit).
@@ -70,11 +76,14 @@ from ...comm.base import CollectiveError, Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
 from ..planning.unit_plan import ROOT_NAME, plan_units
-from .units import FlatParamUnit, build_frozen_unit, build_sharded_unit, frozen_compute_dtype
+from .units import (FlatParamUnit, build_frozen_unit, build_sharded_unit, frozen_compute_dtype,
+                    hook_grads, remove_hooks)
 
 
 class GatherUnit:
-    """One stage-3 unit: a module and its FlatParamUnits (one per param group)."""
+    """One stage-3 unit: a module and its FlatParamUnits (one per param group, and its frozen
+    ones). It owns its step ([Note: stage-3 gather schedule]): gathers, frees, and hooks its
+    own parameters; the schedule decides when."""
 
     def __init__(self, name: str, module: nn.Module, flats: Sequence[FlatParamUnit]) -> None:
         self.name = name
@@ -91,11 +100,96 @@ class GatherUnit:
         self.active = 0             # forwards running (a module may call itself)
         self.keep_for_backward = False
         self.accumulated: set = set()
+        self._bucket_of: dict = {}  # id(param) -> its flat's gradient bucket
 
     @property
     def allocated(self) -> bool:
         """Full buffers allocated (gathered, or a gather in flight)."""
         return any(f.gather.full is not None for f in self.flats)
+
+    @property
+    def to_gather(self) -> int:
+        """Flats whose full buffer a gather would allocate now."""
+        return sum(f.gather.full is None for f in self.flats)
+
+    @property
+    def grads_pending(self) -> bool:
+        return len(self.accumulated) < len(self.param_ids)
+
+    @property
+    def needs_backward(self) -> bool:
+        """A node of backward may still read the unit's parameters."""
+        return self.grads_pending or self.input_hooks > 0
+
+    def start(self, comm: Comm) -> List[Handle]:
+        """Start gathering every flat not gathered (collective)."""
+        return [f.gather.ensure_gathered(comm, tag=f"unit {self.name}") for f in self.flats]
+
+    def wait(self, handles: List[Handle]) -> None:
+        try:
+            for h in handles:
+                h.wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
+            raise _with_unit(exc,
+                f"stage 3: the all-gather of unit {self.name!r} failed ({exc}). Every rank must "
+                f"run the same units in the same order: a rank whose forward or backward takes "
+                f"another path (skips or repeats a unit, stops early) leaves the others "
+                f"waiting") from exc
+
+    def free(self) -> None:
+        """Release the full buffers (and a secondary chunk), unless ``gathered()`` pins it."""
+        if self.pins == 0:
+            for f in self.flats:
+                f.gather.free()
+                f.gather.drop_secondary()
+        self.keep_for_backward = False
+
+    def install_hooks(self, buckets: Sequence) -> None:
+        """Hook each trainable parameter (its gradient goes to its flat's bucket, among
+        ``buckets``) and, with frozen parameters, the forward's inputs. Held weakly."""
+        mine = {id(f) for f in self.flats}
+        for b in buckets:
+            if id(b.unit) in mine:
+                self._bucket_of.update((id(p), b) for p in b.unit.params)
+        hook_grads(self, [p for f in self.flats if not f.frozen for p in f.params], "_on_grad")
+        if self.frozen_ids:
+            this = weakref.ref(self)
+            weakref.finalize(self, remove_hooks, [self.module.register_forward_pre_hook(
+                lambda m, args, kwargs: this() and this().watch_inputs(args, kwargs),
+                with_kwargs=True)])
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        bucket = self._bucket_of.get(id(p))
+        if bucket is not None:
+            bucket.on_grad(p)  # pack, and launch once the flat's gradients are all in
+        self.accumulated.add(id(p))
+        if not self.needs_backward and self.active == 0:
+            self.free()
+
+    def watch_inputs(self, args, kwargs) -> None:
+        """A unit holding frozen parameters: count its forward's inputs' gradients (see
+        [Note: stage-3 gather schedule])."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = _grad_tensors(list(args)) + _grad_tensors(dict(kwargs or {}))
+        if not tensors:
+            return
+        self.input_hooks += 1
+        this = weakref.ref(self)
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda g: this() and this()._on_input_grad(), mode="all")
+
+    def _on_input_grad(self) -> None:
+        if self.input_hooks == 0:  # a hook of a backward already closed
+            return
+        self.input_hooks -= 1
+        if not self.needs_backward and self.active == 0:
+            self.free()
+
+    def end_backward(self) -> None:
+        self.accumulated.clear()
+        self.keep_for_backward = False
+        self.input_hooks = 0
 
 
 class _Order:
@@ -134,11 +228,15 @@ def _grad_tensors(out) -> List[torch.Tensor]:
 
 
 class GatherSchedule:
-    """The hooks of [Note: stage-3 gather schedule] on one model.
+    """The module hooks of [Note: stage-3 gather schedule] on one model: when each unit
+    gathers and frees (order, prefetch, the path check, pins, the end of backward); the units
+    do it.
 
     Args:
         units: the GatherUnits in module order, the root last.
         comm: the collectives (metered).
+        grad_buckets: the gradient strategy's buckets (``grad_reducers.GradBucket``, one per
+            trainable flat); each unit binds its own and hooks its parameters.
         reshard_after_forward: free a unit after its forward (True) or keep it for backward
             (False), or an int R: keep a chunk over R ranks for backward ([Note: secondary
             shards] in ``secondary.py``; the units' gather policies hold them).
@@ -149,7 +247,8 @@ class GatherSchedule:
     """
 
     def __init__(self, units: Sequence[GatherUnit], comm: Comm, reshard_after_forward: bool,
-                 limit_bytes: Optional[int] = None, check_paths: bool = True) -> None:
+                 limit_bytes: Optional[int] = None, check_paths: bool = True,
+                 grad_buckets: Sequence = ()) -> None:
         self.units = list(units)
         self._keys_only = 0  # > 0 inside sharded_state_dict_keys()
         self.check_paths = bool(check_paths) and comm.world_size > 1
@@ -175,9 +274,6 @@ class GatherSchedule:
         def post(u):
             return lambda m, args, out: this() and this()._post_forward(u, out)
 
-        def on_grad(u):
-            return lambda p: this() and this()._on_grad(u, p)
-
         def state_dict_check(module, prefix, keep_vars):
             if this() is not None:
                 this()._check_state_dict()
@@ -186,14 +282,8 @@ class GatherSchedule:
         for u in self.units:
             handles.append(u.module.register_forward_pre_hook(pre(u)))
             handles.append(u.module.register_forward_hook(post(u), always_call=True))
-            for f in u.flats:
-                if not f.frozen:
-                    handles.extend(p.register_post_accumulate_grad_hook(on_grad(u))
-                                   for p in f.params)
-            if u.frozen_ids:
-                handles.append(u.module.register_forward_pre_hook(
-                    _input_hook(this, u), with_kwargs=True))
-        weakref.finalize(self, _remove_all, handles)
+            u.install_hooks(grad_buckets)
+        weakref.finalize(self, remove_hooks, handles)
 
     # -- gathering --------------------------------------------------------------------------
 
@@ -229,9 +319,6 @@ class GatherSchedule:
                 f"different lengths, diverges); gather the model once with opt.gathered() "
                 f"around such loops")
 
-    def _check_same_unit(self, u: GatherUnit) -> None:
-        self._check_same_point(self._index[id(u)], u.flats[0].device)
-
     def check_step(self) -> None:
         """Before ``step()``'s collectives: a rank that skipped a backward (or a forward) would
         otherwise meet its peers' backward gathers with its reduce-scatters ([Note: divergent
@@ -242,30 +329,16 @@ class GatherSchedule:
                 self._check_same_point(len(self.units), device)
 
     def _start(self, u: GatherUnit) -> List[Handle]:
-        handles = []
-        fresh = any(f.gather.full is None for f in u.flats)
+        fresh = u.to_gather
         if fresh and self.check_paths:
-            self._check_same_unit(u)
-        for f in u.flats:
-            if f.gather.full is None:
-                self.gathers += 1
-            handles.append(f.gather.ensure_gathered(self.comm, tag=f"unit {u.name}"))
+            self._check_same_point(self._index[id(u)], u.flats[0].device)
+        self.gathers += fresh
+        handles = u.start(self.comm)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return handles
 
-    def _wait(self, u: GatherUnit, handles: List[Handle]) -> None:
-        try:
-            for h in handles:
-                h.wait()
-        except Exception as exc:  # noqa: BLE001 - re-raised with the unit's name
-            raise _with_unit(exc,
-                f"stage 3: the all-gather of unit {u.name!r} failed ({exc}). Every rank must run "
-                f"the same units in the same order: a rank whose forward or backward takes "
-                f"another path (skips or repeats a unit, stops early) leaves the others "
-                f"waiting") from exc
-
     def gather(self, u: GatherUnit) -> None:
-        self._wait(u, self._start(u))
+        u.wait(self._start(u))
 
     def _prefetch(self, u: Optional[GatherUnit]) -> None:
         if u is None or u.allocated or not u.flats:
@@ -273,18 +346,10 @@ class GatherSchedule:
         if self.live_bytes(transient_only=True) + u.nbytes <= self.limit_bytes:
             self._start(u)
 
-    def free(self, u: GatherUnit) -> None:
-        if u.pins == 0:
-            for f in u.flats:
-                f.gather.free()
-                if self.reshard_to is not None:
-                    f.gather.drop_secondary()
-        u.keep_for_backward = False
-
     def free_all(self) -> None:
         for u in self.units:
             if u.allocated and u.active == 0:
-                self.free(u)
+                u.free()
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -319,12 +384,12 @@ class GatherSchedule:
                 for f in u.flats:   # backward gathers from the secondary group
                     f.gather.reshard()
             else:
-                self.free(u)
+                u.free()
         if u.is_root and u.active == 0:
             self._fwd.end()
             for v in self.units:  # prefetched but not run: nothing stays gathered
                 if v.allocated and v.active == 0 and not v.keep_for_backward:
-                    self.free(v)
+                    v.free()
 
     def _pre_backward(self, u: GatherUnit) -> None:
         if not self._in_backward:
@@ -336,45 +401,16 @@ class GatherSchedule:
             else:
                 self._bwd.begin()
         nxt = self._bwd.observe(u)
-        if u.flats and (u.frozen_ids or len(u.accumulated) < len(u.param_ids)):
+        if u.flats and (u.frozen_ids or u.grads_pending):
             self.gather(u)
-        if nxt is not None and self._needs_backward(nxt):
+        if nxt is not None and nxt.needs_backward:
             self._prefetch(nxt)
-
-    @staticmethod
-    def _needs_backward(u: GatherUnit) -> bool:
-        return len(u.accumulated) < len(u.param_ids) or u.input_hooks > 0
-
-    def _on_grad(self, u: GatherUnit, p: torch.Tensor) -> None:
-        u.accumulated.add(id(p))
-        if not self._needs_backward(u) and u.active == 0:
-            self.free(u)
-
-    def _watch_inputs(self, u: GatherUnit, args, kwargs) -> None:
-        """A unit holding frozen parameters: count its forward's inputs' gradients (see
-        [Note: stage-3 gather schedule])."""
-        if not torch.is_grad_enabled():
-            return
-        tensors = _grad_tensors(list(args)) + _grad_tensors(dict(kwargs or {}))
-        if not tensors:
-            return
-        u.input_hooks += 1
-        this = weakref.ref(self)
-        torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda g: this() and this()._on_input_grad(u), mode="all")
-
-    def _on_input_grad(self, u: GatherUnit) -> None:
-        u.input_hooks -= 1
-        if not self._needs_backward(u) and u.active == 0 and self._in_backward:
-            self.free(u)
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self._bwd.end()
         for u in self.units:
-            u.accumulated.clear()
-            u.keep_for_backward = False
-            u.input_hooks = 0
+            u.end_backward()
         self.free_all()
 
     @contextlib.contextmanager
@@ -409,14 +445,14 @@ class GatherSchedule:
         try:
             pending = [(u, self._start(u)) for u in units]
             for u, hs in pending:
-                self._wait(u, hs)
+                u.wait(hs)
             yield
         finally:
             for u in units:
                 u.pins -= 1
                 if u.pins == 0 and u.active == 0 and not u.keep_for_backward \
                         and not self._in_backward:
-                    self.free(u)
+                    u.free()
 
     def close_step(self) -> dict:
         """This step's gather counters (then reset)."""
@@ -491,15 +527,6 @@ def build_frozen_flats(specs, names: dict, world_size: int, rank: int, align: in
             index += 1
         out[id(spec.module)] = mine
     return out
-
-
-def _input_hook(this, u: GatherUnit):
-    return lambda m, args, kwargs: this() and this()._watch_inputs(u, args, kwargs)
-
-
-def _remove_all(handles) -> None:
-    for h in handles:
-        h.remove()
 
 
 def _with_unit(exc: Exception, message: str) -> Exception:

@@ -21,13 +21,16 @@ side only:
   host or NVMe with offload), receives the reduced gradient shard per unit, and writes the
   updated compute shard back into the unit's ``compute_shard``. In pure fp32 the master *is*
   the unit's compute shard (a view: no extra memory).
-- the gradient strategy (``grad_reducers.py``) owns gradient storage and reduce buffers.
+- the gradient strategy (``grad_reducers.py``) owns gradient storage and reduce buffers: one
+  bucket object per flat unit (or, at stage 3, per unit's trainable flat, called by the
+  unit's :class:`~zkernels.zero.parameters.stage3.GatherUnit`) that owns its gradients' step.
 
 ``ZeroOptimizer`` composes them: units + gradient strategy + update strategy, and the gather
 policy's ``publish`` after each unit's update.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -310,6 +313,26 @@ def param_names(model: nn.Module) -> Dict[int, Tuple[str, Tuple[str, ...]]]:
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     return {k: (v[0], tuple(v[1:])) for k, v in names.items()}
+
+
+def hook_grads(owner, params: Sequence[torch.Tensor], method: str) -> None:
+    """A post-accumulate-grad hook on each of ``params`` that calls ``owner.<method>(p)``. The
+    hooks hold ``owner`` weakly and are removed when it is collected, so a dropped optimizer
+    leaves no hooks behind on the model."""
+    this = weakref.ref(owner)
+
+    def hook(p: torch.Tensor) -> None:
+        alive = this()
+        if alive is not None:
+            getattr(alive, method)(p)
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    weakref.finalize(owner, remove_hooks, handles)
+
+
+def remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 def build_replicated_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
