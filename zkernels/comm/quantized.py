@@ -65,6 +65,7 @@ Checked against the DeepSpeed installed here (0.19.8: ``runtime/zero/partition_p
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -325,3 +326,50 @@ def check_quantize_args(quantize_grads, quantize_weights, quantize_block, comm_b
                              f"the native NCCL engine (comm_backend='nccl', fp32/bf16/fp16 "
                              f"only) does not move: use comm_backend='torch'")
     return grad_bits, weight_bits
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """``ZeroOptimizer``'s quantization options, checked (see [Note: quantized reduce-scatter]
+    and [Note: quantized all-gather]).
+
+    Attributes:
+        grads: None, ``"int8"`` or ``"int4"``; weights: None or ``"int8"``; block: elements
+            per fp32 scale.
+    """
+
+    grads: Optional[str]
+    weights: Optional[str]
+    block: int
+    grad_bits: Optional[int]
+    weight_bits: Optional[int]
+
+    @classmethod
+    def build(cls, quantize_grads, quantize_weights, quantize_block, comm_backend: str,
+              device) -> "Quantization":
+        """Check the options (see :func:`check_quantize_args`)."""
+        grad_bits, weight_bits = check_quantize_args(quantize_grads, quantize_weights,
+                                                     quantize_block, comm_backend, device)
+        return cls(quantize_grads, quantize_weights, quantize_block, grad_bits, weight_bits)
+
+    def check_stage(self, stage: int, gathers_params: bool) -> None:
+        """Raises ValueError for ``quantize_weights`` at a stage that keeps parameters
+        whole."""
+        if self.weight_bits is not None and not gathers_params:
+            raise ValueError(f"quantize_weights={self.weights!r} applies to stage 3 (the "
+                             f"stage that gathers parameters before use); stage {stage} "
+                             f"keeps them whole and its post-update all-gather exact")
+
+    def grad_comm(self, comm: Comm, ops) -> Comm:
+        """The gradient strategies' comm: ``comm`` with quantized reduce-scatters, or
+        ``comm`` itself."""
+        if self.grad_bits is None:
+            return comm
+        return quantize_grads_comm(comm, ops, self.grad_bits, self.block)
+
+    def gather_comm(self, comm: Comm, ops) -> Comm:
+        """Stage 3's parameter-gather comm: ``comm`` with quantized all-gathers, or
+        ``comm`` itself."""
+        if self.weight_bits is None:
+            return comm
+        return QuantizedWeightComm(comm, ops, self.block)

@@ -20,63 +20,45 @@ import torch.nn as nn
 
 from .. import ops as _ops
 from ..comm import VolumeMeter, make_metered_comm
-from ..comm.hybrid import HybridComm, is_device_mesh
-from ..comm.quantized import QuantizedWeightComm, check_quantize_args, quantize_grads_comm
+from ..comm.hybrid import HybridComm
+from ..comm.quantized import Quantization
 from .state import state_dict as _state
-from .planning.auto import resolve_auto_placement
-from .planning.buckets import align_numel, bucket_capacities, plan_buckets
-from .gradients.clip import StepScale
+from .planning.auto import resolve_rung
+from .gradients.clip import StepScale, check_max_grad_norm
 from .gradients.grad_reducers import make_grad_reducer
 from .gradients.nonfinite import NonFiniteGradientError, check_policy
+from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
+from .parameters.build import build_parameter_side
+from .parameters.groups import build_param_groups
 from .parameters.param_wait import ParamGatherWaiter
-from .parameters.groups import frozen_params, resolve_param_groups
-from .planning.policy import STAGES, check_reshard_after_forward, implemented_stages
-from .gradients.precision import LossScaleConfig, LossScaler, MixedPrecision
-from .stats import memory_by_location
-from .parameters.secondary import SecondaryShard, secondary_comm
-from .parameters.stage3 import GatherSchedule, build_units
-from .parameters.units import build_replicated_unit, param_names
+from .parameters.secondary import attach_secondary_shards
+from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
+from .planning.policy import (STAGES, check_parameter_schedule, check_stage_arguments,
+                              resolve_stage as _resolve_stage)
+from .stats import memory_by_location
 from .state.placement import (check_offload_args, check_offload_params, check_offload_stage,
                               make_engine)
 
 
 def resolve_stage(stage) -> int:
     """An explicit ZeRO stage, one the registry (``policy.STAGES``) marks implemented.
-    ``"auto"`` is resolved by the constructor once the world size is known (``auto.py``).
 
     Raises:
-        ValueError: not an implemented stage (the message says when a known stage is not
-            available in this version).
+        ValueError: not an implemented stage, or ``"auto"`` (resolved by the constructor).
     """
-    implemented = implemented_stages()
-    if isinstance(stage, bool) or stage not in implemented:
-        known = (not isinstance(stage, bool) and isinstance(stage, int) and stage in STAGES
-                 and stage > 0)
-        extra = f" (stage {stage} is not available in this version)" if known else ""
-        raise ValueError(f"stage must be one of {implemented} or 'auto', got {stage!r}{extra}")
-    return int(stage)
+    if isinstance(stage, str) and stage == "auto":
+        raise ValueError("stage='auto' is resolved by ZeroOptimizer once the world size is "
+                         "known; resolve_stage takes an explicit stage")
+    return _resolve_stage(stage)
 
 
-def _number(where: str, name: str, value) -> float:
+def _ops_for(device: torch.device, ops_backend: Optional[str]):
+    """The :class:`~zkernels.ops.OpSet` every op goes through (``ops_backend=``)."""
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}{name} must be a number, got {value!r}") from None
-
-
-def _check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
-    lr, eps, weight_decay = (_number(where, n, v) for n, v in
-                             (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)))
-    if not float(lr) >= 0.0:
-        raise ValueError(f"{where}lr must be >= 0, got {lr}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(0.0 <= float(b) < 1.0 for b in betas)):
-        raise ValueError(f"{where}betas must be a pair in [0, 1), got {betas!r}")
-    if not float(eps) >= 0.0:
-        raise ValueError(f"{where}eps must be >= 0, got {eps}")
-    if not float(weight_decay) >= 0.0:
-        raise ValueError(f"{where}weight_decay must be >= 0, got {weight_decay}")
+        return _ops.for_device(device, ops_backend, arg_name="ops_backend")
+    except RuntimeError as exc:
+        raise RuntimeError(f"ops_backend={ops_backend!r}: {exc}") from exc
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -208,173 +190,92 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
                  mesh=None, quantize_weights: Optional[str] = None,
                  quantize_grads: Optional[str] = None, quantize_block: int = 256) -> None:
-        # The registry (policy.OFFLOADS) says which kinds run; placement.py builds the update
-        # strategy of the kind asked for.
-        auto = isinstance(stage, str) and stage == "auto"
-        check_offload_args(offload, offload_dir, offload_config, auto=auto)
-        if memory_budget_bytes is not None and not auto:
-            raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
-                             f"stage={stage!r}")
-        self.stage = None if auto else resolve_stage(stage)
-        if not isinstance(reshard_after_forward, (bool, int)):
-            raise TypeError(f"reshard_after_forward must be a bool or an int, got "
-                            f"{type(reshard_after_forward).__name__}")
-        if self.stage in (1, 2) and (units is not None or not reshard_after_forward):
-            raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
-                             f"stages that shard parameters), got stage={self.stage}")
-        _check_hparams("", lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        self.precision = MixedPrecision.build(param_dtype, reduce_dtype)
-        if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
-            raise TypeError(f"loss_scale must be a LossScaleConfig or None, got "
-                            f"{type(loss_scale).__name__}")
-        if loss_scale is not None and not self.precision.needs_loss_scaling:
-            raise ValueError("loss_scale applies only to param_dtype=torch.float16")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        groups = resolve_param_groups(model, param_groups, defaults)
-        for i, g in enumerate(groups):
-            _check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"],
-                           g["weight_decay"])
+        # Each line is one decision, made by the module that owns it.
+        stage = _resolve_stage(stage)  # None for "auto"               # planning/policy.py
+        check_stage_arguments(stage, memory_budget_bytes=memory_budget_bytes, units=units,
+                              reshard_after_forward=reshard_after_forward,
+                              overlap_param_gather=overlap_param_gather)
+        check_offload_args(offload, offload_dir, offload_config, auto=stage is None)
+        groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
+                                              weight_decay)             # parameters/groups.py
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)         # gradients/clip.py
+        self.precision = MixedPrecision.build(param_dtype, reduce_dtype)  # gradients/precision
+        self.scaler = make_loss_scaler(self.precision, loss_scale)
+        self.nonfinite = check_policy(nonfinite)                        # gradients/nonfinite
         device = groups[0]["params"][0].device
-        try:
-            self.ops = _ops.for_device(device, ops_backend, arg_name="ops_backend")
-        except RuntimeError as exc:
-            raise RuntimeError(f"ops_backend={ops_backend!r}: {exc}") from exc
-        self.meter = VolumeMeter()
+        self.ops = _ops_for(device, ops_backend)                        # zkernels.ops
         # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
         # sharding is a group shape] in zkernels/comm/hybrid.py.
+        self.meter = VolumeMeter()
         self.comm = make_metered_comm(process_group, device, comm_backend, timeout, self.meter,
                                       shard_size=shard_size, mesh=mesh)
-        # ZeRO++'s qgZ: the gradient strategies talk to a comm whose reduce-scatters are
-        # quantized (every other collective passes through, exact).
-        grad_bits, weight_bits = check_quantize_args(quantize_grads, quantize_weights,
-                                                     quantize_block, comm_backend, device)
-        if grad_bits is not None:
-            self.comm = quantize_grads_comm(self.comm, self.ops, grad_bits, quantize_block)
-        self.quantize_grads, self.quantize_weights = quantize_grads, quantize_weights
-        self.quantize_block = quantize_block
-        n = self.comm.world_size
-        if auto:
-            self.stage, offload, offload_params = resolve_auto_placement(
-                [p for g in groups for p in g["params"]], world_size=n,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                memory_budget_bytes=memory_budget_bytes,
-                group=None if is_device_mesh(process_group) else process_group,
-                num_param_groups=len(groups), model=model, offload=offload,
-                offload_dir=offload_dir, offload_params=True if offload_params else None)
-            if offload != "nvme":
-                offload_dir = None   # it only offered the NVMe rungs
-            if offload is None:
-                offload_config = None
+        quant = Quantization.build(quantize_grads, quantize_weights, quantize_block,
+                                   comm_backend, device)                # comm/quantized.py
+        # ZeRO++'s qgZ: reduce-scatters quantized, every other collective exact (one comm for
+        # all, so hybrid sharding's cross-group all-reduces launch on any next collective).
+        self.comm = quant.grad_comm(self.comm, self.ops)
+        self.quantize_grads, self.quantize_weights = quant.grads, quant.weights
+        self.quantize_block = quant.block
+        # The rung: as asked, or stage="auto"'s choice (planning/auto.py).
+        self.stage, offload, offload_params, offload_dir, offload_config = resolve_rung(
+            stage, offload=offload, offload_dir=offload_dir, offload_config=offload_config,
+            offload_params=offload_params, param_groups=groups,
+            world_size=self.comm.world_size, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+            memory_budget_bytes=memory_budget_bytes, process_group=process_group, model=model)
         self.policy = STAGES[self.stage]
-        if weight_bits is not None and not self.policy.shards_params:
-            raise ValueError(f"quantize_weights={quantize_weights!r} applies to stage 3 (the "
-                             f"stage that gathers parameters before use); stage {self.stage} "
-                             f"keeps them whole and its post-update all-gather exact")
-        check_offload_stage(offload, self.policy)
+        quant.check_stage(self.stage, self.policy.shards_params)
+        check_offload_stage(offload, self.policy)                       # state/placement.py
         self.offload_params = check_offload_params(offload_params, offload, self.policy)
-        if self.policy.shards_params:
-            frozen_params(model, device)  # sharded with their unit: check them now
-        reshard_after_forward = check_reshard_after_forward(
-            reshard_after_forward, self.comm.world_size, self.policy.shards_params)
-        if not isinstance(reshard_after_forward, bool) and self.offload_params:
-            raise ValueError(f"reshard_after_forward={reshard_after_forward} keeps a device "
-                             f"copy for backward; it does not combine with offload_params=True")
-        if self.policy.shards_params and reshard_after_forward and _is_compiled(model):
-            # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
-            # forward for its backward; freeing a unit after forward and gathering it again
-            # before backward swaps their storage (an in-place change autograd's version
-            # counter rejects). Keeping units gathered from forward to backward works.
-            raise ValueError("stage=3 with a torch.compile'd model needs "
-                             "reshard_after_forward=False (a compiled graph keeps the parameters "
-                             "it saved in forward for its backward, so a unit cannot be freed "
-                             "and regathered in between)")
-        align = align_numel(self.precision.param_dtype, self.precision.reduce_dtype,
-                            torch.float32)
-        num_trainable = sum(p.numel() for p in {id(p): p for g in groups
-                                                for p in g["params"]}.values())
-        first_capacity, capacity = bucket_capacities(
-            bucket_bytes, num_trainable, self.precision.reduce_dtype, n, align,
-            pooled=self.policy.uses_reduce_pool(self.precision.param_dtype,
-                                                self.precision.reduce_dtype))
-        self.nonfinite = check_policy(nonfinite)
-        if not isinstance(overlap_param_gather, bool):
-            raise TypeError(f"overlap_param_gather must be a bool, got "
-                            f"{type(overlap_param_gather).__name__}")
-        if overlap_param_gather and self.policy.shards_params:
-            raise ValueError(f"overlap_param_gather applies to stages 1-2 (stage "
-                             f"{self.stage} gathers each unit before its forward anyway)")
+        reshard_after_forward = check_parameter_schedule(
+            self.policy, reshard_after_forward, self.comm.world_size, self.offload_params,
+            overlap_param_gather, model)                                # planning/policy.py
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
-        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        ordered = [(group_of[id(p)], p) for p in model.parameters() if id(p) in group_of]
-        names = param_names(model)
+        # Where the state lives (state/placement.py), then the units that feed it
+        # (parameters/build.py); a failure closes the engine's threads and files at once.
         self.shard_update = make_engine(
             offload, ops=self.ops, device=device, ops_backend=ops_backend,
-            offload_dir=offload_dir, rank=self.comm.rank, world_size=n,
+            offload_dir=offload_dir, rank=self.comm.rank, world_size=self.comm.world_size,
             offload_config=offload_config, offload_params=self.offload_params)
-        self.units = []
-        self.frozen_units = []  # stage 3: frozen flat units ([Note: frozen parameters ...])
-        self.schedule: Optional[GatherSchedule] = None
         try:
-            if self.policy.shards_params:
-                # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
-                self.units, gather_units = build_units(
-                    model, units, group_of, names, n, self.comm.rank, align,
-                    self.precision.param_dtype, self.ops, self.shard_update)
-                self.frozen_units = [f for g in gather_units for f in g.flats if f.frozen]
-            else:
-                for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, n, align,
-                                                               first_capacity)):
-                    unit, initial_master = build_replicated_unit(
-                        i, gi, ps, names, lay, self.comm.rank, self.precision.param_dtype,
-                        self.ops)
-                    self.shard_update.init_state(unit, initial_master)
-                    self.units.append(unit)
-                    del initial_master  # the full fp32 copy goes before the next unit is built
+            self.units, self.frozen_units, gather_units = build_parameter_side(
+                self.policy, model, self.param_groups, self.precision.param_dtype,
+                self.precision.reduce_dtype, self.comm.world_size, self.comm.rank, self.ops,
+                self.shard_update, units=units, bucket_bytes=bucket_bytes)
             if self.shard_update.resumed:
                 self.shard_update.adopt(len(self.units))
         except BaseException:
-            # Threads, open files and (unless it was a kept one) the run folder go now, not
-            # whenever the half-built optimizer is collected.
             self.shard_update.close()
             raise
         if self.shard_update.resumed:
-            # The strategy adopted a kept state and rewrote this rank's compute shards from
-            # its master: every rank's copy of the full parameters must follow. Collective at
-            # stages 1-2; at stage 3 publish only drops a stale gathered copy.
+            # The engine adopted a kept state and rewrote this rank's compute shards from its
+            # master: every rank's copy of the full parameters must follow (collective at
+            # stages 1-2; at stage 3 publish only drops a stale gathered copy).
             with torch.no_grad():
-                for h in [u.gather.publish(self.comm) for u in self.units]:
-                    h.wait()
+                self.publish(self.units)
         self._step_scale = StepScale(self.comm, self.shard_update.grad_ops, self.nonfinite,
-                                     device, self.units, model)
-        self.reducer = make_grad_reducer(self.policy, self.units, self.comm, self.precision,
-                                         self.ops, grad_sink=self.shard_update.grad_sink)
-        if self.policy.shards_params:
+                                     device, self.units, model)          # gradients/clip.py
+        self.reducer = make_grad_reducer(                               # gradients/
+            self.policy, self.units, self.comm, self.precision, self.ops,
+            grad_sink=self.shard_update.grad_sink)
+        self.schedule: Optional[GatherSchedule] = None
+        if self.policy.shards_params:                                   # parameters/stage3.py
             # Each unit hooks its parameters and calls its flats' gradient buckets; ZeRO++'s
             # qwZ quantizes the schedule's gathers ([Note: quantized all-gather]).
-            gather_comm = self.comm if weight_bits is None else QuantizedWeightComm(
-                self.comm, self.ops, quantize_block)
-            self.schedule = GatherSchedule(gather_units, gather_comm, reshard_after_forward,
-                                           check_paths=check_paths,
+            self.schedule = GatherSchedule(gather_units, quant.gather_comm(self.comm, self.ops),
+                                           reshard_after_forward, check_paths=check_paths,
                                            grad_buckets=self.reducer.buckets)
-            if not isinstance(reshard_after_forward, bool):  # [Note: secondary shards]
-                second = secondary_comm(self.comm, reshard_after_forward, device,
+            if not isinstance(reshard_after_forward, bool):             # parameters/secondary
+                attach_secondary_shards(self.units, self.comm, reshard_after_forward, device,
                                         comm_backend, timeout, self.meter)
-                for u in self.units:
-                    u.gather.secondary = SecondaryShard(
-                        second, u.layout.padded_numel, u.gather.compute_shard.dtype, device)
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
-            else None
+            else None                                                   # parameters/param_wait
+        self.module = model  # zkernels.checkpoint names parameters and buffers through it
         self._model = model
-        self.scaler = (LossScaler(loss_scale or LossScaleConfig())
-                       if self.precision.needs_loss_scaling else None)
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._model_params = list(model.parameters())
         self._device = device
-        self.module = model  # zkernels.checkpoint names parameters and buffers through it
         self._named = list(model.named_parameters())
         self._num_steps = 0
         self._overflow_skips = 0
@@ -684,11 +585,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                        self.schedule.reshard_after_forward)}
         return out
 
-
-def _is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` is the wrapper ``torch.compile`` returns for a module."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch without dynamo compiles nothing
-        return False
-    return isinstance(model, OptimizedModule)

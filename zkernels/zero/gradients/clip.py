@@ -101,3 +101,14 @@ class StepScale:
     def _where(self, shards: List[torch.Tensor]) -> str:
         names = {id(p): n for n, p in self.model.named_parameters()} if self.model else {}
         return locate(shards, self.units, names, self.comm.rank)
+
+
+def check_max_grad_norm(max_grad_norm) -> Optional[float]:
+    """``max_grad_norm`` as a float > 0, or None (no clipping).
+
+    Raises:
+        ValueError: not > 0.
+    """
+    if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    return None if max_grad_norm is None else float(max_grad_norm)

@@ -108,3 +108,19 @@ class LossScaler:
     def load_state_dict(self, sd: dict) -> None:
         self.scale = float(sd["scale"])
         self.clean_steps = int(sd["clean_steps"])
+
+
+def make_loss_scaler(precision: MixedPrecision,
+                     loss_scale: Optional[LossScaleConfig]) -> Optional[LossScaler]:
+    """fp16's dynamic loss scaler (``loss_scale`` or the default config); None in fp32/bf16.
+
+    Raises:
+        TypeError: ``loss_scale`` is not a :class:`LossScaleConfig`.
+        ValueError: ``loss_scale`` given where nothing is scaled (not fp16).
+    """
+    if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
+        raise TypeError(f"loss_scale must be a LossScaleConfig or None, got "
+                        f"{type(loss_scale).__name__}")
+    if loss_scale is not None and not precision.needs_loss_scaling:
+        raise ValueError("loss_scale applies only to param_dtype=torch.float16")
+    return LossScaler(loss_scale or LossScaleConfig()) if precision.needs_loss_scaling else None

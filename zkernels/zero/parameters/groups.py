@@ -1,7 +1,7 @@
 """Which parameters the optimizer manages, in which groups: validated once, up front."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -124,3 +124,43 @@ def frozen_params(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
                              f"trainable parameters are on {device}: stage 3 shards frozen "
                              f"parameters with their unit, so they must be on the same device")
     return out
+
+
+def _number(where: str, name: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}{name} must be a number, got {value!r}") from None
+
+
+def check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
+    """AdamW's hyperparameters, each named in the error (``where`` prefixes the name, e.g.
+    ``"param_groups[1]: "``).
+
+    Raises:
+        TypeError: a value that is not a number.
+        ValueError: lr, eps or weight_decay below 0, betas not a pair in [0, 1).
+    """
+    lr, eps, weight_decay = (_number(where, n, v) for n, v in
+                             (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)))
+    if not float(lr) >= 0.0:
+        raise ValueError(f"{where}lr must be >= 0, got {lr}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(0.0 <= float(b) < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas must be a pair in [0, 1), got {betas!r}")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"{where}eps must be >= 0, got {eps}")
+    if not float(weight_decay) >= 0.0:
+        raise ValueError(f"{where}weight_decay must be >= 0, got {weight_decay}")
+
+
+def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]], lr, betas,
+                       eps, weight_decay) -> Tuple[List[dict], dict]:
+    """``(groups, defaults)``: the checked AdamW defaults and :func:`resolve_param_groups`
+    with every group's hyperparameters checked."""
+    check_hparams("", lr, betas, eps, weight_decay)
+    defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    groups = resolve_param_groups(model, param_groups, defaults)
+    for i, g in enumerate(groups):
+        check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"], g["weight_decay"])
+    return groups, defaults

@@ -95,3 +95,13 @@ def secondary_comm(comm, reshard_to: int, device, backend: str, timeout, meter):
         if me in block:
             mine = pg
     return MeteredComm(make_comm(mine, device, backend, timeout), meter)
+
+
+def attach_secondary_shards(units, comm, reshard_to: int, device, backend: str, timeout,
+                            meter) -> None:
+    """``reshard_after_forward=R``: give every unit's gather policy its secondary shard over
+    R ranks (see [Note: secondary shards]). Collective over the world."""
+    second = secondary_comm(comm, reshard_to, device, backend, timeout, meter)
+    for u in units:
+        u.gather.secondary = SecondaryShard(second, u.layout.padded_numel,
+                                            u.gather.compute_shard.dtype, device)

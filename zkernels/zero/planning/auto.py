@@ -211,3 +211,25 @@ def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
     chosen = f"stage {stage}" if offload is None else est.name
     announce(f"stage='auto' chose {chosen} (budget from {source}): {reason}", group)
     return stage, offload, est.offload_params
+
+
+def resolve_rung(stage: Optional[int], *, offload, offload_dir, offload_config,
+                 offload_params: bool, param_groups, world_size: int, param_dtype,
+                 reduce_dtype, bucket_bytes: Optional[int], memory_budget_bytes: Optional[int],
+                 process_group, model) -> Tuple[int, Optional[str], bool, object, object]:
+    """``(stage, offload, offload_params, offload_dir, offload_config)`` the optimizer runs:
+    the arguments as given for an explicit ``stage``; for ``"auto"`` (``stage`` None) the
+    rung :func:`resolve_auto_placement` chooses, the NVMe folder kept only for an NVMe rung
+    and the offload config only for an offload rung."""
+    if stage is not None:
+        return stage, offload, offload_params, offload_dir, offload_config
+    from ...comm.hybrid import is_device_mesh
+    stage, offload, offload_params = resolve_auto_placement(
+        [p for g in param_groups for p in g["params"]], world_size=world_size,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+        memory_budget_bytes=memory_budget_bytes,
+        group=None if is_device_mesh(process_group) else process_group,
+        num_param_groups=len(param_groups), model=model, offload=offload,
+        offload_dir=offload_dir, offload_params=True if offload_params else None)
+    return (stage, offload, offload_params, offload_dir if offload == "nvme" else None,
+            offload_config if offload is not None else None)

@@ -192,3 +192,86 @@ def check_reshard_after_forward(value, shard_size: int, stage_shards_params: boo
                          f"smaller group to reshard to after forward, as FSDP2 asks; True or "
                          f"False otherwise)")
     return value
+
+
+def resolve_stage(stage) -> Optional[int]:
+    """An explicit ZeRO stage, one the registry marks implemented; None for ``"auto"``
+    (resolved by the constructor once the world size is known: ``auto.py``).
+
+    Raises:
+        ValueError: not an implemented stage (the message says when a known stage is not
+            available in this version).
+    """
+    if isinstance(stage, str) and stage == "auto":
+        return None
+    implemented = implemented_stages()
+    if isinstance(stage, bool) or stage not in implemented:
+        known = (not isinstance(stage, bool) and isinstance(stage, int) and stage in STAGES
+                 and stage > 0)
+        extra = f" (stage {stage} is not available in this version)" if known else ""
+        raise ValueError(f"stage must be one of {implemented} or 'auto', got {stage!r}{extra}")
+    return int(stage)
+
+
+def check_stage_arguments(stage: Optional[int], *, memory_budget_bytes, units,
+                          reshard_after_forward, overlap_param_gather) -> None:
+    """The options that depend on the stage asked for (None: ``"auto"``), before the model
+    and the ranks are looked at.
+
+    Raises:
+        TypeError: ``reshard_after_forward`` neither a bool nor an int;
+            ``overlap_param_gather`` not a bool.
+        ValueError: ``memory_budget_bytes`` without ``stage="auto"``; ``units=`` or
+            ``reshard_after_forward=`` at stages 1-2.
+    """
+    if memory_budget_bytes is not None and stage is not None:
+        raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
+                         f"stage={stage!r}")
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(f"reshard_after_forward must be a bool or an int, got "
+                        f"{type(reshard_after_forward).__name__}")
+    if stage in (1, 2) and (units is not None or not reshard_after_forward):
+        raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
+                         f"stages that shard parameters), got stage={stage}")
+    if not isinstance(overlap_param_gather, bool):
+        raise TypeError(f"overlap_param_gather must be a bool, got "
+                        f"{type(overlap_param_gather).__name__}")
+
+
+def is_compiled(model) -> bool:
+    """Whether ``model`` is the wrapper ``torch.compile`` returns for a module."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo compiles nothing
+        return False
+    return isinstance(model, OptimizedModule)
+
+
+def check_parameter_schedule(policy: StagePolicy, reshard_after_forward, shard_size: int,
+                             offload_params: bool, overlap_param_gather: bool, model):
+    """The parameter schedule's options once the stage is known: ``reshard_after_forward``
+    as :func:`check_reshard_after_forward` returns it.
+
+    Raises:
+        ValueError: an int ``reshard_after_forward`` with ``offload_params``; stage 3 freeing
+            units after forward in a ``torch.compile``'d model; ``overlap_param_gather`` at
+            stage 3.
+    """
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, shard_size,
+                                                        policy.shards_params)
+    if not isinstance(reshard_after_forward, bool) and offload_params:
+        raise ValueError(f"reshard_after_forward={reshard_after_forward} keeps a device "
+                         f"copy for backward; it does not combine with offload_params=True")
+    if policy.shards_params and reshard_after_forward and is_compiled(model):
+        # [Note: stage 3 under torch.compile] A compiled graph saves the parameters it read in
+        # forward for its backward; freeing a unit after forward and gathering it again
+        # before backward swaps their storage (an in-place change autograd's version
+        # counter rejects). Keeping units gathered from forward to backward works.
+        raise ValueError("stage=3 with a torch.compile'd model needs "
+                         "reshard_after_forward=False (a compiled graph keeps the parameters "
+                         "it saved in forward for its backward, so a unit cannot be freed "
+                         "and regathered in between)")
+    if overlap_param_gather and policy.shards_params:
+        raise ValueError(f"overlap_param_gather applies to stages 1-2 (stage "
+                         f"{policy.stage} gathers each unit before its forward anyway)")
+    return reshard_after_forward
