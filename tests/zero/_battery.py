@@ -327,12 +327,12 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault):
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.
     # while the embedding gradients were still to be computed (the reduction overlaps).
     mid_backward = []
+    meter = opt.meter   # not opt: a hook left on the last graph must not hold the groups
 
     def watch(module, inputs, out):
-        out.register_hook(
-            lambda g: mid_backward.append(opt.meter.current_step()["reduce_scatter"]))
+        out.register_hook(lambda g: mid_backward.append(meter.current_step()["reduce_scatter"]))
 
-    model.wte.register_forward_hook(watch)
+    hook = model.wte.register_forward_hook(watch)
     scheds = []
     if row.sched:
         lam = lambda s: 1.0 / (1.0 + s)  # noqa: E731
@@ -375,6 +375,7 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault):
         if row.sched:
             assert opt.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"] != LR or step == 0
         ref.check(model, opt, step, rank, local, losses)
+    hook.remove()
     st = opt.stats()
     if stage == 3:  # reduce buffers only while gradients are in flight, never more than the rule
         rule = opt.policy.num_reduce_buffers(len(opt.units), len(opt.param_groups))
