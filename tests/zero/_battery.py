@@ -347,9 +347,6 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault):
                 if not (fault == "skip_micro" and last and rank == ws - 1 and step >= 1):
                     (loss * grad_factor).backward()
             local += loss.item()
-            if stage == 3:
-                assert opt.stats()["gather"]["gathered_bytes"] == 0, \
-                    "backward must free every unit"
             if not last:
                 # Stage 3 gathers its units in forward and backward even inside no_sync; no
                 # stage reduces gradients there.
@@ -357,6 +354,8 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault):
                 assert (sent["reduce_scatter"] if stage == 3 else sent["total"]) == 0, \
                     "no_sync must not communicate (stage 3: must not reduce)"
                 assert opt.meter.current_step_scopes()["across_groups"] == 0
+        if stage == 3:   # once per step: stats() measures every storage
+            assert opt.stats()["gather"]["gathered_bytes"] == 0, "backward must free every unit"
         if fault != "skip_micro":  # else the last rank ran no synced backward: nothing overlapped
             if stage >= 2:
                 assert all(p.grad is None for p in model.parameters()), \
@@ -542,19 +541,21 @@ def overflow(rank, ws, *, row: Row):
     with temp_folder() as folder:
         model, opt = build(row, folder)
         scales = [2.0 ** 10, 2.0 ** 9, 2.0 ** 9, 2.0 ** 10, 2.0 ** 10]
+        before = _params(model, opt)
+        masters = [s["master"] for s in opt.state_dict()["state"].values()]
         for step, batch in enumerate(make_batches(len(scales), ws * MICRO_BATCH)):
             loss = model(*chunk(batch, rank))
             if step == 1:  # gathered() is collective: every rank enters, the last adds inf
                 with opt.gathered(model.ln_f):
                     loss = loss + model.ln_f.bias[0] * (float("inf") if rank == ws - 1 else 0.0)
-            before = _params(model, opt)
-            masters = [s["master"] for s in opt.state_dict()["state"].values()]
             opt.backward(loss)
             opt.step()
             opt.zero_grad()
-            same = all(torch.equal(a, p) for a, p in zip(before, _params(model, opt)))
+            after = _params(model, opt)
+            same = all(torch.equal(a, p) for a, p in zip(before, after))
             state = opt.state_dict()["state"].values()
             same_master = all(torch.equal(a, s["master"]) for a, s in zip(masters, state))
+            before, masters = after, [s["master"] for s in state]
             st = opt.stats()
             assert st["loss_scale"] == scales[step], (step, st["loss_scale"])
             assert st["overflow_skips"] == (0 if step == 0 else 1) and st["step"] == step + 1
@@ -562,7 +563,7 @@ def overflow(rank, ws, *, row: Row):
             if step == 1:
                 assert all(s["step"] == 1 for s in state)
             else:
-                assert all(bool(torch.isfinite(p).all()) for p in _params(model, opt))
+                assert all(bool(torch.isfinite(p).all()) for p in after)
         opt.close()
 
 
