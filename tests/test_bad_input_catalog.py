@@ -17,7 +17,6 @@ import torch.nn as nn
 import zkernels as zk
 from zkernels import ops
 from zkernels.zero import LossScaleConfig, ZeroOptimizer
-from zkernels.zero.optimizer import STAGES as IMPLEMENTED_STAGES
 
 
 class CliError(Exception):
@@ -121,12 +120,11 @@ CASES = [
     ("param_groups_bad_lr",
      lambda: _group(lambda m: [{"params": [m.weight]}, {"params": [m.bias], "lr": -2.0}]),
      ValueError, r"param_groups\[1\]: lr must be >= 0, got -2"),
-    # offload / offload_dir (messages name the argument and the value, now and once offload
-    # lands: "not supported yet" or "must be one of")
-    ("offload_unknown", zero(offload="tape"), (ValueError, NotImplementedError),
-     r"offload='tape'|offload must be .*'tape'"),
-    ("offload_dir_without_nvme", zero(offload_dir="/tmp"), (ValueError, NotImplementedError),
-     r"offload_dir"),
+    # offload / offload_dir
+    ("offload_unknown", zero(offload="tape"), ValueError,
+     r"offload must be None, 'cpu' or 'nvme', got 'tape'"),
+    ("offload_dir_without_nvme", zero(offload_dir="/tmp"), ValueError,
+     r"offload_dir applies only to offload='nvme' \(got offload=None, offload_dir='/tmp'\)"),
     ("offload_params_at_stage_2", zero(stage=2, offload="cpu", offload_params=True), ValueError,
      r"offload_params=True applies only to stage=3, got stage=2"),
     ("offload_params_without_offload", zero(stage=3, offload_params=True), ValueError,
@@ -225,8 +223,6 @@ def test_bad_input(thunk, exc, match):
         thunk()
 
 
-@pytest.mark.skipif(3 not in IMPLEMENTED_STAGES, reason="units apply to stage 3, which this "
-                    "version does not implement")
 @pytest.mark.parametrize("units, match", [("blocks", r"units must be"),
                                           ([42], r"units\[0\] must be")])
 def test_bad_units(units, match):

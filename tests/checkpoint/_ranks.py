@@ -68,7 +68,8 @@ def build(seed, *, stage, dtype, bucket_bytes, offload=None, offload_dir=None):
     model = make_model(seed)
     model.register_buffer("seen", torch.zeros(3, dtype=torch.int64))
     # The reference ops (torch's arithmetic) everywhere: bf16 trajectories are compared across
-    # world sizes (see bf16_parity in tests/zero/_rank_checks.py), and a saved run and its
+    # world sizes (a run continued from its own masters drifts from any AdamW whose fp32
+    # round-off differs: see the bf16 oracle in tests/zero/_battery.py), and a saved run and its
     # resumption must share a backend to be compared bit for bit.
     opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                            param_groups=split_groups(model, WD), param_dtype=DTYPES[dtype],

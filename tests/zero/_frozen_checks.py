@@ -14,8 +14,7 @@ import zkernels as zk
 from tests.conftest import tol
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, chunk, clone_model,
                                  make_batches, make_model, reference_grads, run_checks,
-                                 world_mean)
-from tests.zero._stage3_checks import variant
+                                 variant, world_mean)
 
 BETAS = (0.9, 0.95)
 WD = 0.1

@@ -12,6 +12,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tests._dist import rank_threads, run_ranks
 from zkernels.demo.model import GPT, GPTConfig
@@ -33,6 +35,36 @@ LR = 3e-3
 def make_model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(CFG)
+
+
+class VariantGPT(GPT):
+    """The harness GPT with another block sequence (``order``: a block may run twice) and
+    optional activation checkpointing of each block (``ckpt``: None, "reentrant",
+    "non_reentrant")."""
+
+    order = (0, 1)
+    ckpt = None
+
+    def forward(self, idx, targets=None):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for i in self.order:
+            blk = self.blocks[i]
+            if self.ckpt is None:
+                x = blk(x)
+            else:
+                x = checkpoint(blk, x, use_reentrant=self.ckpt == "reentrant")
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def variant(model, order=(0, 1), ckpt=None):
+    """``model`` (a harness GPT) as a :class:`VariantGPT` running ``order`` with ``ckpt``."""
+    model.__class__ = VariantGPT
+    model.order, model.ckpt = tuple(order), ckpt
+    return model
 
 
 def make_batches(num_steps: int, num_samples: int, seed: int = 1) -> List[Tuple[torch.Tensor,
@@ -95,7 +127,7 @@ def split_groups(model, weight_decay: float) -> List[dict]:
 # ZKERNELS_BACKEND=reference, 0.17 with 2 threads per rank (world size 2); the whole-batch
 # reference exceeded 1 (the failure above). So the tolerance stays tol(float32), with 4x
 # headroom; what the reference no longer covers is BLAS's shape-dependent round-off, which is
-# torch's, not ours. The "catches_*" checks (_rank_checks.py) show that a wrong 1/N (5e2x
+# torch's, not ours. The "catches_*" checks (_battery.py) show that a wrong 1/N (5e2x
 # the tolerance at step 0), a skipped micro-batch (5e3x at step 1) and one gradient element
 # taking its neighbour's value (6e3x at step 0) still fail this comparison. What Adam's
 # per-element normalization hides from any parameter comparison is a gradient element off by
@@ -150,7 +182,7 @@ def assert_params_close(model, ref, step: int, **tol) -> None:
 # evolve from its own gradients, so a wrong moment, step count or bias correction on our side
 # shows as a wrong update at the step it happens; a wrong gradient (scale, missed micro-batch,
 # an element from its neighbour) fails at the step it happens, as before (the catches_* checks
-# in _rank_checks.py).
+# in _battery.py).
 
 
 def assert_step_close(model, ref, step: int, **tol) -> None:

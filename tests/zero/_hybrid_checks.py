@@ -1,27 +1,24 @@
 """Hybrid sharding's checks (``shard_size=K`` and the 2-D ``DeviceMesh`` form), run on every
 rank of one 4-rank spawn: 2 shard groups of 2 ranks ({0, 1}, {2, 3}), replicated across.
 
-Each check compares with single-process ``torch.optim.AdamW`` over the whole world's batch
-(the same-order reference of ``_harness.py``: all 4 ranks' micro-batches, averaged over 4),
-and the traffic and memory with the layouts the optimizer built (over K = 2 ranks).
+The battery's hybrid rows (``_battery.py``: parity with single-process torch.optim.AdamW over
+the whole world's batch, then :func:`check_traffic_and_memory` against the layouts the
+optimizer built over K = 2 ranks) run here, beside a checkpoint across shapes, bad
+``shard_size`` and stage 3's secondary shards (``reshard_after_forward=2``).
 """
 from __future__ import annotations
 
 import os
 import tempfile
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
 import zkernels as zk
-from tests.conftest import tol
-from tests.zero._harness import (EPS, LR, assert_params_close, chunk, clone_model, make_batches,
-                                 make_model, reference_grads, run_checks, world_mean)
+from tests.zero import _battery
+from tests.zero._battery import BETAS, SMALL_BUCKET, WD
+from tests.zero._harness import EPS, LR, chunk, make_batches, make_model, run_checks
 
-BETAS = (0.9, 0.95)
-WD = 0.1
-SMALL_BUCKET = 3000  # bytes: several buckets at stages 1-2
 K = 2                # ranks per shard group
 
 
@@ -30,18 +27,13 @@ def _mesh(ws, k=K):
     return init_device_mesh("cpu", (ws // k, k), mesh_dim_names=("replicate", "shard"))
 
 
-def _opt(model, stage, *, form="shard_size", clip=None, k=K, **kw):
-    """``form``: ``shard_size=k``, ``mesh=`` a 2-D mesh, or the mesh as ``process_group=``."""
-    ws = dist.get_world_size()
-    hybrid = {"shard_size": dict(shard_size=k), "mesh": dict(mesh=_mesh(ws, k)),
-              "process_group": dict(process_group=_mesh(ws, k))}[form]
-    if stage != 3:
-        kw.setdefault("bucket_bytes", SMALL_BUCKET)
-    return zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            max_grad_norm=clip, **hybrid, **kw)
+def _opt(model):
+    """Hybrid stage 3 over 2 groups of K ranks."""
+    return zk.ZeroOptimizer(model, stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            shard_size=K)
 
 
-def _check_traffic_and_memory(opt, ws, stage, offload, K=K):
+def check_traffic_and_memory(opt, ws, stage, offload, K=K):
     """The last step's bytes, exact against the layouts, and bytes held: the formula with N
     replaced by K (the layouts are over K ranks)."""
     g = ws // K
@@ -82,53 +74,6 @@ def _check_traffic_and_memory(opt, ws, stage, offload, K=K):
     assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
 
 
-def parity(rank, ws, *, stage, steps=4, clip=None, form="shard_size", offload=None, k=K,
-           micro=1):
-    """Hybrid ZeRO (2 groups of 2; ``k=1``: 4 groups of 1, every state whole on every rank)
-    == torch.optim.AdamW on one process over all 4 ranks' batch: loss and every parameter
-    each step to fp32 round-off; then the traffic and memory of the last step. ``micro``:
-    micro-batches per step, all but the last under ``no_sync`` (nothing sent there)."""
-    model = make_model()
-    ref = clone_model(model)
-    kw = dict(offload=offload) if offload else {}
-    opt = _opt(model, stage, form=form, clip=clip, k=k, **kw)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    clipped = 0
-    for step, batch in enumerate(make_batches(steps, ws * 2 * micro)):
-        local = 0.0
-        for m in range(micro):
-            if m < micro - 1:
-                with opt.no_sync():
-                    loss = model(*chunk(batch, rank * micro + m)) / micro
-                    loss.backward()
-                # no_sync: no reduction, so nothing crosses the groups (stage 3 still gathers,
-                # within the group)
-                sent = opt.meter.current_step()
-                assert sent["reduce_scatter"] == 0, sent
-                assert opt.meter.current_step_scopes()["across_groups"] == 0
-            else:
-                loss = model(*chunk(batch, rank * micro + m)) / micro
-                loss.backward()
-            local += loss.item()
-        opt.step()
-        opt.zero_grad()
-        rlosses = reference_grads(ref, batch, ws, micro)
-        if clip is not None:
-            clipped += int(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip) > clip)
-        ropt.step()
-        ropt.zero_grad()
-        torch.testing.assert_close(world_mean(local, ws), sum(rlosses) / ws,
-                                   **tol(torch.float32), msg=lambda m: f"step {step} loss: {m}")
-        with opt.gathered():
-            assert_params_close(model, ref, step, **tol(torch.float32))
-    if clip is not None:
-        assert clipped == steps, f"clipping was active on {clipped}/{steps} steps"
-    # Stage 3's gathered() above is counted in the next step: measure a step after a clean one.
-    _train(model, opt, rank, ws, make_batches(2, ws * 2, seed=3))
-    _check_traffic_and_memory(opt, ws, stage, offload, K=k)
-    opt.close()
-
-
 def _train(model, opt, rank, ws, batches):
     for batch in batches:
         model(*chunk(batch, rank)).backward()
@@ -156,7 +101,7 @@ def checkpoint_across_shapes(rank, ws):
     first, second = os.path.join(root, "hybrid"), os.path.join(root, "plain3")
     three = dist.new_group([0, 1, 2])
     model = make_model()
-    opt = _opt(model, 3)
+    opt = _opt(model)
     _train(model, opt, rank, ws, batches[:2])
     zk.checkpoint.save(opt, first)
     shard_files = sorted(f for f in os.listdir(first) if f.startswith("shard-"))
@@ -176,7 +121,7 @@ def checkpoint_across_shapes(rank, ws):
         popt.close()
     dist.barrier()
     back = make_model(seed=9)
-    bopt = _opt(back, 3)
+    bopt = _opt(back)
     zk.checkpoint.load(bopt, second)
     with bopt.gathered():
         for n, p in back.named_parameters():
@@ -207,15 +152,14 @@ def bad_shard_size(rank, ws):
 
 
 def secondary_shards(rank, ws, *, steps=3):
-    """reshard_after_forward=2 on 4 ranks (plain stage 3): parity with AdamW; after forward
-    every unit holds a secondary chunk of 1/2 its padded size (4 B x padded / 2) and nothing
-    else beyond the shards; the backward gathers run over 2 ranks (4 B x padded x 1/2 each)
-    while the forward ones run over 4 (x 3/4); between steps nothing extra is held."""
+    """reshard_after_forward=2 on 4 ranks (plain stage 3; its parity is the battery's row
+    ``stage3-fp32-reshard2``): after forward every unit holds a secondary chunk of 1/2 its
+    padded size (4 B x padded / 2) and nothing else beyond the shards; the backward gathers
+    run over 2 ranks (4 B x padded x 1/2 each) while the forward ones run over 4 (x 3/4);
+    between steps nothing extra is held; bad R refused by name."""
     model = make_model()
-    ref = clone_model(model)
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                            reshard_after_forward=2)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     shard = sum(u.layout.shard_numel for u in opt.units)
     padded = [u.layout.padded_numel for u in opt.units]
     for step, batch in enumerate(make_batches(steps, ws * 2)):
@@ -226,11 +170,6 @@ def secondary_shards(rank, ws, *, steps=3):
         opt.step()
         opt.zero_grad()
         assert opt.stats()["memory_bytes"]["params"] == 4 * shard
-        reference_grads(ref, batch, ws, 1)
-        ropt.step()
-        ropt.zero_grad()
-        with opt.gathered():
-            assert_params_close(model, ref, step, **tol(torch.float32))
     _train(model, opt, rank, ws, make_batches(2, ws * 2, seed=3))
     comm = opt.stats()["comm_bytes"]
     forward = sum(4 * p * (ws - 1) // ws for p in padded)
@@ -246,15 +185,10 @@ def secondary_shards(rank, ws, *, steps=3):
         zk.ZeroOptimizer(make_model(), stage=2, reshard_after_forward=2)
 
 
+# The battery's hybrid rows (parity with torch.optim.AdamW, then this traffic and memory) run
+# in this spawn beside the checks only hybrid sharding has.
 CHECKS = {
-    "stage1": partial(parity, stage=1),
-    "stage2_clip": partial(parity, stage=2, clip=0.05),
-    "stage3": partial(parity, stage=3),
-    "stage3_mesh": partial(parity, stage=3, form="mesh"),
-    "stage1_mesh_as_process_group": partial(parity, stage=1, steps=3, form="process_group"),
-    "stage2_shard_size_1": partial(parity, stage=2, steps=3, k=1),
-    "stage3_accumulate": partial(parity, stage=3, steps=3, micro=2),
-    "stage2_offload_cpu": partial(parity, stage=2, offload="cpu", steps=3),
+    **{name: _battery.CHECKS[name] for name in _battery.names_at(4, slow=False, hybrid=True)},
     "checkpoint_hybrid_to_plain3_and_back": checkpoint_across_shapes,
     "bad_shard_size": bad_shard_size,
     "stage3_secondary_shards": secondary_shards,

@@ -12,8 +12,7 @@ import torch
 import zkernels as zk
 from tests._dist import run_ranks
 from tests.zero import _frozen_checks as fc
-from tests.zero._harness import LR, battery_results, make_model
-from tests.zero._stage3_checks import variant
+from tests.zero._harness import LR, battery_results, make_model, variant
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests._dist import run_ranks  # noqa: E402
-from tests._stages import implemented_stages, stage_params  # noqa: E402
+from tests._stages import ALL_STAGES, stage_params  # noqa: E402
 from tests.zero._hf_checks import KINDS, battery  # noqa: E402
 
 WORLD_SIZE = 2
@@ -14,7 +14,7 @@ WORLD_SIZE = 2
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = run_ranks(battery, WORLD_SIZE, implemented_stages(), timeout=400.0,
+    per_rank = run_ranks(battery, WORLD_SIZE, list(ALL_STAGES), timeout=400.0,
                          pg_timeout_s=60.0)
     return {name: next((r[name] for r in per_rank if r[name]), None) for name in per_rank[0]}
 

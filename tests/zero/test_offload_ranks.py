@@ -1,5 +1,6 @@
-"""CPU and NVMe offload at world sizes 1 (no process group) and 2 (gloo): parity with the same
-stage on the device, budgets, bytes on disk, state round trips, close and reopen.
+"""CPU and NVMe offload at world sizes 1 (no process group) and 2 (gloo): where the bytes live,
+budgets, bytes on disk, close and reopen. Offload's parity, ``offload_params`` bit for bit and
+state round trips across placements are the battery's rows (test_battery.py).
 
 One spawn per world size runs every check of ``_offload_checks.CHECKS``.
 """
