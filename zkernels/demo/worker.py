@@ -17,10 +17,9 @@ hook from each bucket's size, ring convention (an all-reduce of B bytes sends 2Â
 the convention ``ZeroOptimizer.stats()`` uses for its reduce-scatters and all-gathers.
 
 [Note: the demo's NVMe budget]
-The NVMe rung streams its states through ``OffloadConfig(nvme_buffer_bytes=2 MiB)`` of host
-RAM instead of the default 64 MiB: sized for a 7B model, the default would be twenty times the
-demo model's states and bury the point, that host RAM holds a fixed budget smaller than the
-states on disk. The estimate is given the same budget. Its files go in ``--offload-dir``
+The NVMe rung caps its host RAM at ``OffloadConfig(nvme_buffer_bytes=2 MiB)`` instead of the
+default 64 MiB (NVMe offload sizes its arena to the largest unit's shard, capped by the
+budget): the point is that host RAM holds a bounded budget smaller than the states on disk. The estimate is given the same budget. Its files go in ``--offload-dir``
 (default: a folder inside the launcher's temporary folder, removed with it; each run's files
 are also removed by ``ZeroOptimizer.close()`` at the end).
 """

@@ -378,7 +378,7 @@ class ShardedGradReducer(_Reducer):
             b.zero_grad(set_to_none)
 
     def held_grads(self) -> List[torch.Tensor]:
-        """Gradient storage on the device (a host sink reports its own, see ``update.py``)."""
+        """Gradient storage on the device (a host sink reports its own, see ``state/grad_sink.py``)."""
         return list(self.sink.shards) if self.sink.on_device else []
 
 

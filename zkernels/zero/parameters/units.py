@@ -16,9 +16,9 @@ side only:
   shard persistently and allocates the full buffer in ``ensure_gathered``, frees it in ``free``
   (the interface is :class:`GatherPolicy`); the unit is the same object either way.
 - a :class:`~zkernels.zero.state.shard_state.ShardState` is the optimizer side: this rank's fp32
-  master shard, AdamW moments and step count of one unit. The update strategy
-  (``update.py``) allocates the states (so it decides where they live: the device today,
-  host or NVMe with offload), receives the reduced gradient shard per unit, and writes the
+  master shard, AdamW moments and step count of one unit. The update engine
+  (``state/engine.py``) allocates the states (its placement decides where they live: the
+  device, host RAM or NVMe), receives the reduced gradient shard per unit, and writes the
   updated compute shard back into the unit's ``compute_shard``. In pure fp32 the master *is*
   the unit's compute shard (a view: no extra memory).
 - the gradient strategy (``grad_reducers.py``) owns gradient storage and reduce buffers: one

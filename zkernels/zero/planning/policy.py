@@ -9,7 +9,7 @@ implements it. Offload kinds are :class:`OffloadPolicy` entries in ``OFFLOADS``.
 rungs (``RUNGS``) are (stage, offload) pairs, lowest first. To make a stage or an offload kind
 available, flip its ``implemented=`` here (and register its strategies: the gradient strategy in
 ``grad_reducers.make_grad_reducer``, the parameter policy in ``units.py``, the update placement in
-``update.py``); ``resolve_stage``, ``stage="auto"`` and ``plan`` follow. The reduce-buffer rule
+``state/engine.py``); ``resolve_stage``, ``stage="auto"`` and ``plan`` follow. The reduce-buffer rule
 (:func:`num_reduce_buffers`) is shared by the gradient strategies and the estimator so that
 ``estimate_memory`` and ``stats()`` count the same buffers.
 """
