@@ -18,8 +18,8 @@ def _cases():
         if sizes is _battery.HYBRID:
             continue
         for ws, slow in sorted(sizes.items()):
-            # [Note: the quick suite and the full suite]: 4 ranks on the device and 1 rank
-            # with offload are the full suite's
+            # [Note: the quick suite and the full suite]: 1 and 4 ranks on the device and 1
+            # rank with offload are the full suite's (_battery.FULL, _battery.OFFLOAD)
             marks = (pytest.mark.slow,) if slow else ()
             out.append(pytest.param(ws, slow, name, marks=marks, id=f"{ws}-{name}"))
     return out
