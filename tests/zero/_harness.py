@@ -237,5 +237,25 @@ def battery_results(checks: Dict[str, Callable], battery: Callable, *, timeout: 
     return get
 
 
+def rank_check_tests(checks: Dict[str, Callable], world_size: int, *, timeout: float = 400.0):
+    """``(results, test_check)`` for a test module: one spawn of ``world_size`` ranks running
+    every check of ``checks`` (``run_checks``), each reported as its own test. Assign both
+    at module level (``results, test_check = rank_check_tests(CHECKS, 2)``)."""
+    import functools
+
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results():  # the checks travel to the spawned ranks by pickle: module-level callables
+        return battery_results(checks, functools.partial(run_checks, checks), timeout=timeout)
+
+    @pytest.mark.parametrize("check", list(checks))
+    def test_check(results, check):
+        error = results(world_size)[check]
+        assert error is None, f"{check} failed on {world_size} ranks:\n{error}"
+
+    return results, test_check
+
+
 def clone_model(model):
     return copy.deepcopy(model)

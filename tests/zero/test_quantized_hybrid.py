@@ -16,7 +16,7 @@ import torch
 
 import zkernels as zk
 
-from tests.zero._harness import battery_results, make_model, run_checks
+from tests.zero._harness import make_model, rank_check_tests
 from tests.zero.test_quantized_ranks import REL_BOUND, _rel, _train
 
 pytestmark = pytest.mark.slow
@@ -77,16 +77,4 @@ CHECKS = {
 }
 
 
-def battery(rank, world_size):
-    return run_checks(CHECKS, rank, world_size)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return battery_results(CHECKS, battery, timeout=900.0)
-
-
-@pytest.mark.parametrize("check", list(CHECKS))
-def test_check(results, check):
-    error = results(4)[check]
-    assert error is None, f"{check} failed on 4 ranks:\n{error}"
+results, test_check = rank_check_tests(CHECKS, 4, timeout=900.0)

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import zkernels as zk
-from tests.zero._harness import (MICRO_BATCH, battery_results, chunk, make_batches, make_model,
-                                 run_checks)
+from tests.zero._harness import (MICRO_BATCH, chunk, make_batches, make_model,
+                                 rank_check_tests, run_checks)
 from zkernels import reference as ref
 from zkernels.comm import MeteredComm, VolumeMeter, make_comm
 from zkernels.comm.quantized import QuantizedGradComm, QuantizedWeightComm
@@ -396,19 +396,7 @@ CHECKS = {
 }
 
 
-def battery(rank, world_size):
-    return run_checks(CHECKS, rank, world_size)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return battery_results(CHECKS, battery, timeout=900.0)
-
-
-@pytest.mark.parametrize("check", list(CHECKS))
-def test_check(results, check):
-    error = results(2)[check]
-    assert error is None, f"{check} failed on 2 ranks:\n{error}"
+results, test_check = rank_check_tests(CHECKS, 2, timeout=900.0)
 
 
 def battery_subset(rank, world_size, names):
