@@ -24,7 +24,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 
 def rank_threads() -> int:
@@ -95,8 +95,14 @@ def _worker(fn, rank, world_size, port, args, queue, pg_timeout_s):
         torch.set_num_threads(rank_threads())
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+        except Exception as exc:  # noqa: BLE001
+            if "EADDRINUSE" in str(exc):  # [Note: a port taken between choice and listen]
+                queue.put((rank, None, traceback.format_exc()))
+                return
+            raise
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -112,10 +118,29 @@ def _worker(fn, rank, world_size, port, args, queue, pg_timeout_s):
         queue.put((rank, False, traceback.format_exc()))
 
 
+# [Note: a port taken between choice and listen]
+# The store's port is one the OS just handed out and we released; until rank 0 listens on it,
+# any other connection on the machine (another test's gloo pairs, on a busy CI host) may be
+# given it as its ephemeral port, and rank 0's listen fails with EADDRINUSE before any test
+# code ran. That is the harness's race, not a finding: run_ranks starts the ranks again on a
+# fresh port (up to PORT_ATTEMPTS times); any other failure is reported as it is.
+PORT_ATTEMPTS = 3
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
               pg_timeout_s: float = 60.0) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results
     by rank. Raises AssertionError with the failing rank's traceback, or on timeout."""
+    for attempt in range(PORT_ATTEMPTS):
+        outcome = _run_once(fn, world_size, args, timeout, pg_timeout_s)
+        if outcome is not None:
+            return outcome
+    raise AssertionError(f"the store's port was taken {PORT_ATTEMPTS} times in a row "
+                         f"(EADDRINUSE): see [Note: a port taken between choice and listen]")
+
+
+def _run_once(fn, world_size, args, timeout, pg_timeout_s) -> Optional[List[Any]]:
+    """One start of the ranks; None when the store's port was taken before they ran."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -124,7 +149,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, {}
+    results, errors, port_taken = {}, {}, False
     try:
         for _ in range(world_size):
             try:
@@ -132,14 +157,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
             except Exception as exc:  # queue.Empty
                 raise AssertionError(f"ranks did not finish within {timeout}s; "
                                      f"finished: {sorted(results) + sorted(errors)}") from exc
+            if ok is None:
+                port_taken = True
+                break
             (results if ok else errors)[rank] = payload
             if errors:
                 break
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 1)
+            p.join(timeout=5 if not (errors or port_taken) else 1)
             if p.is_alive():
                 p.kill()
+    if port_taken:
+        return None
     if errors:
         rank = min(errors)
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
