@@ -250,6 +250,15 @@ def test_pin_memory_needs_a_gpu():
                       offload_config=OffloadConfig(pin_memory=True))
 
 
+def _train_both(pairs, x, steps: int) -> None:
+    """``steps`` steps of each ``(model, optimizer)`` pair on the same batch."""
+    for _ in range(steps):
+        for m, o in pairs:
+            o.backward(m(x).square().mean())
+            o.step()
+            o.zero_grad()
+
+
 def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
     """A model whose moments (8 bytes per parameter) are more than 10x the host budget: host
     RAM held by the strategy is the budget, the state is on disk, and the step is exact."""
@@ -263,12 +272,7 @@ def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
     opt = ZeroOptimizer(model, stage=2, lr=1e-2, offload="nvme", offload_dir=folder,
                         offload_config=OffloadConfig(nvme_buffer_bytes=budget))
     ropt = ZeroOptimizer(ref, stage=2, lr=1e-2)
-    x = torch.randn(8, 256)
-    for _ in range(3):
-        for m, o in ((model, opt), (ref, ropt)):
-            o.backward(m(x).square().mean())
-            o.step()
-            o.zero_grad()
+    _train_both(((model, opt), (ref, ropt)), torch.randn(8, 256), steps=3)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     where = opt.stats()["memory_location_bytes"]
     assert where["host"] <= budget and where["disk"] >= 12 * psi
@@ -288,12 +292,7 @@ def test_nvme_arena_is_sized_to_the_state(folder, stage):
     psi = sum(p.numel() for p in model.parameters())
     opt = ZeroOptimizer(model, stage=stage, lr=1e-2, offload="nvme", offload_dir=folder)
     ropt = ZeroOptimizer(ref, stage=stage, lr=1e-2)   # the same step, states on the device
-    x = torch.randn(4, 240)
-    for _ in range(2):
-        for m, o in ((model, opt), (ref, ropt)):
-            o.backward(m(x).square().mean())
-            o.step()
-            o.zero_grad()
+    _train_both(((model, opt), (ref, ropt)), torch.randn(4, 240), steps=2)
     with opt.gathered(), ropt.gathered():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     where = opt.stats()["memory_location_bytes"]

@@ -25,23 +25,17 @@ class LocalComm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        average: bool = False, tag: Optional[str] = None) -> Handle:
         _check_sizes("reduce_scatter", output, input)
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done()
+        return _copy(output, input)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    tag: Optional[str] = None) -> Handle:
         _check_sizes("all_gather", input, output)
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done()
+        return _copy(output, input)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
                    tag: Optional[str] = None) -> Handle:
         _check_sizes("all_to_all", output, input)
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done()
+        return _copy(output, input)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:
@@ -54,3 +48,10 @@ def _check_sizes(name: str, shard: torch.Tensor, full: torch.Tensor) -> None:
     if shard.numel() != full.numel():
         raise ValueError(f"{name}: shard has {shard.numel()} elements but the full buffer "
                          f"{full.numel()} (world size 1)")
+
+
+def _copy(output: torch.Tensor, input: torch.Tensor) -> Handle:
+    """One rank's collective: ``output`` is ``input`` (copied unless they are one buffer)."""
+    if output.data_ptr() != input.data_ptr():
+        output.copy_(input)
+    return _Done()
