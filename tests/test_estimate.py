@@ -83,8 +83,16 @@ def test_offload_moves_states_off_the_device():
     assert nvme.disk_io_bytes == 2 * nvme.disk_bytes
     nvme_p = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26,
                              offload_params=True, **kw)
+    # offload_params with NVMe: the parameter shard goes to files; host RAM adds two bounces
+    # of the largest unit shard (a count without units: the whole shard, an upper bound), and
+    # the arena's sub-groups span whole blocks of the bf16 files.
     assert nvme_p.device_bytes == e3.grads_bytes
-    assert nvme_p.host_bytes == arena + e3.params_bytes and nvme_p.disk_bytes == nvme.disk_bytes
+    arena_p = nvme_arena_bytes(nvme_sub_group_numel(2**26, 3, 2, -(-PSI // N), file_bytes=2),
+                               3, 2)
+    assert nvme_p.host_bytes == arena_p + 2 * (e3.params_bytes + 4096)
+    assert nvme_p.disk_bytes == nvme.disk_bytes + e3.params_bytes
+    # per step: the state read and written, the files written once and read by two gathers
+    assert nvme_p.disk_io_bytes == 2 * nvme.disk_bytes + 3 * e3.params_bytes
     off = estimate_memory(PSI, N, 3, offload="nvme", nvme_master=False, **kw)
     assert off.disk_bytes == nvme.disk_bytes - e3.master_bytes
     assert off.host_bytes == e3.master_bytes + nvme_arena_bytes(
@@ -120,7 +128,8 @@ def test_by_location_says_where_each_kind_lives():
             places = [p for p in ("device", "host", "disk") if kind in loc[p]]
             assert len(places) == 1 and loc[places[0]][kind] == total, (offload, op, kind)
         where = {k: p for p in ("device", "host", "disk") for k in loc[p]}
-        assert where["params"] == ("host" if op else "device")
+        assert where["params"] == ("device" if not op else "disk" if offload == "nvme"
+                                   else "host")
         assert where["optimizer_states"] == {None: "device", "cpu": "host",
                                              "nvme": "disk"}[offload]
         assert where["grads"] == ("host" if offload == "cpu" else "device")

@@ -64,6 +64,9 @@ SMALL_BUCKET = 3000  # bytes: several buckets, and fc/fc_out/wte larger than one
 # moments on disk, an fp32 gradient and a bf16 output) is 3 x 1024 x (12 + 4 + 2) + 2 x 4096
 # bytes; this one gives 1024-element slots.
 NVME_BUDGET = 3 * 1024 * 18 + 2 * 4096 + 1000
+# With the parameter shards on NVMe too (offload_params), a bf16 sub-group also spans whole
+# 4096-byte blocks of its parameter file: 2048-element slots ([Note: parameters on NVMe]).
+NVME_PARAMS_BUDGET = 3 * 2048 * 18 + 2 * 4096 + 1000
 CPU_SUB = 700   # elements per CPU AdamW sub-group: not a divisor of any shard
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -121,10 +124,8 @@ class Row:
         else:
             kw["reshard_after_forward"] = self.reshard
         if self.offload:
-            kw.update(offload_kw(self.offload, folder, **(
+            kw.update(offload_kw(self.offload, folder, self.offload_params, **(
                 {} if self.offload == "cpu" else {"nvme_master": self.nvme_master})))
-            if self.offload_params:
-                kw["offload_params"] = True
         if self.shard_size:
             kw.update(_hybrid_kw(self.form, self.shard_size))
         if self.dtype == "fp16":
@@ -132,13 +133,15 @@ class Row:
         return kw
 
 
-def offload_kw(kind: str, folder: Optional[str], **config) -> dict:
+def offload_kw(kind: str, folder: Optional[str], offload_params: bool = False,
+               **config) -> dict:
     """ZeroOptimizer keywords for ``kind`` offload with several sub-groups per unit."""
     if kind == "cpu":
-        return dict(offload="cpu", offload_config=OffloadConfig(sub_group_numel=CPU_SUB,
-                                                                **config))
-    return dict(offload="nvme", offload_dir=folder,
-                offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUDGET, **config))
+        return dict(offload="cpu", offload_params=offload_params,
+                    offload_config=OffloadConfig(sub_group_numel=CPU_SUB, **config))
+    budget = NVME_PARAMS_BUDGET if offload_params else NVME_BUDGET
+    return dict(offload="nvme", offload_dir=folder, offload_params=offload_params,
+                offload_config=OffloadConfig(nvme_buffer_bytes=budget, **config))
 
 
 def _hybrid_kw(form: str, k: int) -> dict:
@@ -435,6 +438,9 @@ def _check_offload_stats(opt, row: Row, st: dict, wall_s: float) -> None:
         gathers = (2 if row.reshard is True else 1) * row.micro + 1
         assert st["host_to_device_bytes"] == 0, st
         assert st["param_host_to_device_s"] > 0, st
+        if row.offload == "nvme":   # the shards are in files: each gather read its own
+            assert st["param_disk_read_bytes"] >= st["param_host_to_device_bytes"], st
+            assert st["param_disk_write_bytes"] >= shard_bytes, st
         assert st["param_host_to_device_bytes"] == gathers * shard_bytes, (st, shard_bytes)
     else:
         assert st["host_to_device_bytes"] > 0, st

@@ -5,6 +5,7 @@ reopen. Run on every rank (module-level so spawned ranks can import them).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from functools import partial
@@ -14,7 +15,9 @@ import torch
 import zkernels as zk
 from tests.zero._battery import (CPU_SUB, NVME_BUDGET, SMALL_BUCKET, WD, check_transfer_times,
                                  offload_kw, temp_folder)
-from tests.zero._harness import EPS, LR, MICRO_BATCH, chunk, make_batches, make_model, run_checks
+from tests.zero._harness import (CFG, EPS, GPT, LR, MICRO_BATCH, chunk, make_batches, make_model,
+                                 run_checks)
+from zkernels.zero.planning.offload_config import IO_ALIGN
 from zkernels.zero.state.swap import HEADER_BYTES, round_up
 
 
@@ -33,14 +36,16 @@ def _device_param_bytes(opt, model) -> int:
 def params_leave_the_device(rank, ws, *, kind, param_dtype):
     """Stage 3 ``offload_params``: between uses the device holds ~0 parameter bytes (measured
     from the storages: exactly 0 here, every parameter is trainable), while inside a unit's
-    forward its parameters are there; the shards are in host RAM instead (stats() moves them
-    from device to host, byte for byte against the same run without offload_params), and
+    forward its parameters are there. The shards are in host RAM instead (CPU offload:
+    stats() moves them from device to host, byte for byte against the same run without
+    offload_params), or in files (NVMe: stats() puts them on disk, measured from the files,
+    and host RAM grows by the two bounces of [Note: parameters on NVMe] only);
     estimate_memory says the same."""
     with temp_folder() as folder:
         runs = []
         for op in (False, True):
             model = make_model()
-            kw = {**offload_kw(kind, folder), "offload_params": op}
+            kw = {**offload_kw(kind, folder, True), "offload_params": op}
             opt = zk.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, param_dtype=param_dtype,
                                    **kw)
             inside = []
@@ -64,24 +69,78 @@ def params_leave_the_device(rank, ws, *, kind, param_dtype):
         assert min(inside1) >= unit0.nbytes > 0, (inside1, unit0.nbytes)
         w0, w1 = st0["memory_location_bytes"], st1["memory_location_bytes"]
         assert w0["device"] - w1["device"] == shard_bytes, (w0, w1, shard_bytes)
-        staging = sum(t.untyped_storage().nbytes()
-                      for t in o0.shard_update.held_host().get("buffers", [])) \
-            if kind == "cpu" else 0   # cpu offload's staging goes: the update writes the shard
-        master = shard_bytes if (kind == "cpu" and param_dtype is None) else 0  # fp32: one copy
-        assert w1["host"] - w0["host"] == shard_bytes - staging - master, (w0, w1, shard_bytes)
-        assert st1["memory_bytes"]["params"] == shard_bytes
+        on = st1["memory_bytes_by_location"]
+        if kind == "nvme":
+            files = [u.gather.file for u in o1.units]
+            file_bytes = sum(f.file_bytes for f in files)
+            assert file_bytes == sum(round_up(u.layout.shard_numel *
+                                              u.compute_shard.element_size()) + HEADER_BYTES
+                                     for u in o1.units)
+            assert on["disk"]["params"] == file_bytes, (on["disk"], file_bytes)
+            assert w1["disk"] - w0["disk"] == file_bytes, (w0, w1, file_bytes)
+            assert on["host"]["params"] == 0, on["host"]
+            bounces = 2 * (max(f.data_bytes for f in files) + IO_ALIGN)  # + alignment slack
+            assert w1["host"] - w0["host"] == bounces, (w0, w1, bounces)
+            assert st1["memory_bytes"]["params"] == file_bytes
+        else:
+            staging = sum(t.untyped_storage().nbytes()
+                          for t in o0.shard_update.held_host().get("buffers", []))
+            master = shard_bytes if param_dtype is None else 0  # fp32: one copy
+            assert w1["host"] - w0["host"] == shard_bytes - staging - master, \
+                (w0, w1, shard_bytes)
+            assert st1["memory_bytes"]["params"] == shard_bytes
         fresh = make_model()   # the optimizer's model has empty (sharded) parameters now
+        budget = offload_kw(kind, folder, True)["offload_config"].nvme_buffer_bytes
         est = zk.estimate_memory(fresh, ws, 3, param_dtype=param_dtype, offload=kind,
-                                 offload_params=True, nvme_buffer_bytes=NVME_BUDGET,
+                                 offload_params=True, nvme_buffer_bytes=budget,
                                  sub_group_numel=CPU_SUB)
         est0 = zk.estimate_memory(fresh, ws, 3, param_dtype=param_dtype, offload=kind,
-                                  nvme_buffer_bytes=NVME_BUDGET, sub_group_numel=CPU_SUB)
+                                  nvme_buffer_bytes=budget, sub_group_numel=CPU_SUB)
         numel = sum(p.numel() for p in fresh.parameters())
         p = (param_dtype or torch.float32).itemsize
         assert est0.held_device_bytes - est.held_device_bytes == p * -(-numel // ws)
         assert abs(est.params_bytes - shard_bytes) <= 0.02 * shard_bytes
+        if kind == "nvme":
+            loc = est.by_location
+            assert loc["disk"]["params"] == est.params_bytes and "params" not in loc["host"]
+            assert abs(loc["host"]["bounces"] - bounces) <= 0.05 * bounces, (loc, bounces)
         o0.close()
         o1.close()
+        assert not any(os.listdir(folder)), "close() removes the parameter files' folder"
+
+
+def nvme_params_host_ram_is_bounded(rank, ws, *, param_dtype):
+    """Parameters on NVMe: however many units, host RAM holds the slot arena (within its
+    budget), the gradient-free engine state and two bounces of the largest unit shard; the
+    parameter files hold every shard. Here the model's shards are several times the bounces."""
+    with temp_folder() as folder:
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(CFG, n_layer=8))   # nine units: eight blocks, a root
+        kw = offload_kw("nvme", folder, True)
+        opt = zk.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, param_dtype=param_dtype,
+                               units=list(model.blocks), **kw)
+        for batch in make_batches(2, ws * MICRO_BATCH):
+            opt.backward(model(*chunk(batch, rank)))
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats()
+        files = [u.gather.file for u in opt.units]
+        shards = sum(f.numel * f.dtype.itemsize for f in files)
+        bounce = max(f.data_bytes for f in files) + IO_ALIGN   # + alignment slack
+        budget = kw["offload_config"].nvme_buffer_bytes
+        host = st["memory_bytes_by_location"]["host"]
+        assert host["params"] == 0 and host["master"] == 0 and host["optimizer_states"] == 0
+        assert host["total"] == host["buffers"] <= budget + 2 * bounce, (host, budget, bounce)
+        assert len(files) == 9 and shards >= 3 * 2 * bounce, (len(files), shards, bounce)
+        assert st["memory_bytes_by_location"]["disk"]["params"] == sum(f.file_bytes
+                                                                       for f in files)
+        off = st["offload"]
+        # every gather read its whole file (a 4096-byte padded length) and copied its shard
+        gathers = off["param_disk_read_bytes"] // min(f.data_bytes for f in files)
+        assert off["param_host_to_device_bytes"] <= off["param_disk_read_bytes"] <= \
+            off["param_host_to_device_bytes"] + gathers * 4096, off
+        assert off["param_disk_write_bytes"] >= shards, off
+        opt.close()
 
 
 def nvme_budget_and_disk(rank, ws, *, nvme_master):
@@ -201,6 +260,10 @@ CHECKS = {
                                                    param_dtype=None),
     "stage3_params_leave_device_bf16_nvme": partial(params_leave_the_device, kind="nvme",
                                                     param_dtype=torch.bfloat16),
+    "stage3_params_leave_device_fp32_nvme": partial(params_leave_the_device, kind="nvme",
+                                                    param_dtype=None),
+    "nvme_params_host_bounded_bf16": partial(nvme_params_host_ram_is_bounded,
+                                             param_dtype=torch.bfloat16),
     "nvme_budget_disk_master": partial(nvme_budget_and_disk, nvme_master=True),
     "nvme_budget_disk_moments": partial(nvme_budget_and_disk, nvme_master=False),
     "cpu_memory_by_location": cpu_memory_by_location,

@@ -159,9 +159,10 @@ def test_a_frozen_block_is_a_unit():
 @pytest.mark.parametrize("offload, offload_params", [("cpu", False), ("cpu", True),
                                                      ("nvme", True)])
 def test_offload_with_frozen_shards_is_bit_identical(tmp_path, offload, offload_params):
-    """Stage 3 offload (the frozen shards in host RAM with offload_params) trains bit for bit
-    like stage 3 on the device; the frozen parameters come back whole and unchanged, in
-    ``gathered()`` and through a checkpoint."""
+    """Stage 3 offload (the frozen shards in host RAM with offload_params, in files with NVMe)
+    trains bit for bit like stage 3 on the device; the frozen parameters come back whole and
+    unchanged, in ``gathered()`` and through a checkpoint, and load back into another
+    initialization from the checkpoint and from ``state_dict``."""
     def run(**kw):
         model = fc.freeze_layers(make_model())
         before = fc._frozen(model)
@@ -181,7 +182,21 @@ def test_offload_with_frozen_shards_is_bit_identical(tmp_path, offload, offload_
         full = zk.checkpoint.consolidate(path)
         for k, v in before.items():
             assert torch.equal(full[k], v), k
+        sd = opt.state_dict()
         opt.close()
+        # The frozen shards load back (where they are on disk: through a host copy written
+        # back), from the checkpoint and from state_dict, into another initialization.
+        for how in ("checkpoint", "state_dict"):
+            other = fc.freeze_layers(make_model(seed=5))
+            opt2 = zk.ZeroOptimizer(other, stage=3, lr=LR, **kw)
+            if how == "checkpoint":
+                zk.checkpoint.load(opt2, path)
+            else:
+                opt2.load_state_dict(sd)
+            loaded = fc.full_state(opt2, other)
+            for k, v in state.items():
+                assert torch.equal(loaded[k], v), (how, k)
+            opt2.close()
         return losses, state
 
     losses, state = run()

@@ -11,7 +11,9 @@ ZERO = Path(__file__).resolve().parents[2] / "zkernels" / "zero"
 SUBPACKAGES = ("planning", "parameters", "gradients", "state")
 ALLOWED = {
     "planning": set(),
-    "parameters": {"planning", "state.transfer"},
+    # Stage 3's offloaded parameter shards use the state side's copy engine and, on NVMe,
+    # its swap files (param_offload.py, param_nvme.py).
+    "parameters": {"planning", "state.transfer", "state.swap"},
     # The gradient strategies' default sink is the state side's one GradSink (grad_sink.py).
     "gradients": {"planning", "parameters", "state.grad_sink"},
     "state": {"planning", "parameters"},

@@ -20,6 +20,7 @@ from zkernels.zero.state.swap import OffloadIOError
 from tests.zero._harness import MICRO_BATCH, chunk, make_batches, make_model
 
 BUDGET = 3 * 1024 * 18 + 2 * 4096 + 1000
+PARAMS_BUDGET = 3 * 2048 * 18 + 2 * 4096 + 1000   # parameter files: 2048-element bf16 slots
 
 
 @pytest.fixture
@@ -423,7 +424,8 @@ def test_offload_params_close_and_eval_loops_stay_bounded(kind, folder, one_thre
     """Forward passes without step() (evaluation) bring shards in each time: the copies in
     flight stay bounded, nothing stays gathered, and close() finishes them."""
     model = make_model()
-    kw = {"offload_dir": folder, "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)} \
+    kw = {"offload_dir": folder,
+          "offload_config": OffloadConfig(nvme_buffer_bytes=PARAMS_BUDGET)} \
         if kind == "nvme" else {}
     opt = ZeroOptimizer(model, stage=3, lr=1e-3, offload=kind, offload_params=True, **kw)
     _train(model, opt, steps=1)
@@ -480,7 +482,7 @@ def test_stage3_checkpoint_with_offload_params(src, dst, folder, one_thread):
     kinds = {"device": {}, "cpu": {"offload": "cpu"},
              "cpu_params": {"offload": "cpu", "offload_params": True},
              "nvme_params": {"offload": "nvme", "offload_dir": folder, "offload_params": True,
-                             "offload_config": OffloadConfig(nvme_buffer_bytes=BUDGET)}}
+                             "offload_config": OffloadConfig(nvme_buffer_bytes=PARAMS_BUDGET)}}
 
     _continues_across(folder, kinds[src], kinds[dst], stage=3)
 
@@ -493,7 +495,7 @@ def test_offload_params_nvme_survives_close_and_reopen(folder, one_thread):
         m = make_model(seed)
         return m, ZeroOptimizer(m, stage=3, lr=3e-3, eps=1e-6, param_dtype=torch.bfloat16,
                                 offload="nvme", offload_dir=folder, offload_params=True,
-                                offload_config=OffloadConfig(nvme_buffer_bytes=BUDGET,
+                                offload_config=OffloadConfig(nvme_buffer_bytes=PARAMS_BUDGET,
                                                              **config))
     batches = make_batches(5, MICRO_BATCH)
     ref_m, ref_o = build(0)

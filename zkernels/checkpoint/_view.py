@@ -218,13 +218,14 @@ class OptimizerView:
         return [(name, a, a + n, u.compute_dtype) for u in self.frozen_units
                 for name, a, _, n in u.param_slices_in_shard()]
 
-    def frozen_pieces(self) -> Iterator[FrozenPiece]:
-        """This rank's pieces of the sharded frozen parameters (views of the shards: the
-        saver reads them, the loader writes them)."""
+    def frozen_pieces(self, write: bool = False) -> Iterator[FrozenPiece]:
+        """This rank's pieces of the sharded frozen parameters, views of the shards (of a host
+        copy where a shard is on disk): the saver reads them; the loader (``write``) writes
+        them, and a unit's copy is written back before the next unit's pieces come."""
         for u in self.frozen_units:
-            shard = u.compute_shard
-            for name, a, s, n in u.param_slices_in_shard():
-                yield FrozenPiece(name, a, a + n, shard[s:s + n])
+            with u.shard_values(write_back=write) as shard:
+                for name, a, s, n in u.param_slices_in_shard():
+                    yield FrozenPiece(name, a, a + n, shard[s:s + n])
 
     def _state(self, unit):
         """``(step, tensors)`` of ``unit``: the step :meth:`set_steps` gave it, if any."""

@@ -69,7 +69,7 @@ def load(opt, path: str) -> Any:
             for piece in view.pieces():
                 for f in FIELDS:
                     files.read_param(piece.name, f, piece.start, piece.end, piece.tensors[f])
-            for fp in view.frozen_pieces():
+            for fp in view.frozen_pieces(write=True):
                 _read_frozen_piece(m, files, fp)
             _load_model_tensors(view, m, files)
             def tensor(key):

@@ -49,9 +49,10 @@ class CheckpointUnit(Protocol):
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the unit's compute shard."""
 
-    @property
-    def compute_shard(self) -> torch.Tensor:
-        """This rank's shard of the compute buffer (a frozen unit's values live here)."""
+    def shard_values(self, write_back: bool = False) -> ContextManager[torch.Tensor]:
+        """This rank's shard of the compute buffer with its values (a frozen unit's values
+        live only there): the shard, or a host copy where it is on disk, written back on exit
+        with ``write_back``."""
 
     def param_slices_in_shard(self) -> Iterator[Tuple[str, int, int, int]]:
         """``(name, start in the parameter, start in the shard, length)`` per parameter

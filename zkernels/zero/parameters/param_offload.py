@@ -170,6 +170,15 @@ class HostParamStore:
         """The host shards (for ``stats()``)."""
         return [p.compute_shard for p in self.policies]
 
+    def buffers(self) -> List[torch.Tensor]:
+        """Host buffers beside the shards (for ``stats()``): none here (param_nvme.py's
+        bounces)."""
+        return []
+
+    def disk_bytes(self) -> int:
+        """Bytes of parameter files: none here (param_nvme.py's)."""
+        return 0
+
 
 def sharded_params_factory(store: Optional[HostParamStore]):
     """Stage 3's gather-policy builder ``(params, layout, rank, compute_shard) -> policy``:

@@ -30,9 +30,10 @@ policy's ``publish`` after each unit's update.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -61,6 +62,9 @@ class GatherPolicy(Protocol):
     compute_shard: torch.Tensor
     full: Optional[torch.Tensor]
     shard_on_host: bool  # compute_shard is host memory (the update writes it there)
+    # The shard is in a file (compute_shard is a meta tensor; values through read_values /
+    # load_values / write_shard: param_nvme.py).
+    shard_on_disk: bool
 
     @property
     def is_gathered(self) -> bool: ...
@@ -88,6 +92,7 @@ class ReplicatedParams:
     """
 
     shard_on_host = False
+    shard_on_disk = False
 
     def __init__(self, full: torch.Tensor, shard: slice) -> None:
         self.full = full
@@ -147,6 +152,7 @@ class ShardedParams:
     """
 
     shard_on_host = False
+    shard_on_disk = False
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
                  compute_shard: torch.Tensor, device: Optional[torch.device] = None) -> None:
@@ -298,6 +304,19 @@ class FlatParamUnit:
         """[padded_numel] full compute buffer, or None while not gathered."""
         return self.gather.full
 
+    @contextlib.contextmanager
+    def shard_values(self, write_back: bool = False) -> Iterator[torch.Tensor]:
+        """This rank's compute shard as a tensor with values: the shard itself where it is in
+        memory; a host copy read from its file where it is on disk ([Note: parameters on
+        NVMe] in ``param_nvme.py``), written back on exit with ``write_back``."""
+        if not self.gather.shard_on_disk:
+            yield self.gather.compute_shard
+            return
+        values = self.gather.read_values()
+        yield values
+        if write_back:
+            self.gather.load_values(values)
+
     def param_slices_in_shard(self):
         """For each parameter overlapping this rank's shard, yield ``(name, start_in_param,
         start_in_shard, length)`` (flat element offsets; see
@@ -392,7 +411,7 @@ def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tens
     compute = initial if compute_dtype == torch.float32 else ops.cast(initial, compute_dtype)
     gather = ShardedParams(params, layout, compute) if make_gather is None else \
         make_gather(params, layout, rank, compute)
-    if compute_dtype == torch.float32:
+    if compute_dtype == torch.float32 and not gather.shard_on_disk:
         initial = gather.compute_shard  # the master starts as the (possibly moved) shard
     unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,

@@ -52,7 +52,7 @@ measured, ``frozen_dtype`` with a count, fp32 by default), sharded at stage 3 (f
 f₃ = p with a ``param_dtype`` narrower than fp32, which stage 3 casts floating frozen parameters
 to, else f: see [Note: frozen parameters at stage 3] in ``units.py``); stage 3 gathers them with
 their unit (the transient and the all-gathers count them, at p per element), and with
-``offload_params`` their shards live in host RAM too.
+``offload_params`` their shards live in host RAM (or, with NVMe, in files) too.
 
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
 ``ZeroOptimizer``'s update engine places it (``state/engine.py``): with ``"cpu"``
@@ -62,8 +62,11 @@ live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, i
 the gradient shard stays on the device, and host RAM holds the slot arena, at most the
 configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the
 master when ``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
-``offload_params=True`` puts it in host RAM (either kind; ``param_offload.py``): then CPU offload needs no staging (the update writes the host shard)
-and, in pure fp32, no master of its own (the shard is the master).
+``offload_params=True`` moves it beside the state: into host RAM with ``"cpu"``
+(``param_offload.py``: then CPU offload needs no staging, the update writes the host shard,
+and in pure fp32 no master of its own, the shard is the master), into files with ``"nvme"``
+(``param_nvme.py``: host RAM adds two bounces of the largest unit shard, and in pure fp32
+with a host master every slot of the arena stages its output).
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
@@ -91,7 +94,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from .buckets import auto_bucket_bytes
-from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL,
+from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL, IO_ALIGN,
                              nvme_arena_bytes, nvme_sub_group_numel)
 from .policy import (NUM_REDUCE_BUFFERS, STAGES, check_reshard_after_forward, offload_policy,
                      stage_policy)
@@ -121,10 +124,13 @@ def parse_dtype(value, name: str) -> Optional[torch.dtype]:
 
 def rung_name(stage: int, offload: Optional[str], offload_params: bool = False) -> str:
     """Human name of a rung, as ``plan`` prints it: 'data parallel', 'stage 2', 'stage 3 +
-    cpu offload', 'stage 3 + cpu offload + params on host' (``offload_params``), ..."""
+    cpu offload', 'stage 3 + cpu offload + params on host' (``offload_params``; with NVMe
+    '... + params on disk'), ..."""
     base = "data parallel" if stage == 0 else f"stage {stage}"
     name = base if offload is None else f"{base} + {offload} offload"
-    return name + " + params on host" if offload_params else name
+    if not offload_params:
+        return name
+    return name + (" + params on disk" if offload == "nvme" else " + params on host")
 
 
 @dataclass(frozen=True)
@@ -433,15 +439,20 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                      optimizer_states=ADAM_STATE_BYTES * shard,
                      buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
                      transient=transient)
-    if offload is not None and not mixed and not (
-            offload_params and (offload == "cpu" or not nvme_master)):
+    if offload is not None and not mixed and not (offload_params and offload == "cpu"):
         # Pure fp32 offload: the device parameter can no longer be the master (the update
         # runs elsewhere), so the host or disk holds an fp32 master shard of its own (with
-        # offload_params a host master is the host parameter shard itself).
+        # CPU offload_params the host master is the host parameter shard itself).
         kinds["master"] = MASTER_BYTES * shard
     device = dict(kinds)
     host, disk = {}, {}
-    if offload_params:
+    unit_shard = _div(bucket_numel, big_n) if bucket_numel else shard  # the largest
+    if offload_params and offload == "nvme":
+        # Parameter files, read through two bounces of the largest unit shard (param_nvme.py;
+        # a parameter count without units: the whole shard, an upper bound).
+        disk["params"] = device.pop("params")
+        host["bounces"] = 2 * (p * unit_shard + IO_ALIGN)   # + each one's alignment slack
+    elif offload_params:
         host["params"] = device.pop("params")
     if offload == "cpu":
         for k in ("master", "optimizer_states", "grads"):
@@ -456,11 +467,13 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             disk[k] = device.pop(k)
         if not nvme_master:
             host["master"] = device.pop("master")
-        # The slot arena: sub-groups of the largest unit shard, capped by the budget.
-        kinds_in_slot, cb = len(on_disk) + 2, p if mixed else 0
+        # The slot arena: sub-groups of the largest unit shard, capped by the budget (aligned
+        # to a parameter file's blocks too).
+        kinds_in_slot = len(on_disk) + 2
+        cb = p if mixed or (offload_params and not nvme_master) else 0
         host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
-            nvme_buffer_bytes, kinds_in_slot, cb,
-            _div(bucket_numel, big_n) if bucket_numel else shard), kinds_in_slot, cb)
+            nvme_buffer_bytes, kinds_in_slot, cb, unit_shard,
+            file_bytes=p if offload_params else 0), kinds_in_slot, cb)
 
     rq, pq = quantized_element_bytes(stage, quantize_weights, quantize_grads, quantize_block)
     rq, pq = rq or r, pq or p
@@ -482,7 +495,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     h2d = 0 if offload is None else g * shard + \
         (policy.gathers_per_step * (p * shard + frozen_shard) if offload_params
          else p * shard)
-    disk_io = 0 if offload != "nvme" else 2 * sum(disk.values())
+    # NVMe: state read and written once per step; parameter files written by the update and
+    # read by every gather.
+    disk_io = 0 if offload != "nvme" else 2 * (sum(disk.values()) - disk.get("params", 0)) + \
+        (1 + policy.gathers_per_step) * disk.get("params", 0)
     return MemoryEstimate(
         stage=stage, offload=offload, num_params=num_params, world_size=world_size,
         params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],

@@ -19,24 +19,26 @@ ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
 
 
 def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
-                         largest_shard: int) -> int:
+                         largest_shard: int, file_bytes: int = 0) -> int:
     """Elements per NVMe sub-group: the largest unit shard (rounded up to an aligned block),
     capped so that ``NUM_NVME_BUFFERS`` slots fit ``budget_bytes``. Each element of a slot
     holds ``num_kinds`` fp32 states, one fp32 gradient and one compute-dtype output
     (``compute_bytes``, 0 in pure fp32); the arena's alignment slack (one block) is part of
-    the budget.
+    the budget. ``file_bytes``: the output is written to a parameter file of elements of
+    that size (stage 3's parameters on NVMe), so a sub-group also spans whole blocks of it.
 
     Raises:
         ValueError: the budget cannot hold one aligned block per slot.
     """
+    align = max(ALIGN_NUMEL, IO_ALIGN // file_bytes) if file_bytes else ALIGN_NUMEL
     per_elem = NUM_NVME_BUFFERS * (4 * num_kinds + 4 + compute_bytes)
-    cap = (budget_bytes - 2 * IO_ALIGN) // per_elem // ALIGN_NUMEL * ALIGN_NUMEL
-    if cap < ALIGN_NUMEL:
-        need = ALIGN_NUMEL * per_elem + 2 * IO_ALIGN
+    cap = (budget_bytes - 2 * IO_ALIGN) // per_elem // align * align
+    if cap < align:
+        need = align * per_elem + 2 * IO_ALIGN
         raise ValueError(f"OffloadConfig.nvme_buffer_bytes={budget_bytes} is too small: "
-                         f"{NUM_NVME_BUFFERS} slots of one {IO_ALIGN}-byte block need at "
-                         f"least {need} bytes")
-    return min(cap, -(-largest_shard // ALIGN_NUMEL) * ALIGN_NUMEL)
+                         f"{NUM_NVME_BUFFERS} slots of {align} elements need at least "
+                         f"{need} bytes")
+    return min(cap, -(-largest_shard // align) * align)
 
 
 def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int) -> int:

@@ -114,6 +114,7 @@ class _Piece:
     exp_avg_sq: torch.Tensor
     out: Optional[torch.Tensor]
     busy: list
+    slot_out: Optional[torch.Tensor] = None   # the slot's whole (aligned) output buffer
 
 
 class UpdateEngine:
@@ -181,8 +182,9 @@ class UpdateEngine:
             raise ValueError(f"init_state: unit {unit.index} out of order (expected "
                              f"{len(self.states)})")
         n = unit.layout.shard_numel
-        shard_at = "host" if unit.gather.shard_on_host else "device"
-        if self.where["master"] == shard_at and unit.compute_dtype == torch.float32:
+        shard_at = "disk" if unit.gather.shard_on_disk else \
+            "host" if unit.gather.shard_on_host else "device"
+        if self.where["master"] == shard_at != "disk" and unit.compute_dtype == torch.float32:
             master = unit.compute_shard   # the fp32 parameter shard is its own master
         else:
             master = self._alloc(n, "master", unit.device)
@@ -222,9 +224,15 @@ class UpdateEngine:
             self._buffers = [self.copier.host_empty(need, cdt) for _ in range(2)]
             self._slots = [_Slot(out=b) for b in self._buffers]
         elif self.placement == "nvme":
-            cb = 0 if cdt == torch.float32 else cdt.itemsize  # fp32: the copy reads the master
+            # fp32: the copy (or a parameter file's write, param_nvme.py) reads the master in
+            # its slot; a host master is not aligned, so the output is staged in the slot.
+            # With a parameter file a sub-group starts at an aligned byte of it too.
             kinds = self.files.kinds
-            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n)
+            on_disk = unit.gather.shard_on_disk
+            cb = 0 if cdt == torch.float32 and ("master" in kinds or not on_disk) \
+                else cdt.itemsize
+            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n,
+                                       file_bytes=cdt.itemsize if on_disk else 0)
             if sub <= self.sub_group_numel:
                 return
             self._settle_all()
@@ -289,8 +297,10 @@ class UpdateEngine:
         hp = adamw_hparams(group, rec.step, host_scalar(grad_scale) if self.on_host
                            else grad_scale)
         mixed = unit.compute_dtype != torch.float32
-        # The compute shard lives beside the step: the AdamW writes it in place.
-        direct = unit.gather.shard_on_host == self.on_host
+        # The compute shard lives beside the step: the AdamW writes it in place; or in a file
+        # (parameters on NVMe): each sub-group's output goes from its slot to the file.
+        to_file = unit.gather.shard_on_disk
+        direct = unit.gather.shard_on_host == self.on_host and not to_file
         if direct and self.param_store is not None:
             self.param_store.settle()   # no copy still reads the shard written now
         shard, last = unit.compute_shard, None
@@ -299,7 +309,11 @@ class UpdateEngine:
         for lo, hi, p in pieces:
             out = (shard[lo:hi] if direct else p.out) if mixed else None
             self.step_ops.adamw_step(p.master, p.grad, p.exp_avg, p.exp_avg_sq, out=out, **hp)
-            if not direct:
+            if to_file:
+                if not mixed and p.out is not None:   # (a host master: staged aligned)
+                    p.out.copy_(p.master)
+                p.busy.append(unit.gather.write_shard(p.slot_out, lo, hi))
+            elif not direct:
                 last = self.copier.to_device(shard[lo:hi], out if mixed else p.master)
                 p.busy.append(last)
             elif not mixed and p.master.data_ptr() != shard[lo:hi].data_ptr():
@@ -361,7 +375,8 @@ class UpdateEngine:
             master = slot.states["master"][:k] if "master" in slot.states else rec.master[lo:hi]
             yield lo, hi, _Piece(master, slot.grad[:k], slot.states["exp_avg"][:k],
                                  slot.states["exp_avg_sq"][:k],
-                                 None if slot.out is None else slot.out[:k], slot.busy)
+                                 None if slot.out is None else slot.out[:k], slot.busy,
+                                 slot.states.get("master") if slot.out is None else slot.out)
             slot.busy.extend(self.files.write(rec, kd, slot.states[kd], lo, hi)
                              for kd in self.files.kinds)
             if nxt is not None and self._prefetched is None:
@@ -426,6 +441,9 @@ class UpdateEngine:
 
     def _write_compute(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
         """The unit's compute shard from an fp32 master (a load: not a step's traffic)."""
+        if unit.gather.shard_on_disk:
+            unit.gather.load_values(master)
+            return
         shard = unit.compute_shard
         if master.data_ptr() == shard.data_ptr():
             return   # fp32: the master is the shard
@@ -481,14 +499,19 @@ class UpdateEngine:
         (``offload_params``), master, moments, gradient shards and the slots' buffers."""
         if not self.on_host:
             return {}
-        return {"params": self.param_store.held_host() if self.param_store is not None else [],
+        store = self.param_store
+        return {"params": store.held_host() if store is not None else [],
                 **self._held_at("host"),
                 "grads": list(self.grad_sink.shards) if self.grad_sink is not None else [],
-                "buffers": list(self._buffers)}
+                "buffers": list(self._buffers) + (store.buffers() if store is not None else [])}
 
     def disk_bytes(self) -> Dict[str, int]:
-        """Bytes of files held by kind (NVMe offload), measured from the files."""
-        return self.files.disk_bytes() if self.files is not None else {}
+        """Bytes of files held by kind (NVMe offload; the parameter shards' too where they
+        are on disk), measured from the files."""
+        if self.files is None:
+            return {}
+        return {**self.files.disk_bytes(), "params": self.param_store.disk_bytes()
+                if self.param_store is not None else 0}
 
     def close(self, keep_files: bool = False) -> Optional[str]:
         """Finish copies and I/O, stop the copy thread, close the files and remove the run

@@ -16,6 +16,7 @@ from ... import ops as _ops
 from ...ops import OpSet
 from ..planning.offload_config import OffloadConfig
 from ..planning.policy import OFFLOADS, STAGES, StagePolicy
+from ..parameters.param_nvme import DiskParamStore
 from ..parameters.param_offload import HostParamStore, sharded_params_factory
 from .engine import UpdateEngine
 from .nvme_files import NvmeFiles
@@ -112,15 +113,23 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
                 offload_config: Optional[OffloadConfig], offload_params: bool = False):
     """The update engine placed for ``offload`` (None: states on the device); with
     ``offload_params`` (stage 3, checked by :func:`check_offload_params`) the parameter side
-    keeps its shards in host RAM (``param_offload.py``), beside the offloaded state."""
+    keeps its shards beside the offloaded state: in host RAM with CPU offload
+    (``param_offload.py``), in files with NVMe offload (``param_nvme.py``)."""
     if offload is None:
         return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None))
     config = offload_config or OffloadConfig()
     copier = Copier(device, config.pin_memory)
-    store = HostParamStore(copier) if offload_params else None
+    store = files = None
     try:
         files = NvmeFiles(config, offload_dir, rank, world_size) if offload == "nvme" else None
+        if offload_params and files is not None:
+            store = DiskParamStore(copier, offload_dir or os.path.dirname(files.folder), rank,
+                                   world_size, config.io_threads, config.direct_io)
+        elif offload_params:
+            store = HostParamStore(copier)
     except BaseException:
+        if files is not None:
+            files.close()
         copier.close()
         raise
     return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,

@@ -49,7 +49,10 @@ def state_dict(opt) -> Dict[str, Any]:
             **opt.counters()}
     out = {"state": state, "param_groups": groups, "zero": zero}
     if opt.frozen_units:
-        out["frozen"] = {u.index: u.compute_shard.detach().clone() for u in opt.frozen_units}
+        out["frozen"] = {}
+        for u in opt.frozen_units:
+            with u.shard_values() as shard:
+                out["frozen"][u.index] = shard.detach().clone()
     return out
 
 
@@ -92,6 +95,7 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
             s = sd["state"][u.index]
             opt.write_state(u, s["step"], s["master"], s["exp_avg"], s["exp_avg_sq"])
         for u in frozen_units if frozen else ():  # stage 3: the frozen shards
-            u.compute_shard.copy_(frozen[u.index])
+            with u.shard_values(write_back=True) as shard:
+                shard.copy_(frozen[u.index])
         opt.publish(list(opt.units) + (frozen_units if frozen else []))
     opt.load_counters(zero)

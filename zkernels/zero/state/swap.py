@@ -43,7 +43,11 @@ VERSION = 1
 HEADER_BYTES = IO_ALIGN
 _HEADER = struct.Struct("<8sIIQ16sIIIQ")  # magic, version, dtype, numel, kind, unit, rank,
 #                                           world size, data offset
-_DTYPE_CODES = {torch.float32: 1}
+# Element dtypes a swap file may hold (the state is fp32; stage 3's parameter shards on NVMe
+# are in their compute dtype, and a frozen shard in its own: param_nvme.py).
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4,
+                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
+                torch.bool: 10}
 
 
 class OffloadIOError(RuntimeError):
@@ -118,37 +122,41 @@ def probe_direct_io(folder: str) -> Tuple[bool, str]:
 
 
 class SwapFile:
-    """One swap file: header + fp32 data (see [Note: swap files and their I/O]).
+    """One swap file: header + data, fp32 unless ``dtype`` says otherwise (see [Note: swap
+    files and their I/O]).
 
     Use :meth:`create` or :meth:`open_existing`. Attributes: ``path``, ``fd``, ``numel``,
-    ``data_bytes`` (padded), ``kind``, ``unit``, ``rank``, ``world_size``.
+    ``dtype``, ``data_bytes`` (padded), ``kind``, ``unit``, ``rank``, ``world_size``.
     """
 
     def __init__(self, path: str, fd: int, numel: int, kind: str, unit: int, rank: int,
-                 world_size: int) -> None:
-        self.path, self.fd, self.numel = path, fd, numel
+                 world_size: int, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"a swap file holds one of {sorted(map(str, _DTYPE_CODES))}, "
+                             f"got dtype {dtype}")
+        self.path, self.fd, self.numel, self.dtype = path, fd, numel, dtype
         self.kind, self.unit, self.rank, self.world_size = kind, unit, rank, world_size
-        self.data_bytes = round_up(numel * 4)
+        self.data_bytes = round_up(numel * dtype.itemsize)
 
     @property
     def file_bytes(self) -> int:
         return HEADER_BYTES + self.data_bytes
 
     def _header(self) -> bytes:
-        h = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[torch.float32], self.numel,
+        h = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[self.dtype], self.numel,
                          self.kind.encode()[:16], self.unit, self.rank, self.world_size,
                          HEADER_BYTES)
         return h + b"\0" * (HEADER_BYTES - len(h))
 
     @classmethod
     def create(cls, path: str, numel: int, kind: str, unit: int, rank: int, world_size: int,
-               direct: bool) -> "SwapFile":
+               direct: bool, dtype: torch.dtype = torch.float32) -> "SwapFile":
         """Create the file with its header and full length (the data written by the caller).
 
         Raises:
             OffloadIOError: the file cannot be created or its header written (e.g. ENOSPC).
         """
-        f = cls(path, -1, numel, kind, unit, rank, world_size)
+        f = cls(path, -1, numel, kind, unit, rank, world_size, dtype)
         try:
             with open(path, "xb") as out:
                 out.write(f._header())

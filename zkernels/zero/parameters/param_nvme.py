@@ -1,0 +1,217 @@
+"""Stage 3 ``offload_params=True`` with ``offload="nvme"``: the parameter shards live in files
+and pass through a bounded host bounce on their way to each gather.
+
+[Note: parameters on NVMe]
+With CPU offload the parameter shards live in host RAM (``param_offload.py``); with NVMe
+offload host RAM is a budget (the update's slot arena, [Note: NVMe offload step] in
+``state/engine.py``), so the shards go to disk too, as DeepSpeed's ``offload_param: {device:
+nvme}`` does. Each unit's shard (trainable or frozen: a LoRA's base is the bulk) is one swap
+file in its compute dtype ([Note: swap files and their I/O]) in a run folder of its own under
+``offload_dir``; between uses neither the device nor host RAM holds a byte of it.
+
+- ``ensure_gathered`` reads the unit's file into one of two aligned host bounce buffers, copies
+  it into this rank's slice of the full device buffer on the copier's stream or thread and
+  all-gathers after the copy ([Note: gathers after their copy]). A bounce is reused only after
+  its copy finished, so two gathers (the unit computing now and the one prefetched for next)
+  are in flight at most. Host RAM for parameters is the two bounces: twice the largest unit
+  shard, whatever the model size.
+- The update engine writes each updated sub-group (compute dtype) straight from its slot to the
+  file (:meth:`DiskShardedParams.write_shard`): nothing is sent to the device in ``step()``,
+  as with parameters in host RAM. A gather first waits for any write of its file still running.
+- Checkpoints and ``state_dict`` read and write a frozen shard through
+  :meth:`~zkernels.zero.parameters.units.FlatParamUnit.shard_values` (a temporary host copy);
+  a trainable shard is rebuilt from the master. The files hold nothing that is not derived,
+  so ``close(keep_files=True)`` does not keep them: a resumed run writes them from its master.
+
+The read is synchronous: the gather waits for it (``stats()["offload"]`` reports the bytes and
+seconds as ``param_disk_read_*``). Prefetching the read of the unit predicted next, as
+DeepSpeed's parameter swapper does, would hide it; on this repository's CPU machines the read
+of a page-cached file is a memcpy, and that is left for a machine with a real NVMe to measure.
+
+Bit-identity: a file holds the same bits as a host shard would, so the run is bit-identical to
+the same NVMe offload with the shards in host RAM or on the device.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ...layout import FlatLayout
+from ..state.swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty,
+                          make_run_folder, probe_direct_io, remove_run_folder, round_up)
+from ..state.transfer import Copier, Fence
+from .param_offload import HostParamStore, HostShardedParams
+
+NUM_BOUNCES = 2   # the unit gathered now and the one prefetched for next
+
+
+class DiskShardedParams(HostShardedParams):
+    """Stage 3's gather policy with the persistent shard in a file (see [Note: parameters on
+    NVMe]). ``compute_shard`` is a meta tensor (shape and dtype, no storage): values go through
+    :meth:`read_values`, :meth:`load_values` and :meth:`write_shard`.
+
+    Args:
+        params, layout, shard, device: as :class:`HostShardedParams`.
+        file: the unit's :class:`~zkernels.zero.state.swap.SwapFile`.
+        store: the :class:`DiskParamStore` that reads, copies and counts.
+    """
+
+    shard_on_host = False
+    shard_on_disk = True
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout, shard: slice,
+                 device: torch.device, file: SwapFile, store: "DiskParamStore") -> None:
+        self.file = file
+        self._writes: List[Future] = []
+        meta = torch.empty(layout.shard_numel, dtype=file.dtype, device="meta")
+        super().__init__(params, layout, shard, meta, device, store)
+
+    def _issue_gather(self, comm, tag: Optional[str]):
+        self.wait_writes()
+        dst = self._full[self._slice]
+        self.fence = self._store.bring_in_from(self.file, dst)
+        with self._store.after(self.fence):
+            return comm.all_gather(self._full, dst, tag=tag)
+
+    def write_shard(self, buf: torch.Tensor, lo: int, hi: int) -> Future:
+        """Write elements ``[lo, hi)`` of the shard from the aligned host ``buf`` (its first
+        ``hi - lo`` elements; ``lo`` and ``buf`` aligned for O_DIRECT, the engine's slots
+        are); returns the write's future (the next gather waits for it)."""
+        isz = self.file.dtype.itemsize
+        fut = self._store.io.write(self.file, buf, lo * isz, round_up((hi - lo) * isz))
+        self._writes = [f for f in self._writes if not f.done()] + [fut]
+        return fut
+
+    def wait_writes(self) -> None:
+        for f in self._writes:
+            f.result()
+        self._writes = []
+
+    def read_values(self) -> torch.Tensor:
+        """The shard's values as a new host tensor (a load or save, not a step's traffic)."""
+        self.wait_writes()
+        buf = aligned_empty(self.file.data_bytes)
+        self._store.io.read(self.file, buf, 0, self.file.data_bytes, counted=False).result()
+        return buf.view(self.file.dtype)[:self.file.numel]
+
+    def load_values(self, values: torch.Tensor) -> None:
+        """Overwrite the shard with ``values`` (cast to its dtype; a load, not a step's)."""
+        self.wait_writes()
+        self._store.settle()
+        buf = aligned_empty(self.file.data_bytes).zero_()
+        buf.view(self.file.dtype)[:self.file.numel].copy_(values.reshape(-1))
+        self._store.io.write(self.file, buf, 0, self.file.data_bytes, counted=False).result()
+
+
+class DiskParamStore(HostParamStore):
+    """Owner of the parameter files of one optimizer (see [Note: parameters on NVMe]).
+
+    Args:
+        copier: the update engine's :class:`~zkernels.zero.state.transfer.Copier`.
+        offload_dir: the folder under which the files' run folder is made.
+        rank, world_size: written into every file's header.
+        io_threads: threads of the file I/O pool.
+        direct_io: as ``OffloadConfig.direct_io`` (None: O_DIRECT where the filesystem
+            takes it).
+    """
+
+    def __init__(self, copier: Copier, offload_dir, rank: int, world_size: int,
+                 io_threads: int, direct_io: Optional[bool]) -> None:
+        self.folder = make_run_folder(offload_dir, rank)
+        ok, reason = probe_direct_io(self.folder)
+        if direct_io and not ok:
+            remove_run_folder(self.folder)
+            raise OffloadIOError(f"OffloadConfig.direct_io=True but {self.folder}: {reason}")
+        super().__init__(copier)
+        self.direct_io = ok and direct_io is not False
+        self.rank, self.world_size = rank, world_size
+        self.io = AsyncFileIO(io_threads)
+        self._bounces: List[torch.Tensor] = []
+        self._bounce_fences: List[Optional[Fence]] = []
+        self._next_bounce = 0
+        self._read_s = 0.0
+        copier.on_close.append(self._release)
+
+    def sharded_params(self, params, layout: FlatLayout, rank: int,
+                       compute_shard: torch.Tensor) -> DiskShardedParams:
+        """Write ``compute_shard`` (built on the device) into a new file of the unit and
+        return the unit's gather policy over it."""
+        lo, hi = layout.shard_range(rank)
+        index = len(self.policies)
+        path = os.path.join(self.folder, f"param{index:05d}.swap")
+        f = SwapFile.create(path, compute_shard.numel(), "param", index, self.rank,
+                            self.world_size, self.direct_io, compute_shard.dtype)
+        self._grow_bounces(f.data_bytes)
+        policy = DiskShardedParams(params, layout, slice(lo, hi), compute_shard.device, f,
+                                   self)
+        policy.load_values(compute_shard.to("cpu"))
+        self.policies.append(policy)
+        return policy
+
+    def _grow_bounces(self, nbytes: int) -> None:
+        """Bounces that hold a file of ``nbytes`` (units are built before any gather)."""
+        if self._bounces and self._bounces[0].numel() >= nbytes:
+            return
+        self.settle()
+        for b in self._bounces:
+            self.copier.unpin(b)
+        pin = self.copier.pin if self.copier.pinned else None
+        self._bounces = [aligned_empty(nbytes, pin).zero_() for _ in range(NUM_BOUNCES)]
+        self._bounce_fences = [None] * NUM_BOUNCES
+
+    def bring_in_from(self, f: SwapFile, dst: torch.Tensor) -> Fence:
+        """Read ``f`` into the next bounce (the gather waits) and issue its copy into the
+        device slice ``dst``."""
+        i = self._next_bounce
+        self._next_bounce = (i + 1) % NUM_BOUNCES
+        if self._bounce_fences[i] is not None:
+            self._bounce_fences[i].synchronize()   # its last copy has read it
+        buf = self._bounces[i]
+        t0 = time.perf_counter()
+        self.io.read(f, buf, 0, f.data_bytes).result()
+        self._read_s += time.perf_counter() - t0
+        fence = self.bring_in(dst, buf.view(f.dtype)[:f.numel])
+        self._bounce_fences[i] = fence
+        return fence
+
+    def take_counters(self) -> Dict[str, float]:
+        """As :meth:`HostParamStore.take_counters`, plus the files' bytes read for gathers
+        (``param_disk_read_*``: the gathers waited for the reads) and written by the update
+        (``param_disk_write_bytes``)."""
+        io = self.io.take_counters()
+        out = {**super().take_counters(), "param_disk_read_bytes": io["disk_read_bytes"],
+               "param_disk_read_s": self._read_s,
+               "param_disk_write_bytes": io["disk_write_bytes"]}
+        self._read_s = 0.0
+        return out
+
+    def held_host(self) -> List[torch.Tensor]:
+        """No parameter shard is in host RAM (the bounces are buffers: :meth:`buffers`)."""
+        return []
+
+    def buffers(self) -> List[torch.Tensor]:
+        """The host bounce buffers (for ``stats()``)."""
+        return list(self._bounces)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the parameter files, from ``fstat`` (headers included)."""
+        return sum(os.fstat(p.file.fd).st_size for p in self.policies if p.file.fd >= 0)
+
+    def _release(self) -> None:
+        """At ``close()``: finish I/O, close the files, remove the folder (idempotent)."""
+        if not self.folder:
+            return
+        self.settle()
+        for p in self.policies:
+            p.wait_writes()
+        self.io.close()
+        for p in self.policies:
+            p.file.close()
+        for b in self._bounces:
+            self.copier.unpin(b)
+        remove_run_folder(self.folder)
+        self.folder = ""
