@@ -137,8 +137,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_paths: stage 3: before each all-gather, check that every rank gathers the same
             unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
         offload_params: stage 3 with ``offload``: keep the parameter shards (compute dtype)
-            in host RAM between uses, each brought to the device ahead of its unit's
-            all-gather ([Note: parameter offload] in ``param_offload.py``). Stages 1-2 or no
+            off the device between uses, each brought to the device ahead of its unit's
+            all-gather: in host RAM with ``offload="cpu"`` ([Note: parameter offload] in
+            ``param_offload.py``), in files through two host bounces with ``offload="nvme"``
+            ([Note: parameters on NVMe] in ``param_nvme.py``). Stages 1-2 or no
             offload raise ValueError. With ``stage="auto"``, True limits the rungs to stage 3
             with offload; left False, the ladder may still take it for a stage-3 offload rung
             that does not fit without it (see ``ladder.choose_rung``; ``opt.offload_params``
@@ -538,7 +540,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             host time, and how much of the gradient copies was hidden behind backward; NVMe
             adds the disk bytes and I/O time (``disk_io_s``, ``io_exposed_s``,
             ``disk_io_hidden_s``); ``offload_params`` the parameter shards brought in at the
-            gathers (``param_host_to_device_bytes``, ``_s``, ``_exposed_s``, ``_hidden_s``).
+            gathers (``param_host_to_device_bytes``, ``_s``, ``_exposed_s``, ``_hidden_s``;
+            on NVMe also ``param_disk_read_bytes``, ``param_disk_read_s``, the reads the
+            gathers waited for, and ``param_disk_write_bytes``, the update's writes).
             Memory is measured from the storages held: params are the flat
             compute buffers (and the frozen parameters: whole at stages 1-2, their shards at
             stage 3); grads the stage-1 flat gradient

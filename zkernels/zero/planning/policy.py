@@ -98,8 +98,8 @@ class OffloadPolicy:
         kind: None (the device), "cpu" (master, moments and gradient shard in host RAM) or
             "nvme" (master and moments on disk, streamed through a fixed host budget; the
             gradient shard stays on the device). At stage 3 either kind also takes the
-            parameter shard into host RAM with ``offload_params=True`` (``param_offload.py``;
-            parameters on disk are not implemented).
+            parameter shard off the device with ``offload_params=True``: into host RAM with
+            "cpu" (``param_offload.py``), into files with "nvme" (``param_nvme.py``).
         min_stage: the lowest stage it combines with.
         implemented: ``ZeroOptimizer(offload=kind)`` runs it in this version.
     """

@@ -34,6 +34,10 @@ sub-groups. Stage 1 is refused (its full gradients live on the device until ``st
 With ``offload_params=True`` (stage 3) the parameter shards live in host RAM
 (``param_offload.py``, [Note: parameter offload]); the step then writes the host shard in
 place (no staging, nothing sent in ``step()``), and in pure fp32 the master is the shard.
+With NVMe offload they live in files instead (``param_nvme.py``, [Note: parameters on
+NVMe]): each sub-group's output goes from its slot to the unit's file (in pure fp32 the
+slot's master, or, with a host master, an aligned copy in the slot), and sub-groups span
+whole 4096-byte blocks of the file, so the smallest budget for bf16 parameters doubles.
 
 [Note: NVMe offload step]
 Host RAM holds ``NUM_NVME_BUFFERS`` (3) slots carved out of one aligned arena: each slot holds
@@ -128,8 +132,9 @@ class UpdateEngine:
         copier: offload: the :class:`Copier` of host<->device copies, else None.
         config: the :class:`OffloadConfig` (offload).
         files: NVMe: the :class:`~zkernels.zero.state.nvme_files.NvmeFiles`, else None.
-        param_store: stage 3 ``offload_params``: the parameter side's host shard store
-            (``param_offload.HostParamStore``), settled before the step writes a shard.
+        param_store: stage 3 ``offload_params``: the parameter side's shard store
+            (``param_offload.HostParamStore``, settled before the step writes a host shard,
+            or ``param_nvme.DiskParamStore``, whose files the step writes).
         sharded_params: stage 3's gather-policy builder (the parameter side's, fed by
             ``offload_params``: ``param_offload.sharded_params_factory``).
 
