@@ -477,12 +477,15 @@ def _nvme_verdict(name, nv, meta) -> None:
         moments = max(m["optimizer_states"] for m in nv["memory_bytes_by_rank"])
         budget = meta["nvme_budget_bytes"]
         nv["nvme_state_to_budget_ratio"] = moments / budget
-        # offload_params: the parameter shards are host RAM too, outside the slot budget
-        params = st["memory_bytes"]["params"] if name.endswith("_params") else 0
-        nv["nvme_host_within_budget"] = host - params <= budget
-        print(f"{name}: host RAM {host - params} B <= budget {budget} B: "
-              f"{'yes' if host - params <= budget else 'NO'}"
-              + (f" (+ {params} B of parameter shards, offload_params)" if params else "")
+        # offload_params: the parameter shards are files too, read through two host bounces
+        # of the largest unit shard, outside the slot budget (param_nvme.py)
+        bounces = st["offload"].get("param_bounce_bytes", 0)
+        nv["nvme_host_within_budget"] = host - bounces <= budget
+        print(f"{name}: host RAM {host - bounces} B <= budget {budget} B: "
+              f"{'yes' if host - bounces <= budget else 'NO'}"
+              + (f" (+ {bounces} B of parameter bounces, offload_params; the parameter "
+                 f"shards are files: {st['memory_bytes_by_location']['disk']['params']} B)"
+                 if bounces else "")
               + f"; moments on disk {moments} B = {moments / budget:.1f}x the budget; "
               f"O_DIRECT: {st['offload'].get('direct_io')}")
 

@@ -131,6 +131,7 @@ def nvme_params_host_ram_is_bounded(rank, ws, *, param_dtype):
         host = st["memory_bytes_by_location"]["host"]
         assert host["params"] == 0 and host["master"] == 0 and host["optimizer_states"] == 0
         assert host["total"] == host["buffers"] <= budget + 2 * bounce, (host, budget, bounce)
+        assert st["offload"]["param_bounce_bytes"] == 2 * bounce, st["offload"]
         assert len(files) == 9 and shards >= 3 * 2 * bounce, (len(files), shards, bounce)
         assert st["memory_bytes_by_location"]["disk"]["params"] == sum(f.file_bytes
                                                                        for f in files)

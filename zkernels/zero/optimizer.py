@@ -542,7 +542,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``disk_io_hidden_s``); ``offload_params`` the parameter shards brought in at the
             gathers (``param_host_to_device_bytes``, ``_s``, ``_exposed_s``, ``_hidden_s``;
             on NVMe also ``param_disk_read_bytes``, ``param_disk_read_s``, the reads the
-            gathers waited for, and ``param_disk_write_bytes``, the update's writes).
+            gathers waited for, ``param_disk_write_bytes``, the update's writes, and
+            ``param_bounce_bytes``, the host bounces they pass through).
             Memory is measured from the storages held: params are the flat
             compute buffers (and the frozen parameters: whole at stages 1-2, their shards at
             stage 3); grads the stage-1 flat gradient

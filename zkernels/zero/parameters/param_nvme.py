@@ -181,11 +181,13 @@ class DiskParamStore(HostParamStore):
     def take_counters(self) -> Dict[str, float]:
         """As :meth:`HostParamStore.take_counters`, plus the files' bytes read for gathers
         (``param_disk_read_*``: the gathers waited for the reads) and written by the update
-        (``param_disk_write_bytes``)."""
+        (``param_disk_write_bytes``), and the host bytes of the bounces
+        (``param_bounce_bytes``)."""
         io = self.io.take_counters()
         out = {**super().take_counters(), "param_disk_read_bytes": io["disk_read_bytes"],
                "param_disk_read_s": self._read_s,
-               "param_disk_write_bytes": io["disk_write_bytes"]}
+               "param_disk_write_bytes": io["disk_write_bytes"],
+               "param_bounce_bytes": sum(b.untyped_storage().nbytes() for b in self._bounces)}
         self._read_s = 0.0
         return out
 
