@@ -163,7 +163,7 @@ def test_demo_bad_rungs(rungs, message, capsys):
     err = capsys.readouterr().err
     assert message in err, err
     if "unknown" in message:
-        assert "3+nvme+params (stage 3 + nvme offload + params on host)" in err
+        assert "3+nvme+params (stage 3 + nvme offload + params on disk)" in err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -84,12 +84,16 @@ def test_offload_moves_states_off_the_device():
     nvme_p = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26,
                              offload_params=True, **kw)
     # offload_params with NVMe: the parameter shard goes to files; host RAM adds two bounces
-    # of the largest unit shard (a count without units: the whole shard, an upper bound), and
+    # of the largest unit shard (a count without units: the whole shard) within their budget,
+    # and
     # the arena's sub-groups span whole blocks of the bf16 files.
     assert nvme_p.device_bytes == e3.grads_bytes
     arena_p = nvme_arena_bytes(nvme_sub_group_numel(2**26, 3, 2, -(-PSI // N), file_bytes=2),
                                3, 2)
-    assert nvme_p.host_bytes == arena_p + 2 * (e3.params_bytes + 4096)
+    assert nvme_p.host_bytes == arena_p + 2 ** 25   # the bounces' default budget, filled
+    small = estimate_memory(PSI, N, 3, offload="nvme", nvme_buffer_bytes=2**26,
+                            offload_params=True, nvme_param_buffer_bytes=2**20, **kw)
+    assert small.host_bytes == arena_p + 2**20
     assert nvme_p.disk_bytes == nvme.disk_bytes + e3.params_bytes
     # per step: the state read and written, the files written once and read by two gathers
     assert nvme_p.disk_io_bytes == 2 * nvme.disk_bytes + 3 * e3.params_bytes

@@ -56,7 +56,7 @@ def tensors(obj):
 
 def split_offload(offload):
     """``(kind, offload_params)`` of a case's offload: None, "cpu", "nvme", or "cpu+params" /
-    "nvme+params" (stage 3 with the parameter shards in host RAM too)."""
+    "nvme+params" (stage 3 with the parameter shards in host RAM, or in files, too)."""
     if offload is None:
         return None, False
     kind, _, extra = offload.partition("+")

@@ -67,6 +67,9 @@ NVME_BUDGET = 3 * 1024 * 18 + 2 * 4096 + 1000
 # With the parameter shards on NVMe too (offload_params), a bf16 sub-group also spans whole
 # 4096-byte blocks of its parameter file: 2048-element slots ([Note: parameters on NVMe]).
 NVME_PARAMS_BUDGET = 3 * 2048 * 18 + 2 * 4096 + 1000
+# ... and the parameter files come in through the smallest bounces: two of one 4096-byte block,
+# so every gather reads and copies its shard in several chunks.
+NVME_PARAM_BOUNCES = 4 * 4096
 CPU_SUB = 700   # elements per CPU AdamW sub-group: not a divisor of any shard
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,9 +142,11 @@ def offload_kw(kind: str, folder: Optional[str], offload_params: bool = False,
     if kind == "cpu":
         return dict(offload="cpu", offload_params=offload_params,
                     offload_config=OffloadConfig(sub_group_numel=CPU_SUB, **config))
-    budget = NVME_PARAMS_BUDGET if offload_params else NVME_BUDGET
+    budget = dict(nvme_buffer_bytes=NVME_PARAMS_BUDGET,
+                  nvme_param_buffer_bytes=NVME_PARAM_BOUNCES) if offload_params \
+        else dict(nvme_buffer_bytes=NVME_BUDGET)
     return dict(offload="nvme", offload_dir=folder, offload_params=offload_params,
-                offload_config=OffloadConfig(nvme_buffer_bytes=budget, **config))
+                offload_config=OffloadConfig(**budget, **config))
 
 
 def _hybrid_kw(form: str, k: int) -> dict:

@@ -471,7 +471,7 @@ def test_auto_offers_offload_params(caplog, capsys):
                     f"{(e3.device_bytes + e3p.device_bytes) // 2}B"]) == 0
     out = capsys.readouterr().out
     assert "* stage 3 + cpu offload + params on host" in out, out
-    assert "stage 3 + nvme offload + params on host" in out
+    assert "stage 3 + nvme offload + params on disk" in out
 
 
 @pytest.mark.parametrize("src,dst", [("device", "cpu_params"), ("cpu_params", "device"),

@@ -9,12 +9,13 @@ nvme}`` does. Each unit's shard (trainable or frozen: a LoRA's base is the bulk)
 file in its compute dtype ([Note: swap files and their I/O]) in a run folder of its own under
 ``offload_dir``; between uses neither the device nor host RAM holds a byte of it.
 
-- ``ensure_gathered`` reads the unit's file into one of two aligned host bounce buffers, copies
-  it into this rank's slice of the full device buffer on the copier's stream or thread and
-  all-gathers after the copy ([Note: gathers after their copy]). A bounce is reused only after
-  its copy finished, so two gathers (the unit computing now and the one prefetched for next)
-  are in flight at most. Host RAM for parameters is the two bounces: twice the largest unit
-  shard, whatever the model size.
+- ``ensure_gathered`` reads the unit's file into two aligned host bounces in turn, copying
+  each chunk into this rank's slice of the full device buffer on the copier's stream or thread
+  while the next chunk is read, and all-gathers after the last copy ([Note: gathers after their
+  copy]). A bounce is reused only after its copy finished. The bounces are sized to the
+  largest unit shard, capped by ``OffloadConfig.nvme_param_buffer_bytes`` (a larger shard
+  comes in chunks): host RAM for parameters stays within that budget whatever the model
+  size, as the state's stays within ``nvme_buffer_bytes``.
 - The update engine writes each updated sub-group (compute dtype) straight from its slot to the
   file (:meth:`DiskShardedParams.write_shard`): nothing is sent to the device in ``step()``,
   as with parameters in host RAM. A gather first waits for any write of its file still running.
@@ -41,12 +42,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ...layout import FlatLayout
+from ..planning.offload_config import NUM_PARAM_BOUNCES, param_bounce_bytes
 from ..state.swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty,
                           make_run_folder, probe_direct_io, remove_run_folder, round_up)
 from ..state.transfer import Copier, Fence
 from .param_offload import HostParamStore, HostShardedParams
-
-NUM_BOUNCES = 2   # the unit gathered now and the one prefetched for next
 
 
 class DiskShardedParams(HostShardedParams):
@@ -117,10 +117,11 @@ class DiskParamStore(HostParamStore):
         io_threads: threads of the file I/O pool.
         direct_io: as ``OffloadConfig.direct_io`` (None: O_DIRECT where the filesystem
             takes it).
+        buffer_bytes: the bounces' host budget (``OffloadConfig.nvme_param_buffer_bytes``).
     """
 
     def __init__(self, copier: Copier, offload_dir, rank: int, world_size: int,
-                 io_threads: int, direct_io: Optional[bool]) -> None:
+                 io_threads: int, direct_io: Optional[bool], buffer_bytes: int) -> None:
         self.folder = make_run_folder(offload_dir, rank)
         ok, reason = probe_direct_io(self.folder)
         if direct_io and not ok:
@@ -130,6 +131,7 @@ class DiskParamStore(HostParamStore):
         self.direct_io = ok and direct_io is not False
         self.rank, self.world_size = rank, world_size
         self.io = AsyncFileIO(io_threads)
+        self.buffer_bytes = buffer_bytes
         self._bounces: List[torch.Tensor] = []
         self._bounce_fences: List[Optional[Fence]] = []
         self._next_bounce = 0
@@ -153,29 +155,37 @@ class DiskParamStore(HostParamStore):
         return policy
 
     def _grow_bounces(self, nbytes: int) -> None:
-        """Bounces that hold a file of ``nbytes`` (units are built before any gather)."""
-        if self._bounces and self._bounces[0].numel() >= nbytes:
+        """Bounces for a file of ``nbytes`` within the budget (units are built before any
+        gather)."""
+        size = param_bounce_bytes(self.buffer_bytes, nbytes)
+        if self._bounces and self._bounces[0].numel() >= size:
             return
         self.settle()
         for b in self._bounces:
             self.copier.unpin(b)
         pin = self.copier.pin if self.copier.pinned else None
-        self._bounces = [aligned_empty(nbytes, pin).zero_() for _ in range(NUM_BOUNCES)]
-        self._bounce_fences = [None] * NUM_BOUNCES
+        self._bounces = [aligned_empty(size, pin).zero_() for _ in range(NUM_PARAM_BOUNCES)]
+        self._bounce_fences = [None] * NUM_PARAM_BOUNCES
 
     def bring_in_from(self, f: SwapFile, dst: torch.Tensor) -> Fence:
-        """Read ``f`` into the next bounce (the gather waits) and issue its copy into the
-        device slice ``dst``."""
-        i = self._next_bounce
-        self._next_bounce = (i + 1) % NUM_BOUNCES
-        if self._bounce_fences[i] is not None:
-            self._bounce_fences[i].synchronize()   # its last copy has read it
-        buf = self._bounces[i]
-        t0 = time.perf_counter()
-        self.io.read(f, buf, 0, f.data_bytes).result()
-        self._read_s += time.perf_counter() - t0
-        fence = self.bring_in(dst, buf.view(f.dtype)[:f.numel])
-        self._bounce_fences[i] = fence
+        """Read ``f`` chunk by chunk into the bounces in turn (the gather waits for the reads)
+        and issue each chunk's copy into the device slice ``dst``; returns the last copy's
+        fence (copies run in order: on CPU one copy thread, on a GPU one stream)."""
+        step = self._bounces[0].numel()
+        isz = f.dtype.itemsize
+        fence = None
+        for ofs in range(0, f.data_bytes, step):
+            i = self._next_bounce
+            self._next_bounce = (i + 1) % NUM_PARAM_BOUNCES
+            if self._bounce_fences[i] is not None:
+                self._bounce_fences[i].synchronize()   # its last copy has read it
+            buf, nbytes = self._bounces[i], min(step, f.data_bytes - ofs)
+            t0 = time.perf_counter()
+            self.io.read(f, buf, ofs, nbytes).result()
+            self._read_s += time.perf_counter() - t0
+            lo, hi = ofs // isz, min(f.numel, (ofs + nbytes) // isz)
+            fence = self.bring_in(dst[lo:hi], buf.view(f.dtype)[:hi - lo])
+            self._bounce_fences[i] = fence
         return fence
 
     def take_counters(self) -> Dict[str, float]:

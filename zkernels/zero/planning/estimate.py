@@ -65,7 +65,8 @@ master when ``nvme_master=False``. At stage 3 the parameter shard stays on the d
 ``offload_params=True`` moves it beside the state: into host RAM with ``"cpu"``
 (``param_offload.py``: then CPU offload needs no staging, the update writes the host shard,
 and in pure fp32 no master of its own, the shard is the master), into files with ``"nvme"``
-(``param_nvme.py``: host RAM adds two bounces of the largest unit shard, and in pure fp32
+(``param_nvme.py``: host RAM adds two bounces of the largest unit shard, at most
+``nvme_param_buffer_bytes``, and in pure fp32
 with a host master every slot of the arena stages its output).
 
 [Note: traffic model]
@@ -94,8 +95,9 @@ from typing import Dict, Optional, Union
 import torch
 
 from .buckets import auto_bucket_bytes
-from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_SUB_GROUP_NUMEL, IO_ALIGN,
-                             nvme_arena_bytes, nvme_sub_group_numel)
+from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_NVME_PARAM_BUFFER_BYTES,
+                             DEFAULT_SUB_GROUP_NUMEL, IO_ALIGN, NUM_PARAM_BOUNCES,
+                             nvme_arena_bytes, nvme_sub_group_numel, param_bounce_bytes)
 from .policy import (NUM_REDUCE_BUFFERS, STAGES, check_reshard_after_forward, offload_policy,
                      stage_policy)
 from .unit_plan import gathered_peak_numel, plan_units
@@ -306,6 +308,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     num_param_groups: int = 1,
                     nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES,
                     nvme_master: bool = True,
+                    nvme_param_buffer_bytes: int = DEFAULT_NVME_PARAM_BUFFER_BYTES,
                     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
                     offload_params: bool = False, frozen_numel: Optional[int] = None,
                     frozen_dtype=None, shard_size: Optional[int] = None,
@@ -337,10 +340,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             gets a bucket of its own); default: from the model when a module is given, else 0.
         num_param_groups: optimizer param groups; from stage 2 on, each group beyond the first
             may keep one partly filled bucket waiting, so it adds one reduce buffer.
-        nvme_buffer_bytes, nvme_master, sub_group_numel: as in
+        nvme_buffer_bytes, nvme_master, nvme_param_buffer_bytes, sub_group_numel: as in
             :class:`~zkernels.zero.planning.offload_config.OffloadConfig` (the NVMe host budget, master
-            on disk, the CPU offload sub-group).
-        offload_params: stage 3 with offload: the parameter shards in host RAM too.
+            on disk, the parameter bounces' budget, the CPU offload sub-group).
+        offload_params: stage 3 with offload: the parameter shards in host RAM too (in files
+            with NVMe).
         frozen_numel: with a count Ψ, how many of them are frozen (default 0): e.g. a LoRA
             over a 7B base, ``estimate_memory(7e9 + 4e6, ..., frozen_numel=7e9)``; see
             [Note: frozen parameters in the estimate]. A module counts its own.
@@ -448,10 +452,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     host, disk = {}, {}
     unit_shard = _div(bucket_numel, big_n) if bucket_numel else shard  # the largest
     if offload_params and offload == "nvme":
-        # Parameter files, read through two bounces of the largest unit shard (param_nvme.py;
-        # a parameter count without units: the whole shard, an upper bound).
+        # Parameter files, read through two bounces of the largest unit shard within their
+        # budget (param_nvme.py; a parameter count without units: the whole shard).
         disk["params"] = device.pop("params")
-        host["bounces"] = 2 * (p * unit_shard + IO_ALIGN)   # + each one's alignment slack
+        host["bounces"] = NUM_PARAM_BOUNCES * (   # + each one's alignment slack
+            param_bounce_bytes(nvme_param_buffer_bytes, p * unit_shard) + IO_ALIGN)
     elif offload_params:
         host["params"] = device.pop("params")
     if offload == "cpu":

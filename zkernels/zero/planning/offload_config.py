@@ -13,6 +13,8 @@ IO_ALIGN = 4096           # bytes: O_DIRECT's alignment of buffers, offsets and 
 DEFAULT_SUB_GROUP_NUMEL = 1 << 22    # elements per CPU AdamW sub-group (16 MiB of fp32)
 DEFAULT_NVME_BUFFER_BYTES = 1 << 26  # the most host RAM NVMe offload streams through (64 MiB)
 NUM_NVME_BUFFERS = 3      # read sub-group k+1, update k, write k-1
+DEFAULT_NVME_PARAM_BUFFER_BYTES = 1 << 25   # stage 3's parameter bounces on NVMe (32 MiB)
+NUM_PARAM_BOUNCES = 2     # read chunk k+1 while chunk k is copied to the device
 
 
 ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
@@ -41,6 +43,22 @@ def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
     return min(cap, -(-largest_shard // align) * align)
 
 
+def param_bounce_bytes(budget_bytes: int, largest_file_bytes: int) -> int:
+    """Bytes of each of the ``NUM_PARAM_BOUNCES`` host bounces that stage 3's parameter files
+    are read through (``param_nvme.py``): the largest file's data, capped so that the bounces
+    with their alignment slack fit ``budget_bytes``; a larger file is read in chunks.
+
+    Raises:
+        ValueError: the budget cannot hold one aligned block per bounce.
+    """
+    cap = (budget_bytes // NUM_PARAM_BOUNCES - IO_ALIGN) // IO_ALIGN * IO_ALIGN
+    if cap < IO_ALIGN:
+        raise ValueError(f"OffloadConfig.nvme_param_buffer_bytes={budget_bytes} is too small: "
+                         f"{NUM_PARAM_BOUNCES} bounces of one {IO_ALIGN}-byte block need at "
+                         f"least {NUM_PARAM_BOUNCES * 2 * IO_ALIGN} bytes")
+    return min(cap, -(-largest_file_bytes // IO_ALIGN) * IO_ALIGN)
+
+
 def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int) -> int:
     """Host bytes of the NVMe slot arena of ``sub_group_numel`` elements per slot (its
     allocation, alignment slack included)."""
@@ -62,6 +80,9 @@ class OffloadConfig:
             The slots are sized to need: a sub-group is the largest unit shard, or less where
             this budget caps it, so host RAM stays within the budget whatever the model size
             and does not exceed what a small model's state needs.
+        nvme_param_buffer_bytes: stage 3 ``offload_params`` with NVMe: the most host RAM the
+            parameter files are read through (two aligned bounces; a unit shard larger than
+            one is read and copied in chunks), outside ``nvme_buffer_bytes``.
         nvme_master: keep the fp32 master on disk too (12 bytes per parameter on disk, not 8);
             False keeps it in host RAM (4Ψ/N, outside the budget).
         io_threads: threads of the file I/O pool (each runs blocking ``os.preadv`` /
@@ -76,13 +97,15 @@ class OffloadConfig:
     pin_memory: Optional[bool] = None
     sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL
     nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES
+    nvme_param_buffer_bytes: int = DEFAULT_NVME_PARAM_BUFFER_BYTES
     nvme_master: bool = True
     io_threads: int = 4
     direct_io: Optional[bool] = None
     resume_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("sub_group_numel", "nvme_buffer_bytes", "io_threads"):
+        for name in ("sub_group_numel", "nvme_buffer_bytes", "nvme_param_buffer_bytes",
+                     "io_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"OffloadConfig.{name} must be an int >= 1, got {v!r}")
@@ -90,6 +113,7 @@ class OffloadConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"OffloadConfig.{name} must be None, True or False, got {v!r}")
+        param_bounce_bytes(self.nvme_param_buffer_bytes, IO_ALIGN)   # raises if too small
         if not isinstance(self.nvme_master, bool):
             raise ValueError(f"OffloadConfig.nvme_master must be a bool, got "
                              f"{self.nvme_master!r}")

@@ -124,7 +124,8 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
         files = NvmeFiles(config, offload_dir, rank, world_size) if offload == "nvme" else None
         if offload_params and files is not None:
             store = DiskParamStore(copier, offload_dir or os.path.dirname(files.folder), rank,
-                                   world_size, config.io_threads, config.direct_io)
+                                   world_size, config.io_threads, config.direct_io,
+                                   config.nvme_param_buffer_bytes)
         elif offload_params:
             store = HostParamStore(copier)
     except BaseException:
