@@ -33,6 +33,13 @@ def _device_param_bytes(opt, model) -> int:
     return total
 
 
+def _train(model, opt, rank, ws, steps: int = 2) -> None:
+    for batch in make_batches(steps, ws * MICRO_BATCH):
+        opt.backward(model(*chunk(batch, rank)))
+        opt.step()
+        opt.zero_grad()
+
+
 def params_leave_the_device(rank, ws, *, kind, param_dtype):
     """Stage 3 ``offload_params``: between uses the device holds ~0 parameter bytes (measured
     from the storages: exactly 0 here, every parameter is trainable), while inside a unit's
@@ -54,10 +61,7 @@ def params_leave_the_device(rank, ws, *, kind, param_dtype):
             h = block.register_forward_pre_hook(
                 lambda m, a, opt=opt, model=model: inside.append(
                     _device_param_bytes(opt, model)))
-            for batch in make_batches(2, ws * MICRO_BATCH):
-                opt.backward(model(*chunk(batch, rank)))
-                opt.step()
-                opt.zero_grad()
+            _train(model, opt, rank, ws)
             h.remove()
             runs.append((model, opt, _device_param_bytes(opt, model), inside, opt.stats()))
         (_, o0, between0, _, st0), (m1, o1, between1, inside1, st1) = runs
@@ -123,10 +127,7 @@ def nvme_params_host_ram_is_bounded(rank, ws, *, param_dtype):
         kw = offload_kw("nvme", folder, True)
         opt = zk.ZeroOptimizer(model, stage=3, lr=LR, eps=EPS, param_dtype=param_dtype,
                                units=list(model.blocks), **kw)
-        for batch in make_batches(2, ws * MICRO_BATCH):
-            opt.backward(model(*chunk(batch, rank)))
-            opt.step()
-            opt.zero_grad()
+        _train(model, opt, rank, ws)
         st = opt.stats()
         files = [u.gather.file for u in opt.units]
         shards = sum(f.numel * f.dtype.itemsize for f in files)
@@ -157,10 +158,7 @@ def nvme_budget_and_disk(rank, ws, *, nvme_master):
         opt = zk.ZeroOptimizer(model, stage=2, lr=LR, eps=EPS, bucket_bytes=2 ** 14,
                                param_dtype=torch.bfloat16,
                                **offload_kw("nvme", folder, nvme_master=nvme_master))
-        for batch in make_batches(2, ws * MICRO_BATCH):
-            opt.backward(model(*chunk(batch, rank)))
-            opt.step()
-            opt.zero_grad()
+        _train(model, opt, rank, ws)
         st = opt.stats()
         shards = [u.layout.shard_numel for u in opt.units]
         psi_over_n = sum(shards)
