@@ -5,13 +5,16 @@ exactly the same tokens, and N ranks with batch b see exactly the global batch N
 
 [Note: the demo's evaluation batches]
 ``--eval-batches N`` scores every rung after its last step on N fixed batches drawn by
-:func:`get_batch` with ``stream="eval"``: the same function of ``(seed, index, rank)``, from
-generator seeds offset by ``EVAL_STREAM`` (2**62), far past any training step's, so the
-training batches, and every figure measured before, stay as they were. The evaluation windows
-come from the same corpus as the training ones (a held-out tail would move the training
-batches): the eval loss is the loss on fixed batches, denoised by averaging over many, not a
-held-out generalization loss. At the demo's sizes a rung sees a few tenths of the corpus's
-windows in 300 steps, so the two hardly differ.
+:func:`get_batch` with ``stream="eval"``: eval batch i is the draw that follows training step
+i's draw from the same generator (seeded ``seed·1,000,003 + i``), so it is a pure function of
+``(seed, i, rank)`` like the training batches, never one of their draws, and the training
+batches, and every figure measured before, stay as they were. (A seed offset would not do:
+torch's CPU generator keeps only the low 32 bits of a seed, so an offset of 2**62 gave the
+training batches again, and one below 2**32 meets the training seeds of some larger --seed.)
+The evaluation windows come from the same corpus as the training ones (a held-out tail would
+move the training batches): the eval loss is the loss on fixed batches, denoised by averaging
+over many, not a held-out generalization loss. At the demo's sizes a rung sees a few tenths of
+the corpus's windows in 300 steps, so the two hardly differ.
 """
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ from typing import List, Tuple
 import torch
 
 VOCAB_SIZE = 256    # every byte is a token: no vocabulary file, nothing downloaded
-EVAL_STREAM = 2**62  # generator seed offset of the eval batches (see the module's Note)
 STREAMS = ("train", "eval")
 
 
@@ -62,10 +64,11 @@ def get_batch(tokens: torch.Tensor, *, seed: int, step: int, rank: int, world_si
                          f"{block_size}")
     if stream not in STREAMS:
         raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
-    offset = EVAL_STREAM if stream == "eval" else 0
-    gen = torch.Generator().manual_seed(offset + seed * 1_000_003 + step)
-    starts = torch.randint(tokens.numel() - block_size - 1, (world_size * batch_size,),
-                           generator=gen)[rank * batch_size:(rank + 1) * batch_size]
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    for _ in range(1 + (stream == "eval")):     # eval: the draw after the training one
+        starts = torch.randint(tokens.numel() - block_size - 1, (world_size * batch_size,),
+                               generator=gen)
+    starts = starts[rank * batch_size:(rank + 1) * batch_size]
     idx = starts[:, None] + torch.arange(block_size + 1)
     rows = tokens[idx]
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
