@@ -12,9 +12,10 @@ batches, and every figure measured before, stay as they were. (A seed offset wou
 torch's CPU generator keeps only the low 32 bits of a seed, so an offset of 2**62 gave the
 training batches again, and one below 2**32 meets the training seeds of some larger --seed.)
 The evaluation windows come from the same corpus as the training ones (a held-out tail would
-move the training batches): the eval loss is the loss on fixed batches, denoised by averaging
-over many, not a held-out generalization loss. At the demo's sizes a rung sees a few tenths of
-the corpus's windows in 300 steps, so the two hardly differ.
+move the training batches), and the corpus is small (300k tokens: 300 steps of 2 x 8 rows of
+64 read about as many, covering some 64% of its positions): the eval loss is the loss on fixed
+batches, denoised by averaging over many and paired across rungs (the same batches for each),
+not a held-out generalization loss.
 """
 from __future__ import annotations
 
