@@ -168,9 +168,9 @@ def render_table(results: dict) -> Tuple[str, dict]:
         paired = r.get("step_time_ratio_paired")
         name = (("* " if r["name"] == chosen else "  ") if mark else "") + r["name"]
         cells = [name, f"{r['final_loss']:.6f}"] + \
-            ([f"{r['eval_loss']:.6f}"] if evals else []) + [f"{1e3 * r['step_time_s']:.1f}",
-                 "-" if paired is None else f"{paired:.3f}",
-                 _size(r["comm_bytes"], unit), _size(r["estimate"]["comm_bytes"], unit)]
+            ([f"{r['eval_loss']:.6f}"] if evals else []) + \
+            [f"{1e3 * r['step_time_s']:.1f}", "-" if paired is None else f"{paired:.3f}",
+             _size(r["comm_bytes"], unit), _size(r["estimate"]["comm_bytes"], unit)]
         for place in PLACES:
             cells += [_size(held(r, place)["total"], unit),
                       _size(held(r, place, estimate=True)["total"], unit)]

@@ -7,8 +7,9 @@ on the device, in host RAM and on disk, beside ``estimate_memory``'s estimate of
 from the model before the rung's optimizer reshapes it). The rungs take their steps in
 turn (step i of every rung, then step i + 1, the order rotated each step), so that a change in
 the machine's load lands on every rung alike; each rung's step time is also given as the
-median of its per-step ratios to data parallel's (paired). Rank 0 writes the results as JSON
-to ``--out`` for the launcher to print.
+median of its per-step ratios to data parallel's (paired). With ``--eval-batches N``, each
+rung's model is then scored on N fixed batches (:func:`eval_loss`; [Note: the demo's evaluation
+batches] in data.py). Rank 0 writes the results as JSON to ``--out`` for the launcher to print.
 
 [Note: measuring data parallel]
 DDP runs with ``gradient_as_bucket_view=True``: its buckets are the gradients, so a rank holds
