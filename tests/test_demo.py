@@ -38,6 +38,11 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def _header(text: str) -> str:
+    """The first table's header line."""
+    return next(line for line in text.splitlines() if line.startswith("rung "))
+
+
 def _tiny_model():
     from zkernels.demo.model import GPT, GPTConfig
     return GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=32))
@@ -61,7 +66,8 @@ def test_demo_every_rung_by_default(tmp_path):
     png, offload_dir = tmp_path / "demo.png", tmp_path / "nvme"
     offload_dir.mkdir()
     stdout, data = _demo(tmp_path, "--device-memory", f"{budget}B", "--plot", str(png),
-                         "--offload-dir", str(offload_dir))   # matplotlib: in the test extra
+                         "--offload-dir", str(offload_dir),   # matplotlib: in the test extra
+                         "--eval-batches", "2")
     rungs = {r["name"]: r for r in data["rungs"]}
     assert list(rungs) == DEFAULT_NAMES
     assert data["meta"]["world_size"] == 2
@@ -74,6 +80,16 @@ def test_demo_every_rung_by_default(tmp_path):
     for other in losses[2:]:
         assert other == losses[1]
     assert data["summary"]["max_loss_diff"] <= LOSS_ATOL
+    # --eval-batches: every rung scored after its last step on the same eval batches; the
+    # ZeRO rungs hold bit-identical parameters (stage 3 gathers them for the eval forwards),
+    # data parallel its own within round-off; a loss of its own, not the last training batch's.
+    evals = [r["eval_loss"] for r in rungs.values()]
+    assert all(r["eval_batches"] == 2 for r in rungs.values())
+    assert all(e == evals[1] for e in evals[2:]), evals
+    assert abs(evals[0] - evals[1]) <= LOSS_ATOL and evals[0] != losses[0][-1], evals
+    assert set(data["summary"]["eval_loss_vs_first"]) == set(DEFAULT_NAMES[1:])
+    assert "eval loss" in _header(stdout) and "over 2 fixed batches of 4 sequences" \
+        in _flat(stdout)
     assert data["summary"]["max_param_diff"] <= PARAM_ATOL
     for name, r in rungs.items():
         assert r["step_time_s"] > 0
@@ -170,6 +186,7 @@ def test_demo_bad_rungs(rungs, message, capsys):
     (["--device-memory", "8"], "argument --device-memory: needs a unit"),
     (["--headroom", "1"], "--headroom must be a fraction in [0, 1), got 1.0"),
     (["--offload-dir", "/no/such/folder"], "--offload-dir '/no/such/folder' is not an existing"),
+    (["--eval-batches", "-1"], "--eval-batches must be >= 0, got -1"),
 ])
 def test_demo_bad_plan_and_offload_options(argv, message, capsys):
     from zkernels.demo.launch import main
@@ -237,6 +254,25 @@ def test_demo_table_says_what_the_losses_show():
     assert "round-off" not in text      # nothing to explain
 
 
+def test_demo_table_eval_loss():
+    # --eval-batches: a column and a note with each rung's eval loss against the first's.
+    from zkernels.demo.report import render_table
+    results = _results(dict(rung="3", name="stage 3", losses=[3.0, 2.0], eval_loss=2.0,
+                            eval_batches=32),
+                       dict(rung="3+qw8", name="stage 3 + int8 weights", losses=[3.0, 2.1],
+                            eval_loss=2.01, eval_batches=32))
+    results["meta"]["args"].update(batch_size=8, block_size=64)
+    text, summary = render_table(results)
+    assert "eval loss" in _header(text) and "2.010000" in text
+    assert "eval loss: the mean loss over 32 fixed batches of 16 sequences of 64 tokens" in \
+        _flat(text)
+    assert "vs stage 3: +0.50% (stage 3 + int8 weights)" in _flat(text)
+    assert summary["eval_loss_vs_first"] == {"stage 3 + int8 weights": pytest.approx(0.005)}
+    # Without --eval-batches: neither.
+    text, summary = render_table(_results(dict(rung="3", name="stage 3", losses=[3.0])))
+    assert "eval" not in text and summary["eval_loss_vs_first"] is None
+
+
 def test_demo_table_marks_plans_choice():
     from zkernels.demo.report import render_table
     rungs = [dict(rung="1", name="stage 1", losses=[1.0]),
@@ -279,6 +315,19 @@ def test_corpus_tokenizer_and_batches():
         x, y = get_batch(tokens, rank=rank, world_size=2, **kw)
         assert torch.equal(x, x_all[2 * rank:2 * rank + 2])
         assert torch.equal(y[:, :-1], x[:, 1:])
+    # The training stream is the one every figure was measured on (seed·1,000,003 + step);
+    # the eval stream is apart from it, fixed, and sliced by rank the same way.
+    gen = torch.Generator().manual_seed(3 * 1_000_003 + 7)
+    starts = torch.randint(tokens.numel() - 17, (4,), generator=gen)
+    assert torch.equal(x_all[:, 0], tokens[starts])
+    e_all, _ = get_batch(tokens, rank=0, world_size=1, stream="eval", **dict(kw, batch_size=4))
+    assert not torch.equal(e_all, x_all)
+    assert torch.equal(e_all, get_batch(tokens, rank=0, world_size=1, stream="eval",
+                                        **dict(kw, batch_size=4))[0])
+    assert torch.equal(get_batch(tokens, rank=1, world_size=2, stream="eval", **kw)[0],
+                       e_all[2:])
+    with pytest.raises(ValueError, match="stream must be one of"):
+        get_batch(tokens, rank=0, world_size=1, stream="test", **kw)
 
 
 @pytest.mark.slow  # fault timing: a rank that dies mid-run

@@ -3,7 +3,8 @@
 Launches ``python -m torch.distributed.run --nproc-per-node N -m zkernels.demo.worker`` (gloo
 on CPU, NCCL on GPU) on a free local port, then prints two tables: per rung (data parallel,
 stages 1-3, CPU and NVMe offload: ``rungs.py``) the loss after K steps (see [Note: what the
-demo's losses show] in report.py for how equal), the median step time, bytes sent per step
+demo's losses show] in report.py for how equal) and, with ``--eval-batches N``, the eval
+loss on N fixed batches after the last step, the median step time, bytes sent per step
 and bytes held per rank on the device, in host RAM and on disk, each measured beside
 :func:`zkernels.estimate_memory`'s estimate; then the bytes held by kind in each place. With
 ``--device-memory``, '*' marks the rung ``plan`` would choose (``zero.ladder.choose_rung``).
@@ -61,6 +62,8 @@ def check_args(args) -> Optional[str]:
         value = getattr(args, flag)
         if value is not None and value < 1:   # None: --bucket-bytes auto
             return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
+    if args.eval_batches < 0:
+        return f"--eval-batches must be >= 0, got {args.eval_batches}"
     if args.n_embd % args.n_head:
         return (f"--n-embd must be a multiple of --n-head, got --n-embd {args.n_embd} and "
                 f"--n-head {args.n_head}")

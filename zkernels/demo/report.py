@@ -81,6 +81,26 @@ def _loss_sentence(rungs: List[dict]) -> Optional[str]:
             "zkernels/demo/report.py)" + why)
 
 
+def _has_eval(rungs: List[dict]) -> bool:
+    """Whether the run scored its rungs on eval batches (``--eval-batches N``, N > 0)."""
+    return bool(rungs) and all(r.get("eval_loss") is not None for r in rungs)
+
+
+def _eval_sentence(rungs: List[dict], meta: dict) -> str:
+    """What the eval loss is, and each rung's against the first rung's, in percent."""
+    args = meta.get("args", {})
+    n = rungs[0].get("eval_batches") or args.get("eval_batches")
+    rows = meta["world_size"] * args.get("batch_size", 0)
+    text = (f"eval loss: the mean loss over {n} fixed batches of {rows} sequences of "
+            f"{args.get('block_size')} tokens, drawn apart from the training batches (the same "
+            f"for every rung), with the parameters after the last step")
+    if len(rungs) < 2:
+        return text
+    base = rungs[0]["eval_loss"]
+    return text + f"; vs {rungs[0]['name']}: " + ", ".join(
+        f"{100 * (r['eval_loss'] / base - 1):+.2f}% ({r['name']})" for r in rungs[1:])
+
+
 def held(rung: dict, place: str, estimate: bool = False) -> Dict[str, int]:
     """Bytes by kind (and ``"total"``) that ``rung`` holds per rank in ``place`` ("device",
     "host", "disk"): measured (``stats()["memory_bytes_by_location"]``) or, with
@@ -139,15 +159,18 @@ def render_table(results: dict) -> Tuple[str, dict]:
     unit_name, unit = _unit(rungs)
     chosen = plan.get("name") if plan else None
     mark = any(r["name"] == chosen for r in rungs)
-    cols = ["rung", f"loss@{meta['args']['steps']}", "step ms", "x" + _short(rungs[0]),
-            "sent/step", "est"] + [c for p in PLACES for c in (p, "est")]
+    evals = _has_eval(rungs)
+    cols = ["rung", f"loss@{meta['args']['steps']}"] + (["eval loss"] if evals else []) + \
+        ["step ms", "x" + _short(rungs[0]), "sent/step", "est"] + \
+        [c for p in PLACES for c in (p, "est")]
     rows = []
     for r in rungs:
         paired = r.get("step_time_ratio_paired")
         name = (("* " if r["name"] == chosen else "  ") if mark else "") + r["name"]
-        cells = [name, f"{r['final_loss']:.6f}", f"{1e3 * r['step_time_s']:.1f}",
-                 "-" if paired is None else f"{paired:.3f}",
-                 _size(r["comm_bytes"], unit), _size(r["estimate"]["comm_bytes"], unit)]
+        cells = [name, f"{r['final_loss']:.6f}"] + \
+            ([f"{r['eval_loss']:.6f}"] if evals else []) + \
+            [f"{1e3 * r['step_time_s']:.1f}", "-" if paired is None else f"{paired:.3f}",
+             _size(r["comm_bytes"], unit), _size(r["estimate"]["comm_bytes"], unit)]
         for place in PLACES:
             cells += [_size(held(r, place)["total"], unit),
                       _size(held(r, place, estimate=True)["total"], unit)]
@@ -183,6 +206,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
                                                   for r in rungs
                                                   if held(r, place, estimate=True)["total"]}
                                           for place in PLACES},
+                   eval_loss_vs_first={r["name"]: r["eval_loss"] / rungs[0]["eval_loss"] - 1
+                                       for r in rungs[1:]} if evals else None,
                    plan=plan)
     table = _columns(cols, rows, 1)
     width = max(100, max(len(line) for line in table))   # prose wrapped to the table
@@ -203,6 +228,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
     losses = _loss_sentence(rungs)
     if losses:
         notes.append(losses)
+    if evals:
+        notes.append(_eval_sentence(rungs, meta))
     if "step_time_ratio_paired" in rungs[0]:
         notes.append(f"x{_short(rungs[0])}: step time as the median of per-step ratios to "
                      f"{rungs[0]['name']} (the rungs take their steps in turn, so a change in "
@@ -256,6 +283,11 @@ def plot(results: dict, path: str) -> None:
             diff = [abs(a - b) for a, b in zip(r["losses"], ref)]
             ax_diff.plot(steps, [d if d > 0 else float("nan") for d in diff],
                          color=colors[i % len(colors)], **styles[i % len(styles)])
+    if _has_eval(rungs):   # each rung's eval loss after the last step, at the last step
+        for i, r in enumerate(rungs):
+            ax_loss.plot([len(ref)], [r["eval_loss"]], marker="o", ms=6, ls="none",
+                         color=colors[i % len(colors)],
+                         label="eval loss after the last step" if i == 0 else None)
     ax_loss.set_ylabel("loss (mean over ranks)")
     ax_loss.set_title("loss per step (the curves overlap)")
     ax_loss.legend(loc="upper right", fontsize=8)

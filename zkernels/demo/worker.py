@@ -7,8 +7,9 @@ on the device, in host RAM and on disk, beside ``estimate_memory``'s estimate of
 from the model before the rung's optimizer reshapes it). The rungs take their steps in
 turn (step i of every rung, then step i + 1, the order rotated each step), so that a change in
 the machine's load lands on every rung alike; each rung's step time is also given as the
-median of its per-step ratios to data parallel's (paired). Rank 0 writes the results as JSON
-to ``--out`` for the launcher to print.
+median of its per-step ratios to data parallel's (paired). With ``--eval-batches N``, each
+rung's model is then scored on N fixed batches (:func:`eval_loss`; [Note: the demo's evaluation
+batches] in data.py). Rank 0 writes the results as JSON to ``--out`` for the launcher to print.
 
 [Note: measuring data parallel]
 DDP runs with ``gradient_as_bucket_view=True``: its buckets are the gradients, so a rank holds
@@ -75,6 +76,9 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                ("--bucket-bytes", _bucket_bytes, "auto",
                 "gradient bucket size in bytes (DDP and ZeRO), or auto"),
                ("--seed", int, 0, "seed of the init and of the batches"),
+               ("--eval-batches", int, 0, "after the last step, score each rung's model on "
+                                          "this many fixed batches drawn apart from the "
+                                          "training ones (the eval loss; 0: none)"),
                ("--param-dtype", str, "fp32", "compute dtype of the ZeRO rungs, fp32 or bf16 "
                                               "(bf16: fp32 master and gradient reduction; "
                                               "data parallel stays fp32)"),
@@ -248,6 +252,33 @@ def _build_rung(rung: Rung, args, device, world_size: int, offload_dir: str):
     return model, trainer, est
 
 
+def eval_batches(tokens, args, device, rank: int, world_size: int) -> list:
+    """This rank's slices of the ``--eval-batches`` fixed evaluation batches (see [Note: the
+    demo's evaluation batches] in data.py), the same for every rung."""
+    return [tuple(t.to(device) for t in get_batch(
+        tokens, seed=args.seed, step=i, rank=rank, world_size=world_size,
+        batch_size=args.batch_size, block_size=args.block_size, stream="eval"))
+        for i in range(args.eval_batches)]
+
+
+@torch.no_grad()
+def eval_loss(model, batches, world_size: int) -> float:
+    """The mean loss of ``model`` over ``batches`` (every rank its own slices; the mean over
+    ranks, all-reduced): the parameters as the last step left them, through the model's usual
+    forward (stage 3 gathers each unit and frees it after, as in training; with int8 weights
+    the gather is the quantized one). Collective: every rank calls it with as many batches."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = torch.zeros(1, dtype=torch.float64, device=batches[0][0].device)
+        for x, y in batches:
+            total += model(x, y).double()
+    finally:
+        model.train(was_training)
+    dist.all_reduce(total)
+    return total.item() / (world_size * len(batches))
+
+
 def run_rungs(rungs, args, tokens, device, rank: int, world_size: int, offload_dir: str):
     """Train ``args.steps`` steps on every rung, in turn step by step; returns this rank's
     measurements and final parameters per rung, in ``rungs`` order. With ``--resume``, each
@@ -299,6 +330,10 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
     total = torch.stack([torch.cat(x) for x in losses])
     dist.all_reduce(total)
     losses = [[v / world_size for v in row] for row in total.tolist()]
+    evals = [None] * len(rungs)
+    if args.eval_batches:
+        batches = eval_batches(tokens, args, device, rank, world_size)
+        evals = [eval_loss(model, batches, world_size) for model, _trainer, _est in built]
     if args.ckpt_dir:
         from .. import checkpoint
         for i, rung in enumerate(rungs):
@@ -323,6 +358,7 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
             offload=rung.offload, offload_params=rung.offload_params,
             quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
             first_step=starts[i], losses=losses[i], final_loss=losses[i][-1],
+            eval_loss=evals[i], eval_batches=args.eval_batches,
             step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i][skip:],
             step_time_ratio_paired=paired, ratio_to=rungs[0].name,
             comm_bytes=int(st["comm_bytes"]["total"]),
