@@ -37,6 +37,19 @@ def make_model(seed: int = 0) -> GPT:
     return GPT(CFG)
 
 
+
+def freeze_layers(model):
+    """Block 0 wholly frozen, block 1 partly (a norm and a weight without its bias), the
+    position embedding frozen; the token embedding (tied to the head) stays trainable, so every
+    block's input needs a gradient (reentrant checkpointing needs one). At stage 3 block 0 is
+    a unit with a frozen flat only, block 1 and the root one trainable and one frozen flat."""
+    model.blocks[0].requires_grad_(False)
+    model.blocks[1].ln_2.requires_grad_(False)
+    model.blocks[1].fc.weight.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
 class VariantGPT(GPT):
     """The harness GPT with another block sequence (``order``: a block may run twice) and
     optional activation checkpointing of each block (``ckpt``: None, "reentrant",
