@@ -411,8 +411,11 @@ def check_transfer_times(st: dict, wall_s: float) -> None:
     """Each time figure of ``stats()["offload"]`` (the last step's) is real: no more than the
     step's wall time ``wall_s`` measured by the caller (the copies run on one copy thread and
     the host waits inside the step; NVMe's requests on ``io_threads`` I/O threads), so a wrong
-    clock, a wrong unit or a counter never reset fails. (The ``*_hidden_s`` figures are
-    ``max(0, busy - exposed)`` by definition: nothing to check beyond their parts.)"""
+    clock or a wrong unit (ms, ns) fails. A time counter never reset is not caught here (the
+    copies of this small model take a few % of a step, so even ten steps' sum fits in one
+    step's wall time); the byte counters, reset with them, are checked exact per step
+    (``_check_offload_stats``, every offload row). (The ``*_hidden_s`` figures are ``max(0, busy - exposed)`` by
+    definition: nothing to check beyond their parts.)"""
     for key in [k for k in st if k.endswith("exposed_s")] + [
             "update_s", "device_to_host_s", "host_to_device_s", "param_host_to_device_s"]:
         if key in st:
@@ -438,8 +441,13 @@ def _check_offload_stats(opt, row: Row, st: dict, wall_s: float) -> None:
         assert st["host_to_device_bytes"] == 0, st
         assert st["param_host_to_device_s"] > 0, st
         assert st["param_host_to_device_bytes"] == gathers * shard_bytes, (st, shard_bytes)
-    else:
-        assert st["host_to_device_bytes"] > 0, st
+    else:   # the updated compute shards come up once
+        shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size()
+                          for u in opt.units)
+        assert st["host_to_device_bytes"] == shard_bytes, (st, shard_bytes)
+    # the fp32 gradient shards go down once per step (exact: the counters are per step)
+    grad_bytes = sum(u.layout.shard_numel * 4 for u in opt.units)
+    assert st["device_to_host_bytes"] == grad_bytes, (st, grad_bytes)
     if row.offload == "nvme":
         assert st["disk_read_bytes"] == st["disk_write_bytes"] > 0, st
         assert st["disk_io_s"] > 0, st
