@@ -10,7 +10,7 @@ import torch
 import zkernels as zk
 from tests._dist import run_ranks
 from tests.zero import _frozen_checks as fc
-from tests.zero._harness import LR, make_model, variant
+from tests.zero._harness import LR, freeze_layers, make_model, variant
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -77,7 +77,7 @@ def test_frozen_units_structure_stats_and_state_dict():
     compute copy: param_dtype for fp32 ones, else their own), outside ``opt.units`` and the
     optimizer state; ``stats()`` counts their shards as params; ``model.state_dict()`` inside
     ``gathered()`` (and ``gathered(module=)`` of a frozen block) holds them whole."""
-    model = fc.freeze_layers(make_model())
+    model = freeze_layers(make_model())
     before = fc._frozen(model)
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
     assert {u.compute_dtype for u in opt.frozen_units} == {torch.bfloat16}
@@ -114,7 +114,7 @@ def test_frozen_units_structure_stats_and_state_dict():
 
 def test_stages_1_2_keep_frozen_parameters_whole():
     for stage in (1, 2):
-        model = fc.freeze_layers(make_model())
+        model = freeze_layers(make_model())
         w = model.blocks[0].fc.weight
         opt = zk.ZeroOptimizer(model, stage=stage, lr=LR)
         assert opt.frozen_units == [] and model.blocks[0].fc.weight is w
@@ -149,7 +149,7 @@ def test_offload_with_frozen_shards_is_bit_identical(tmp_path, offload, offload_
     like stage 3 on the device; the frozen parameters come back whole and unchanged, in
     ``gathered()`` and through a checkpoint."""
     def run(**kw):
-        model = fc.freeze_layers(make_model())
+        model = freeze_layers(make_model())
         before = fc._frozen(model)
         opt = zk.ZeroOptimizer(model, stage=3, lr=LR, **kw)
         losses = []
@@ -184,7 +184,7 @@ def test_bf16_frozen_shards_round_trip_a_checkpoint(tmp_path):
     """param_dtype=bf16 at stage 3 keeps frozen shards in bf16: the checkpoint stores those
     (consolidate returns them in bf16, bit for bit) and a stage-1 fp32 model loads them
     exactly (bf16 -> fp32 is exact)."""
-    model = fc.freeze_layers(make_model())
+    model = freeze_layers(make_model())
     before = fc._frozen(model)
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
     batch = fc.make_batches(1, 2)[0]
@@ -195,7 +195,7 @@ def test_bf16_frozen_shards_round_trip_a_checkpoint(tmp_path):
     full = zk.checkpoint.consolidate(path)
     for k, v in before.items():
         assert full[k].dtype == torch.bfloat16 and torch.equal(full[k], v.bfloat16()), k
-    model2 = fc.freeze_layers(make_model(seed=3))
+    model2 = freeze_layers(make_model(seed=3))
     opt2 = zk.ZeroOptimizer(model2, stage=1, lr=LR)
     zk.checkpoint.load(opt2, path)
     for n, p in model2.named_parameters():
@@ -208,7 +208,7 @@ def test_optimizer_state_dict_carries_the_frozen_shards():
     model built with other frozen values continues bit for bit after ``load_state_dict``; a
     state without them (or for other units) is refused."""
     def build(seed):
-        model = fc.freeze_layers(make_model(seed))
+        model = freeze_layers(make_model(seed))
         return model, zk.ZeroOptimizer(model, stage=3, lr=LR)
 
     model, opt = build(0)
