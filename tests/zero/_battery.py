@@ -4,11 +4,10 @@ every row runs against one oracle, run on every rank (module-level so spawned ra
 A row is a :class:`Row`: the rung (stage 1/2/3, offload none/"cpu"/"nvme", ``offload_params``,
 hybrid ``shard_size``, stage 3's ``reshard_after_forward`` True/False/R), the dtype
 (fp32/bf16/fp16) and the training options (micro-batches, clipping, groups, frozen
-parameters: ``_harness.freeze_layers``, a scheduler, another block order, activation
-checkpointing). ``ROWS`` lists
-``(row, checks, world sizes)``; ``CHECKS`` is every ``"<row id>-<check>"`` one spawn runs. A new
-rung or option is tested by adding a field to :class:`Row` (its optimizer keyword in
-:meth:`Row.optimizer_kw`) and a line to ``ROWS``.
+parameters as ``_harness.freeze_layers`` sets them, a scheduler, another block order,
+activation checkpointing). ``ROWS`` lists ``(row, checks, world sizes)``; ``CHECKS`` is every
+``"<row id>-<check>"`` one spawn runs. A new rung or option is tested by adding a field to
+:class:`Row` (its optimizer keyword in :meth:`Row.optimizer_kw`) and a line to ``ROWS``.
 
 The checks:
 
@@ -414,8 +413,8 @@ def check_transfer_times(st: dict, wall_s: float) -> None:
     clock or a wrong unit (ms, ns) fails. A time counter never reset is not caught here (the
     copies of this small model take a few % of a step, so even ten steps' sum fits in one
     step's wall time); the byte counters, reset with them, are checked exact per step
-    (``_check_offload_stats``, every offload row). (The ``*_hidden_s`` figures are ``max(0, busy - exposed)`` by
-    definition: nothing to check beyond their parts.)"""
+    (``_check_offload_stats``, every offload row). (The ``*_hidden_s`` figures are
+    ``max(0, busy - exposed)`` by definition: nothing to check beyond their parts.)"""
     for key in [k for k in st if k.endswith("exposed_s")] + [
             "update_s", "device_to_host_s", "host_to_device_s", "param_host_to_device_s"]:
         if key in st:
