@@ -2,8 +2,9 @@
 non-finite gradient policies (stages 1-3) and stages 1-2's traffic and memory against the
 formulas, run on every rank (module-level so spawned ranks can import them).
 
-``battery(rank, world_size)`` runs every check once and reports per check, so one spawn per
-world size covers them all (each spawn pays a torch import per rank).
+``_harness.rank_check_tests`` runs every check of ``CHECKS`` once per world size and reports
+per check, so one spawn per world size covers them all (each spawn pays a torch import per
+rank).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import zkernels as zk
 from tests.zero._battery import SMALL_BUCKET
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, chunk, make_batches, make_model,
-                                 run_checks, world_mean)
+                                 world_mean)
 
 STAGES = (1, 2, 3)  # the checks parametrized over stages
 
@@ -159,8 +160,3 @@ CHECKS = {
     "traffic_memory_bf16_stage2": partial(traffic_and_memory, stage=2,
                                           param_dtype=torch.bfloat16),
 }
-
-
-def battery(rank, world_size):
-    torch.manual_seed(0)
-    return run_checks(CHECKS, rank, world_size)

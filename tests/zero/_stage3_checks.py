@@ -2,8 +2,8 @@
 and memory against the formulas, loops without gradients, a rank that takes another path; run
 on every rank (module-level so spawned ranks can import them).
 
-``battery(rank, world_size)`` runs every check once and reports per check (one spawn per
-world size). Parameters are read inside ``opt.gathered()``: between uses a stage-3 parameter
+``_harness.rank_check_tests`` runs every check of ``CHECKS`` once per world size and reports
+per check (one spawn per world size). Parameters are read inside ``opt.gathered()``: between uses a stage-3 parameter
 has no storage.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 import zkernels as zk
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, chunk, make_batches, make_model,
-                                 run_checks, variant)
+                                 variant)
 
 
 def traffic_and_memory(rank, ws, *, reshard, param_dtype=None):
@@ -132,11 +132,6 @@ CHECKS = {
                                    param_dtype=torch.bfloat16),
     "no_grad_loops_gathered": no_grad_loops,
 }
-
-
-def battery(rank, world_size):
-    torch.manual_seed(0)
-    return run_checks(CHECKS, rank, world_size)
 
 
 def divergent_path(rank, world_size, mode):

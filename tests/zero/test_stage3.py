@@ -5,23 +5,12 @@ parity, round trip and fp16 are the battery's rows (test_battery.py)."""
 import pytest
 
 from tests._dist import run_ranks
-from tests.zero._harness import battery_results
-from tests.zero._stage3_checks import CHECKS, battery, divergent_path
+from tests.zero._harness import rank_check_tests
+from tests.zero._stage3_checks import CHECKS, divergent_path
 
 WORLD_SIZES = (1, 2, pytest.param(4, marks=pytest.mark.slow))  # 4 ranks: the full suite
 
-
-@pytest.fixture(scope="module")
-def results():
-    """{world_size: {check: None or the first failing rank's traceback}}."""
-    return battery_results(CHECKS, battery, timeout=600.0)
-
-
-@pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_check(results, world_size, check):
-    error = results(world_size)[check]
-    assert error is None, f"{check} failed at world size {world_size}:\n{error}"
+results, test_check = rank_check_tests(CHECKS, WORLD_SIZES, timeout=600.0)
 
 
 @pytest.mark.parametrize("mode", ["skip", "stop"])
