@@ -32,6 +32,9 @@ The checks:
 - ``round_trip``: ``state_dict()`` after 3 steps (the row's ``steps`` aside) loads into a fresh
   optimizer over another initialization (at the other placement for an offload row, and
   back) and the run continues bit for bit; a state of another world size is refused by name.
+- ``traffic_memory`` (a rung on the device): bytes sent per step and held per rank against
+  the ring formula and DESIGN.md's table (``_traffic.py``); hybrid rows check theirs in
+  ``parity`` (``_traffic.hybrid_traffic_memory``).
 - ``overflow`` (fp16): an inf gradient on one rank makes every rank skip the step bit for bit,
   the scale halves, clean steps grow it again.
 """
@@ -55,6 +58,7 @@ from tests.conftest import tol
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, assert_step_close,
                                  chunk, clone_model, freeze_layers, make_batches, make_model,
                                  reference_grads, run_checks, split_groups, variant, world_mean)
+from tests.zero._traffic import hybrid_traffic_memory, traffic_memory
 from zkernels.zero import LossScaleConfig, OffloadConfig
 
 BETAS = (0.9, 0.95)
@@ -399,11 +403,10 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault):
     if row.offload:
         _check_offload_stats(opt, row, st["offload"], step_ends[-1] - step_ends[-2])
     if row.shard_size:
-        from tests.zero._hybrid_checks import check_traffic_and_memory
         # The gathered() above is counted in the next step: measure a step after a clean one.
         for batch in make_batches(2, ws * MICRO_BATCH, seed=3):
             _train(model, opt, rank, batch)
-        check_traffic_and_memory(opt, ws, stage, row.offload, K=row.shard_size)
+        hybrid_traffic_memory(opt, ws, stage, row.offload, K=row.shard_size)
 
 
 def check_transfer_times(st: dict, wall_s: float) -> None:
@@ -589,18 +592,18 @@ R = Row
 # (row, checks, {world size: slow?}).
 ROWS = [
     # stages 1-2 on the device
-    (R(1), ("parity", "round_trip"), FULL),
-    (R(2), ("parity",), FULL),
+    (R(1), ("parity", "round_trip", "traffic_memory"), FULL),
+    (R(2), ("parity", "traffic_memory"), FULL),
     *[(R(s, steps=6, groups=True, frozen=True, sched=True), ("parity",), FULL) for s in (1, 2)],
     *[(R(s, steps=6, clip=0.05), ("parity",), FULL) for s in (1, 2)],
     *[(R(s, steps=6, micro=2), ("parity",), FULL) for s in (1, 2)],
     *[(R(s, steps=2, micro=2), tuple(f"catches_{f}" for f in FAULTS), FULL) for s in (1, 2, 3)],
-    (R(1, "bf16"), ("parity",), FULL),
-    (R(2, "bf16"), ("parity", "round_trip"), FULL),
+    (R(1, "bf16"), ("parity", "traffic_memory"), FULL),
+    (R(2, "bf16"), ("parity", "round_trip", "traffic_memory"), FULL),
     *[(R(s, "fp16"), ("overflow",), FULL) for s in (1, 2, 3)],
     # stage 3 on the device: reshard_after_forward True / False
-    (R(3), ("parity",), FULL),
-    (R(3, reshard=False), ("parity",), FULL),
+    (R(3), ("parity", "traffic_memory"), FULL),
+    (R(3, reshard=False), ("parity", "traffic_memory"), FULL),
     (R(3, steps=5, groups=True, frozen=True), ("parity",), FULL),
     (R(3, steps=5, micro=2, clip=0.05), ("parity",), FULL),
     (R(3, steps=5, order=(0, 1, 0)), ("parity",), FULL),
@@ -610,7 +613,7 @@ ROWS = [
     # activation checkpointing over frozen layers (block 0 a unit of frozen flats only)
     *[(R(s, steps=4, frozen=True, ckpt=c), ("parity",), FULL) for s in (1, 2, 3)
       for c in ("non_reentrant", "reentrant")],
-    (R(3, "bf16"), ("parity", "round_trip"), FULL),
+    (R(3, "bf16"), ("parity", "round_trip", "traffic_memory"), FULL),
     (R(3, "bf16", steps=5, reshard=False), ("parity",), FULL),
     # offload: stage 2 and 3, CPU and NVMe, parameters on the host
     (R(2, offload="cpu"), ("parity",), OFFLOAD),
@@ -649,7 +652,7 @@ def _check(name: str, row: Row):
     if name.startswith("catches_"):
         return partial(catches, row=row, fault=name[len("catches_"):])
     return partial({"parity": parity, "same_bits": same_bits, "round_trip": round_trip,
-                    "overflow": overflow}[name], row=row)
+                    "overflow": overflow, "traffic_memory": traffic_memory}[name], row=row)
 
 
 CHECKS: Dict[str, partial] = {}

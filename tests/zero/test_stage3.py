@@ -1,7 +1,7 @@
 """ZeroOptimizer stage 3 at world sizes 1 (no process group), 2 and 4 (gloo): one spawn per
-world size runs every check of ``_stage3_checks.CHECKS`` (traffic, memory, loops without
-gradients), each reported as its own test; then a rank that takes another path. Stage 3's
-parity, round trip and fp16 are the battery's rows (test_battery.py)."""
+world size runs every check of ``_stage3_checks.CHECKS`` (loops without gradients), each
+reported as its own test; then a rank that takes another path. Stage 3's parity, round trip,
+fp16, traffic and memory are the battery's rows (test_battery.py)."""
 import pytest
 
 from tests._dist import run_ranks

@@ -1,6 +1,5 @@
-"""The non-finite gradient policies (stages 1-3) and stages 1-2's traffic and memory at world
-sizes 1 (no process group), 2 and 4 (gloo); parity, round trips and fp16 are the battery's
-(test_battery.py).
+"""The non-finite gradient policies (stages 1-3) at world sizes 1 (no process group), 2 and 4
+(gloo); parity, round trips, fp16, traffic and memory are the battery's (test_battery.py).
 
 One spawn per world size runs every check of ``_rank_checks.CHECKS`` (each rank pays a torch
 import); each check is then reported as its own test.
