@@ -127,6 +127,10 @@ CASES = [
      r"offload_dir applies only to offload='nvme' \(got offload=None, offload_dir='/tmp'\)"),
     ("offload_params_at_stage_2", zero(stage=2, offload="cpu", offload_params=True), ValueError,
      r"offload_params=True applies only to stage=3, got stage=2"),
+    ("units_not_a_list", zero(stage=3, units="blocks"), TypeError,
+     r"units must be None or a list of nn.Module classes or modules of the model, got str"),
+    ("units_entry_not_a_module", zero(stage=3, units=[42]), TypeError,
+     r"units\[0\] must be an nn.Module class or a module of the model, got int"),
     ("offload_params_without_offload", zero(stage=3, offload_params=True), ValueError,
      r"offload_params=True needs offload='cpu' or 'nvme'"),
     ("offload_params_not_bool", zero(stage=3, offload="cpu", offload_params=1), TypeError,
@@ -221,10 +225,3 @@ def test_catalog_is_large_and_distinct():
 def test_bad_input(thunk, exc, match):
     with pytest.raises(exc, match=match):
         thunk()
-
-
-@pytest.mark.parametrize("units, match", [("blocks", r"units must be"),
-                                          ([42], r"units\[0\] must be")])
-def test_bad_units(units, match):
-    with pytest.raises((TypeError, ValueError), match=match):
-        ZeroOptimizer(lin(), stage=3, units=units)

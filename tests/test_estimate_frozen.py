@@ -10,8 +10,7 @@ import torch
 
 import zkernels as zk
 from tests.test_cli import _rows
-from tests.zero._frozen_checks import freeze_layers
-from tests.zero._harness import make_model
+from tests.zero._harness import freeze_layers, make_model
 from zkernels.__main__ import main as zk_main
 
 T, F, N = 1_000_000, 9_000_000, 8

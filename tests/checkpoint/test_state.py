@@ -24,7 +24,9 @@ def test_fp16_loss_scaler_and_counters(tmp_path):
     opt = zk.ZeroOptimizer(model, stage=2, param_dtype=torch.float16, bucket_bytes=3000)
     for i in range(3):
         _step(model, opt, i)
-    opt.scaler.scale, opt.scaler.clean_steps, opt._overflow_skips = 1024.0, 2, 1
+    # counters no run of 3 clean steps reaches, set through the declared view
+    opt.load_counters({**opt.counters(), "overflow_skips": 1,
+                       "loss_scaler": {"scale": 1024.0, "clean_steps": 2}})
     zk.checkpoint.save(opt, tmp_path / "ck")
     model2 = make_model(5)
     opt2 = zk.ZeroOptimizer(model2, stage=1, param_dtype=torch.float16, bucket_bytes=5000)

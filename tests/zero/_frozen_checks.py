@@ -1,87 +1,27 @@
 """Frozen parameters under ZeroOptimizer (rank side; module-level so spawned ranks import it).
 
 Stage 3 shards frozen parameters with their unit (see [Note: frozen parameters at stage 3] in
-``zkernels/zero/parameters/units.py``); stages 1-2 keep them whole and untouched. Parity oracles are the
-same-order reference of ``_harness.reference_grads`` (see [Note: same-order reference]).
+``zkernels/zero/parameters/units.py``); stages 1-2 keep them whole and untouched. Parity over
+frozen layers (with activation checkpointing) is the battery's rows (``_battery.py``); here
+LoRA through peft (parity with a same-order reference, bytes per rank) and checkpoints across
+stages and world sizes.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 
 import zkernels as zk
 from tests.conftest import tol
-from tests.zero._harness import (EPS, LR, MICRO_BATCH, assert_params_close, chunk, clone_model,
-                                 make_batches, make_model, reference_grads, run_checks,
-                                 variant, world_mean)
+from tests.zero._harness import (EPS, LR, MICRO_BATCH, chunk, clone_model, freeze_layers,
+                                 make_batches, make_model, world_mean)
 
 BETAS = (0.9, 0.95)
 WD = 0.1
 KIB = 1024
 
 
-# -- a GPT with frozen layers -------------------------------------------------------------------
-
-def freeze_layers(model):
-    """Block 0 wholly frozen, block 1 partly (a norm and a weight without its bias), the
-    position embedding frozen; the token embedding (tied to the head) stays trainable, so every
-    block's input needs a gradient (reentrant checkpointing needs one)."""
-    model.blocks[0].requires_grad_(False)
-    model.blocks[1].ln_2.requires_grad_(False)
-    model.blocks[1].fc.weight.requires_grad_(False)
-    model.wpe.weight.requires_grad_(False)
-    return model
-
-
 def _frozen(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-
-
-def ckpt_frozen_parity(rank, ws, *, stage, ckpt, steps=4):
-    """Activation checkpointing (``ckpt``: "reentrant" / "non_reentrant") over a model with
-    frozen layers at ``stage`` == torch.optim.AdamW on the same-order reference: loss and every
-    parameter each step within tol(float32); frozen parameters never change (bit for bit); at
-    stage 3 they are sharded (frozen flat units, none of them in ``opt.units``), every unit is
-    freed by the end of backward and the gathered bytes stay under the prefetch bound (the
-    recompute sees gathered parameters, frozen ones included)."""
-    model = freeze_layers(variant(make_model(), (0, 1), ckpt))
-    before = _frozen(model)
-    ref = clone_model(model)
-    opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
-                             betas=BETAS, eps=EPS, weight_decay=WD)
-    frozen_ids = {id(p) for p in model.parameters() if not p.requires_grad}
-    assert not any(id(p) in frozen_ids for u in opt.units for p in u.params)
-    if stage == 3:
-        names = [u.name for u in opt.schedule.units]
-        assert names == ["blocks.0", "blocks.1", "<root>"], names
-        assert [[f.frozen for f in u.flats] for u in opt.schedule.units] == \
-            [[True], [False, True], [False, True]]
-        assert {n for u in opt.frozen_units for n in u.names} == set(before)
-        assert all(p.numel() == 0 for p in model.parameters()), "stage 3 shards every param"
-    else:
-        assert opt.frozen_units == []
-    for step, batch in enumerate(make_batches(steps, ws * MICRO_BATCH)):
-        loss = model(*chunk(batch, rank))
-        loss.backward()
-        if stage == 3:
-            assert opt.schedule.live_bytes() == 0, "backward must free every unit"
-        opt.step()
-        opt.zero_grad()
-        losses = reference_grads(ref, batch, ws, 1)
-        ropt.step()
-        ropt.zero_grad()
-        torch.testing.assert_close(world_mean(loss.item(), ws), sum(losses) / ws,
-                                   **tol(torch.float32))
-        with opt.gathered():
-            assert_params_close(model, ref, step, **tol(torch.float32))
-            for n, p in model.named_parameters():
-                if n in before:
-                    assert torch.equal(p, before[n]), f"frozen {n} changed at step {step}"
-    if stage == 3:
-        gather = opt.stats()["gather"]
-        assert gather["peak_gathered_bytes"] <= gather["limit_bytes"], gather
 
 
 # -- LoRA through peft over a transformers Llama --------------------------------------------------
@@ -247,12 +187,3 @@ def ckpt_load(rank, ws, folder, *, stage, expected):
     for k, v in frozen.items():
         assert torch.equal(v, expected[k]), f"frozen {k} changed by a step after load"
     return "ok"
-
-
-CHECKS = {f"ckpt_{ck}_stage{s}": partial(ckpt_frozen_parity, stage=s, ckpt=ck)
-          for s in (1, 2, 3) for ck in ("non_reentrant", "reentrant")}
-
-
-def battery(rank, ws):
-    torch.manual_seed(0)
-    return run_checks(CHECKS, rank, ws)

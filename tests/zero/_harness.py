@@ -37,6 +37,19 @@ def make_model(seed: int = 0) -> GPT:
     return GPT(CFG)
 
 
+
+def freeze_layers(model):
+    """Block 0 wholly frozen, block 1 partly (a norm and a weight without its bias), the
+    position embedding frozen; the token embedding (tied to the head) stays trainable, so every
+    block's input needs a gradient (reentrant checkpointing needs one). At stage 3 block 0 is
+    a unit with a frozen flat only, block 1 and the root one trainable and one frozen flat."""
+    model.blocks[0].requires_grad_(False)
+    model.blocks[1].ln_2.requires_grad_(False)
+    model.blocks[1].fc.weight.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
 class VariantGPT(GPT):
     """The harness GPT with another block sequence (``order``: a block may run twice) and
     optional activation checkpointing of each block (``ckpt``: None, "reentrant",
@@ -237,10 +250,16 @@ def battery_results(checks: Dict[str, Callable], battery: Callable, *, timeout: 
     return get
 
 
-def rank_check_tests(checks: Dict[str, Callable], world_size: int, *, timeout: float = 400.0):
-    """``(results, test_check)`` for a test module: one spawn of ``world_size`` ranks running
-    every check of ``checks`` (``run_checks``), each reported as its own test. Assign both
-    at module level (``results, test_check = rank_check_tests(CHECKS, 2)``)."""
+def rank_check_tests(checks: Dict[str, Callable], world_size, *, timeout: float = 400.0):
+    """``(results, test_check)`` for a test module: one run of every check of ``checks``
+    (``run_checks``) per world size, each check reported as its own test (see
+    :func:`battery_results`: world size 1 in this process, above it one spawn). Assign both at
+    module level (``results, test_check = rank_check_tests(CHECKS, 2)``).
+
+    Args:
+        world_size: one world size (tests ``test_check[<check>]``), or a sequence of them
+            (``pytest.param`` with marks allowed; tests ``test_check[<check>-<world size>]``).
+    """
     import functools
 
     import pytest
@@ -249,10 +268,19 @@ def rank_check_tests(checks: Dict[str, Callable], world_size: int, *, timeout: f
     def results():  # the checks travel to the spawned ranks by pickle: module-level callables
         return battery_results(checks, functools.partial(run_checks, checks), timeout=timeout)
 
-    @pytest.mark.parametrize("check", list(checks))
-    def test_check(results, check):
-        error = results(world_size)[check]
-        assert error is None, f"{check} failed on {world_size} ranks:\n{error}"
+    def check_at(results, ws, check):
+        error = results(ws)[check]
+        assert error is None, f"{check} failed on {ws} ranks:\n{error}"
+
+    if isinstance(world_size, int):
+        @pytest.mark.parametrize("check", list(checks))
+        def test_check(results, check):
+            check_at(results, world_size, check)
+    else:
+        @pytest.mark.parametrize("check", list(checks))
+        @pytest.mark.parametrize("world_size", list(world_size))
+        def test_check(results, world_size, check):
+            check_at(results, world_size, check)
 
     return results, test_check
 

@@ -2,7 +2,7 @@
 rank of one 4-rank spawn: 2 shard groups of 2 ranks ({0, 1}, {2, 3}), replicated across.
 
 The battery's hybrid rows (``_battery.py``: parity with single-process torch.optim.AdamW over
-the whole world's batch, then :func:`check_traffic_and_memory` against the layouts the
+the whole world's batch, then ``_traffic.hybrid_traffic_memory`` against the layouts the
 optimizer built over K = 2 ranks) run here, beside a checkpoint across shapes, bad
 ``shard_size`` and stage 3's secondary shards (``reshard_after_forward=2``).
 """
@@ -31,47 +31,6 @@ def _opt(model):
     """Hybrid stage 3 over 2 groups of K ranks."""
     return zk.ZeroOptimizer(model, stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             shard_size=K)
-
-
-def check_traffic_and_memory(opt, ws, stage, offload, K=K):
-    """The last step's bytes, exact against the layouts, and bytes held: the formula with N
-    replaced by K (the layouts are over K ranks)."""
-    g = ws // K
-    padded = sum(u.layout.padded_numel for u in opt.units)
-    shard = sum(u.layout.shard_numel for u in opt.units)
-    assert all(u.layout.world_size == K for u in opt.units), "layouts are over the group"
-    assert padded == K * shard
-    assert opt.comm.rank == dist.get_rank() % K and opt.comm.replica_rank == dist.get_rank() // K
-    comm = opt.stats()["comm_bytes"]
-    rs = padded * 4 * (K - 1) // K                   # fp32 reduce-scatter within the group
-    gathers = 2 if stage == 3 else 1                 # stage 3 gathers in forward and backward
-    ag = gathers * padded * 4 * (K - 1) // K
-    # The cross-group all-reduce of each reduced shard (ring: 2 x bytes x (G-1)/G, per bucket).
-    across = sum(2 * u.layout.shard_numel * 4 * (g - 1) // g for u in opt.units)
-    # Within the group: the 4-byte norm/flag all-reduce and, at stage 3, the 16-byte path
-    # checks (one per gather and one as step() begins).
-    checks = gathers * len(opt.units) + 1 if stage == 3 else 0
-    small = (checks * 16 + 4) * 2 * (K - 1) // K
-    assert comm["reduce_scatter"] == rs, comm
-    assert comm["all_gather"] == ag, comm
-    assert comm["across_groups"] == across, (comm, across)
-    assert comm["within_group"] == rs + ag + small, comm
-    assert comm["all_reduce"] == across + small, comm
-    assert comm["total"] == comm["within_group"] + comm["across_groups"], comm
-    mem = opt.stats()["memory_bytes"]
-    assert mem["optimizer_states"] == 8 * shard, mem
-    assert mem["params"] == (4 * shard if stage == 3 else 4 * padded), mem
-    assert mem["grads"] == (4 * padded if stage == 1 else 4 * shard), mem
-    assert mem["master"] == (4 * shard if offload else 0), mem
-    if stage == 3:  # between steps: the formula with N -> K and nothing else (no reduce buffer)
-        assert mem["buffers"] == 0, mem
-        assert mem["total"] == sum(mem[k] for k in ("params", "grads", "master",
-                                                     "optimizer_states")), mem
-    est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, offload=offload)
-    plain = zk.estimate_memory(make_model(), K, stage, offload=offload)
-    for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):
-        assert getattr(est, kind) == getattr(plain, kind), kind
-    assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
 
 
 def _train(model, opt, rank, ws, batches):

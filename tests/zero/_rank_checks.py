@@ -1,9 +1,10 @@
-"""The checks beside the battery's (``_battery.py``: parity, round trip, fp16): the
-non-finite gradient policies (stages 1-3) and stages 1-2's traffic and memory against the
-formulas, run on every rank (module-level so spawned ranks can import them).
+"""The checks beside the battery's (``_battery.py``: parity, round trip, fp16, traffic and
+memory): the non-finite gradient policies (stages 1-3), run on every rank (module-level so
+spawned ranks can import them).
 
-``battery(rank, world_size)`` runs every check once and reports per check, so one spawn per
-world size covers them all (each spawn pays a torch import per rank).
+``_harness.rank_check_tests`` runs every check of ``CHECKS`` once per world size and reports
+per check, so one spawn per world size covers them all (each spawn pays a torch import per
+rank).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import zkernels as zk
 from tests.zero._battery import SMALL_BUCKET
 from tests.zero._harness import (EPS, LR, MICRO_BATCH, chunk, make_batches, make_model,
-                                 run_checks, world_mean)
+                                 world_mean)
 
 STAGES = (1, 2, 3)  # the checks parametrized over stages
 
@@ -98,69 +99,7 @@ def nonfinite_policy(rank, ws, *, stage, policy, param_dtype):
         logging.getLogger("zkernels.zero").removeHandler(records)
 
 
-def traffic_and_memory(rank, ws, *, stage, param_dtype):
-    """Bytes sent per step (volume meter) and held per rank (allocated storages) against the
-    ring formula and DESIGN.md's table. Exact against the padded layout; within 1% of the
-    unpadded formula (padding is at most align*(tensors+N) elements per bucket)."""
-    model = make_model()
-    psi = sum(p.numel() for p in model.parameters())  # the tied weight once
-    opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, param_dtype=param_dtype,
-                           bucket_bytes=2 ** 16)
-    for batch in make_batches(2, ws * MICRO_BATCH):
-        model(*chunk(batch, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-    st = opt.stats()
-    pel = 2 if param_dtype is not None else 4
-    rel = 4
-    padded = sum(b.layout.padded_numel for b in opt.units)
-    shard = sum(b.layout.shard_numel for b in opt.units)
-    comm = st["comm_bytes"]
-    assert comm["reduce_scatter"] == padded * rel * (ws - 1) // ws, comm
-    assert comm["all_gather"] == padded * pel * (ws - 1) // ws, comm
-    # One 4-byte all-reduce per step: the non-finite check (clip.py's Note), metered apart
-    # from the 2 Psi, which counts reduce-scatter and all-gather only.
-    flag = 2 * 4 * (ws - 1) // ws
-    assert comm["all_reduce"] == flag, comm
-    moved = comm["reduce_scatter"] + comm["all_gather"]
-    assert comm["total"] == moved + flag
-    ideal = psi * (rel + pel) * (ws - 1) / ws  # 2 Psi (N-1)/N in the two dtypes
-    assert ws == 1 and moved == 0 or abs(moved - ideal) <= 0.01 * ideal, (comm, ideal)
-    mem = st["memory_bytes"]
-    biggest = max(b.layout.padded_numel for b in opt.units)
-    pooled = stage == 2 or param_dtype is not None  # stage 1 casts through the pool
-    expected = {"params": padded * pel,
-                "grads": padded * pel if stage == 1 else shard * 4,
-                "master": shard * 4 if param_dtype is not None else 0,
-                "optimizer_states": shard * 8,
-                "buffers": 2 * biggest * rel if pooled else 0}
-    expected["total"] = sum(expected.values())
-    assert mem == expected, (mem, expected)
-    # DESIGN.md: fp32 stage 1 4+4+8/N, stage 2 4+12/N; bf16 stage 1 2+2+12/N, stage 2
-    # 2+(4+12)/N (our grad shard is fp32, the reduce dtype), bucket buffers aside.
-    if param_dtype is None:
-        design = psi * (8 + 8 / ws) if stage == 1 else psi * (4 + 12 / ws)
-    else:
-        design = psi * (4 + 12 / ws) if stage == 1 else psi * (2 + 16 / ws)
-    held = mem["total"] - mem["buffers"]
-    assert abs(held - design) <= 0.01 * design, (held, design)
-    return {"comm": comm, "memory": mem, "psi": psi}
-
-
-CHECKS = {
-    **{f"nonfinite_{policy}_{name}_stage{s}": partial(nonfinite_policy, stage=s,
-                                                       policy=policy, param_dtype=dt)
-       for policy in ("skip", "raise") for name, dt in (("fp32", None), ("bf16", torch.bfloat16))
-       for s in STAGES},
-    "traffic_memory_fp32_stage1": partial(traffic_and_memory, stage=1, param_dtype=None),
-    "traffic_memory_fp32_stage2": partial(traffic_and_memory, stage=2, param_dtype=None),
-    "traffic_memory_bf16_stage1": partial(traffic_and_memory, stage=1,
-                                          param_dtype=torch.bfloat16),
-    "traffic_memory_bf16_stage2": partial(traffic_and_memory, stage=2,
-                                          param_dtype=torch.bfloat16),
-}
-
-
-def battery(rank, world_size):
-    torch.manual_seed(0)
-    return run_checks(CHECKS, rank, world_size)
+CHECKS = {f"nonfinite_{policy}_{name}_stage{s}": partial(nonfinite_policy, stage=s,
+                                                         policy=policy, param_dtype=dt)
+          for policy in ("skip", "raise")
+          for name, dt in (("fp32", None), ("bf16", torch.bfloat16)) for s in STAGES}

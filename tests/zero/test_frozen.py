@@ -1,9 +1,7 @@
 """Frozen parameters: sharded at stage 3 (gathered with their unit, no gradient, no state),
-whole and untouched at stages 1-2; activation checkpointing over frozen layers at every stage;
-LoRA through peft over a transformers Llama; checkpoints across stages and world sizes.
-
-World size 1 runs in this process; world size 2 is one spawn of gloo ranks
-(``_frozen_checks.battery``) reported per check."""
+whole and untouched at stages 1-2; LoRA through peft over a transformers Llama; checkpoints
+across stages and world sizes. Parity over frozen layers with activation checkpointing at
+every stage is the battery's rows (test_battery.py, ``frozen=True, ckpt=...``)."""
 import io
 
 import pytest
@@ -12,22 +10,10 @@ import torch
 import zkernels as zk
 from tests._dist import run_ranks
 from tests.zero import _frozen_checks as fc
-from tests.zero._harness import LR, battery_results, make_model, variant
+from tests.zero._harness import LR, freeze_layers, make_model, variant
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
-
-
-@pytest.fixture(scope="module")
-def results():
-    return battery_results(fc.CHECKS, fc.battery, timeout=600.0)
-
-
-@pytest.mark.parametrize("check", list(fc.CHECKS))
-@pytest.mark.parametrize("world_size", (1, 2))
-def test_checkpointing_over_frozen_layers(results, world_size, check):
-    error = results(world_size)[check]
-    assert error is None, f"{check} failed at world size {world_size}:\n{error}"
 
 
 def test_lora_at_stage3_holds_a_shard_of_the_frozen_base():
@@ -91,7 +77,7 @@ def test_frozen_units_structure_stats_and_state_dict():
     compute copy: param_dtype for fp32 ones, else their own), outside ``opt.units`` and the
     optimizer state; ``stats()`` counts their shards as params; ``model.state_dict()`` inside
     ``gathered()`` (and ``gathered(module=)`` of a frozen block) holds them whole."""
-    model = fc.freeze_layers(make_model())
+    model = freeze_layers(make_model())
     before = fc._frozen(model)
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
     assert {u.compute_dtype for u in opt.frozen_units} == {torch.bfloat16}
@@ -128,7 +114,7 @@ def test_frozen_units_structure_stats_and_state_dict():
 
 def test_stages_1_2_keep_frozen_parameters_whole():
     for stage in (1, 2):
-        model = fc.freeze_layers(make_model())
+        model = freeze_layers(make_model())
         w = model.blocks[0].fc.weight
         opt = zk.ZeroOptimizer(model, stage=stage, lr=LR)
         assert opt.frozen_units == [] and model.blocks[0].fc.weight is w
@@ -164,7 +150,7 @@ def test_offload_with_frozen_shards_is_bit_identical(tmp_path, offload, offload_
     unchanged, in ``gathered()`` and through a checkpoint, and load back into another
     initialization from the checkpoint and from ``state_dict``."""
     def run(**kw):
-        model = fc.freeze_layers(make_model())
+        model = freeze_layers(make_model())
         before = fc._frozen(model)
         opt = zk.ZeroOptimizer(model, stage=3, lr=LR, **kw)
         losses = []
@@ -213,7 +199,7 @@ def test_bf16_frozen_shards_round_trip_a_checkpoint(tmp_path):
     """param_dtype=bf16 at stage 3 keeps frozen shards in bf16: the checkpoint stores those
     (consolidate returns them in bf16, bit for bit) and a stage-1 fp32 model loads them
     exactly (bf16 -> fp32 is exact)."""
-    model = fc.freeze_layers(make_model())
+    model = freeze_layers(make_model())
     before = fc._frozen(model)
     opt = zk.ZeroOptimizer(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
     batch = fc.make_batches(1, 2)[0]
@@ -224,7 +210,7 @@ def test_bf16_frozen_shards_round_trip_a_checkpoint(tmp_path):
     full = zk.checkpoint.consolidate(path)
     for k, v in before.items():
         assert full[k].dtype == torch.bfloat16 and torch.equal(full[k], v.bfloat16()), k
-    model2 = fc.freeze_layers(make_model(seed=3))
+    model2 = freeze_layers(make_model(seed=3))
     opt2 = zk.ZeroOptimizer(model2, stage=1, lr=LR)
     zk.checkpoint.load(opt2, path)
     for n, p in model2.named_parameters():
@@ -237,7 +223,7 @@ def test_optimizer_state_dict_carries_the_frozen_shards():
     model built with other frozen values continues bit for bit after ``load_state_dict``; a
     state without them (or for other units) is refused."""
     def build(seed):
-        model = fc.freeze_layers(make_model(seed))
+        model = freeze_layers(make_model(seed))
         return model, zk.ZeroOptimizer(model, stage=3, lr=LR)
 
     model, opt = build(0)

@@ -1,27 +1,16 @@
 """ZeroOptimizer stage 3 at world sizes 1 (no process group), 2 and 4 (gloo): one spawn per
-world size runs every check of ``_stage3_checks.CHECKS`` (traffic, memory, loops without
-gradients), each reported as its own test; then a rank that takes another path. Stage 3's
-parity, round trip and fp16 are the battery's rows (test_battery.py)."""
+world size runs every check of ``_stage3_checks.CHECKS`` (loops without gradients), each
+reported as its own test; then a rank that takes another path. Stage 3's parity, round trip,
+fp16, traffic and memory are the battery's rows (test_battery.py)."""
 import pytest
 
 from tests._dist import run_ranks
-from tests.zero._harness import battery_results
-from tests.zero._stage3_checks import CHECKS, battery, divergent_path
+from tests.zero._harness import rank_check_tests
+from tests.zero._stage3_checks import CHECKS, divergent_path
 
 WORLD_SIZES = (1, 2, pytest.param(4, marks=pytest.mark.slow))  # 4 ranks: the full suite
 
-
-@pytest.fixture(scope="module")
-def results():
-    """{world_size: {check: None or the first failing rank's traceback}}."""
-    return battery_results(CHECKS, battery, timeout=600.0)
-
-
-@pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_check(results, world_size, check):
-    error = results(world_size)[check]
-    assert error is None, f"{check} failed at world size {world_size}:\n{error}"
+results, test_check = rank_check_tests(CHECKS, WORLD_SIZES, timeout=600.0)
 
 
 @pytest.mark.parametrize("mode", ["skip", "stop"])

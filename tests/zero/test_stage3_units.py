@@ -37,23 +37,25 @@ def test_units_by_class_and_by_module():
     assert _names(opt) == ["blocks.1", ROOT_NAME]
 
 
-@pytest.mark.parametrize("units, match", [
-    ([nn.Conv2d], "no module of class Conv2d"),
-    (lambda m: [nn.Linear(3, 3)], r"units\[0\] \(Linear\) is not a submodule"),
-    (lambda m: [m.blocks[0], m.blocks[0]], "lists module 'blocks.0' twice"),
-    (lambda m: [Block, m.blocks[1]], "lists module 'blocks.1' twice"),
-    (lambda m: [m.blocks[0], m.blocks[0].attn], "'blocks.0.attn' is inside unit 'blocks.0'"),
-    (lambda m: [m], "is the model itself"),
-    (lambda m: [m.blocks[0].add_module("act", nn.Identity()) or m.blocks[0].act],
+@pytest.mark.parametrize("units, error, match", [
+    ([nn.Conv2d], ValueError, "no module of class Conv2d"),
+    (lambda m: [nn.Linear(3, 3)], ValueError, r"units\[0\] \(Linear\) is not a submodule"),
+    (lambda m: [m.blocks[0], m.blocks[0]], ValueError, "lists module 'blocks.0' twice"),
+    (lambda m: [Block, m.blocks[1]], ValueError, "lists module 'blocks.1' twice"),
+    (lambda m: [m.blocks[0], m.blocks[0].attn], ValueError,
+     "'blocks.0.attn' is inside unit 'blocks.0'"),
+    (lambda m: [m], ValueError, "is the model itself"),
+    (lambda m: [m.blocks[0].add_module("act", nn.Identity()) or m.blocks[0].act], ValueError,
      "unit 'blocks.0.act' .* holds no parameter"),
-    ([3], r"units\[0\] must be an nn.Module class"),
-    ("blocks", "units must be None or a list"),
+    ([3], TypeError, r"units\[0\] must be an nn.Module class"),
+    ("blocks", TypeError, "units must be None or a list"),
 ])
-def test_bad_units_name_the_unit(units, match):
+def test_bad_units_name_the_unit(units, error, match):
+    """A wrong value is a ValueError, a wrong type a TypeError (each row expects its own)."""
     model = make_model()
     if callable(units) and not isinstance(units, type):
         units = units(model)
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises(error, match=match):
         zk.ZeroOptimizer(model, stage=3, units=units)
 
 
