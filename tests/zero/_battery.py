@@ -441,22 +441,20 @@ def _check_offload_stats(opt, row: Row, st: dict, wall_s: float) -> None:
     assert st["kind"] == row.offload and st["device_to_host_bytes"] > 0, st
     check_transfer_times(st, wall_s)
     assert st["device_to_host_s"] > 0, st
+    shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size() for u in opt.units)
     if row.offload_params:
-        # The update writes the host shards: nothing goes up in step(); every gather brought
-        # its shard in instead: per micro-step forward and backward (once with
+        # The update writes the host shards (or files): nothing goes up in step(); every
+        # gather brought its shard in instead: per micro-step forward and backward (once with
         # reshard_after_forward=False), plus the previous step's opt.gathered().
-        shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size()
-                          for u in opt.units)
         gathers = (2 if row.reshard is True else 1) * row.micro + 1
         assert st["host_to_device_bytes"] == 0, st
         assert st["param_host_to_device_s"] > 0, st
-        if row.offload == "nvme":   # the shards are in files: each gather read its own
-            assert st["param_disk_read_bytes"] >= st["param_host_to_device_bytes"], st
-            assert st["param_disk_write_bytes"] >= shard_bytes, st
         assert st["param_host_to_device_bytes"] == gathers * shard_bytes, (st, shard_bytes)
+        if row.offload == "nvme":   # each gather read its file, the update wrote it once
+            file_bytes = sum(u.gather.file.data_bytes for u in opt.units)
+            assert st["param_disk_read_bytes"] == gathers * file_bytes, (st, file_bytes)
+            assert st["param_disk_write_bytes"] == file_bytes, (st, file_bytes)
     else:   # the updated compute shards come up once
-        shard_bytes = sum(u.layout.shard_numel * u.compute_shard.element_size()
-                          for u in opt.units)
         assert st["host_to_device_bytes"] == shard_bytes, (st, shard_bytes)
     # the fp32 gradient shards go down once per step (exact: the counters are per step)
     grad_bytes = sum(u.layout.shard_numel * 4 for u in opt.units)
