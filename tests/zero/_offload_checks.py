@@ -15,8 +15,7 @@ import torch
 import zkernels as zk
 from tests.zero._battery import (CPU_SUB, NVME_BUDGET, SMALL_BUCKET, WD, check_transfer_times,
                                  offload_kw, temp_folder)
-from tests.zero._harness import (CFG, EPS, GPT, LR, MICRO_BATCH, chunk, make_batches, make_model,
-                                 run_checks)
+from tests.zero._harness import CFG, EPS, GPT, LR, MICRO_BATCH, chunk, make_batches, make_model
 from zkernels.zero.planning.offload_config import IO_ALIGN
 from zkernels.zero.state.swap import HEADER_BYTES, round_up
 
@@ -273,7 +272,3 @@ CHECKS = {
     "close_and_reopen_nvme": close_and_reopen,
 }
 
-
-def battery(rank, world_size):
-    torch.manual_seed(0)
-    return run_checks(CHECKS, rank, world_size)

@@ -216,7 +216,8 @@ def test_budget_too_small(folder):
 def test_direct_io_choice_is_reported(folder, caplog, monkeypatch, one_thread):
     opt = _nvme(make_model(), folder)
     ok, reason = swap.probe_direct_io(folder)
-    assert opt.shard_update.files.direct_io == ok and opt.shard_update.files.direct_io_reason == reason
+    files = opt.shard_update.files
+    assert files.direct_io == ok and files.direct_io_reason == reason
     opt.close()
     opt = _nvme(make_model(), folder, direct_io=False)
     assert not opt.shard_update.files.direct_io and "direct_io=False" in \

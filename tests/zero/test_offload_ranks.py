@@ -6,20 +6,9 @@ One spawn per world size runs every check of ``_offload_checks.CHECKS``.
 """
 import pytest
 
-from tests.zero._harness import battery_results
-from tests.zero._offload_checks import CHECKS, battery
+from tests.zero._harness import rank_check_tests
+from tests.zero._offload_checks import CHECKS
 
 WORLD_SIZES = (pytest.param(1, marks=pytest.mark.slow), 2)  # 1 rank: the full suite
 
-
-@pytest.fixture(scope="module")
-def results():
-    """{world_size: {check: None or the first failing rank's traceback}}."""
-    return battery_results(CHECKS, battery, timeout=400.0)
-
-
-@pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_check(results, world_size, check):
-    error = results(world_size)[check]
-    assert error is None, f"{check} failed at world size {world_size}:\n{error}"
+results, test_check = rank_check_tests(CHECKS, WORLD_SIZES, timeout=400.0)

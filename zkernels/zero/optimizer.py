@@ -209,13 +209,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
         # sharding is a group shape] in zkernels/comm/hybrid.py.
         self.meter = VolumeMeter()
-        self.comm = make_metered_comm(process_group, device, comm_backend, timeout, self.meter,
-                                      shard_size=shard_size, mesh=mesh)
         quant = Quantization.build(quantize_grads, quantize_weights, quantize_block,
                                    comm_backend, device)                # comm/quantized.py
         # ZeRO++'s qgZ: reduce-scatters quantized, every other collective exact (one comm for
         # all, so hybrid sharding's cross-group all-reduces launch on any next collective).
-        self.comm = quant.grad_comm(self.comm, self.ops)
+        self.comm = quant.grad_comm(make_metered_comm(
+            process_group, device, comm_backend, timeout, self.meter, shard_size=shard_size,
+            mesh=mesh), self.ops)
         self.quantize_grads, self.quantize_weights = quant.grads, quant.weights
         self.quantize_block = quant.block
         # The rung: as asked, or stage="auto"'s choice (planning/auto.py).
@@ -275,10 +275,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
             else None                                                   # parameters/param_wait
         self.module = model  # zkernels.checkpoint names parameters and buffers through it
-        self._model = model
         self._model_params = list(model.parameters())
-        self._device = device
-        self._named = list(model.named_parameters())
         self._num_steps = 0
         self._overflow_skips = 0
         self._step_was_skipped = False
@@ -410,7 +407,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: ``module`` is not part of the model.
         """
-        if module is not None and not any(m is module for m in self._model.modules()):
+        if module is not None and not any(m is module for m in self.module.modules()):
             raise ValueError(f"gathered(module=...): the {type(module).__name__} given is not "
                              f"a submodule of the optimizer's model")
         if self.schedule is None:
