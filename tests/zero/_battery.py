@@ -595,6 +595,7 @@ def overflow(rank, ws, *, row: Row):
 # 4 ranks in the full suite.
 FULL = {1: True, 2: False, 4: True}
 OFFLOAD = {2: False, 1: True}             # offload: 1 rank in the full suite
+OFFLOAD_FULL = {2: True}   # a variant of a quick row: the full suite only (quick suite's time)
 HYBRID = {4: False}    # rows that need 4 ranks (2 groups of 2): run in test_hybrid.py's spawn
 
 R = Row
@@ -643,6 +644,9 @@ ROWS = [
      OFFLOAD),
     (R(3, "bf16", offload="nvme", offload_params=True, steps=6, micro=2),
      ("parity", "same_bits"), OFFLOAD),
+    # parameter files beside a host master (fp32: the output staged aligned in the slot)
+    (R(3, offload="nvme", offload_params=True, nvme_master=False, steps=4),
+     ("parity", "same_bits"), OFFLOAD_FULL),
     # hybrid sharding: 2 groups of 2 ranks (shard_size=1: 4 groups of 1)
     (R(1, shard_size=2, steps=4), ("parity",), HYBRID),
     (R(2, shard_size=2, steps=4, clip=0.05), ("parity",), HYBRID),
