@@ -236,7 +236,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
                      f"the machine's load lands on all of them)")
     text += [wrap(n) for n in notes]
     text += ["", wrap(f"{unit_name} held per rank by kind and place (stats()), the total "
-                      f"beside estimate_memory's (host buffers: staging, NVMe's slots)")]
+                      f"beside estimate_memory's (host buffers: staging, NVMe's slots, "
+                      f"parameter bounces)")]
     text += _columns(kind_cols, kind_rows, 2)
     return "\n".join(text), summary
 

@@ -215,7 +215,7 @@ def model_config(args) -> GPTConfig:
 def _estimate(model, rung: Rung, world_size: int, args) -> dict:
     """``estimate_memory`` for ``rung`` by kind and by place, keyed as ``stats()`` keys its
     measurements: between steps (no transient; reduce buffers only where they are held between
-    steps, not stage 3's), the host's staging counted as buffers."""
+    steps, not stage 3's), the host's staging and bounces counted as buffers."""
     zero = rung.stage != 0
     est = estimate_memory(model, world_size, rung.stage, offload=rung.offload,
                           offload_params=rung.offload_params, bucket_bytes=args.bucket_bytes,
@@ -229,7 +229,8 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
         kinds.pop("transient", None)
         if place == "device":  # reduce buffers live on the device
             kinds["buffers"] = est.held_buffers_bytes
-        kinds["buffers"] = kinds.get("buffers", 0) + kinds.pop("staging", 0)
+        kinds["buffers"] = kinds.get("buffers", 0) + kinds.pop("staging", 0) + \
+            kinds.pop("bounces", 0)   # NVMe's slots, and its parameter files' bounces
         where[place] = {k: int(kinds.get(k, 0)) for k in KINDS}
         where[place]["total"] = sum(where[place][k] for k in KINDS)
     return dict(params=est.params_bytes, grads=est.grads_bytes, master=est.master_bytes,
