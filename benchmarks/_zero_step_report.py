@@ -13,6 +13,7 @@ import statistics
 from typing import Dict, List, Optional
 
 from _comm_meter import KINDS
+from _zero_step_trees import BEFORE
 
 TIME_BAR = 1.05          # the issue's bar: step time at most 1.05x DDP's (paired ratio)
 TRAFFIC_TOLERANCE = 1e-3  # "equal to DDP" up to rank-alignment padding (0.1%)
@@ -232,7 +233,7 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-def compare_trees(runs: List[List[dict]], suffix: str = "@before") -> Dict[str, dict]:
+def compare_trees(runs: List[List[dict]], suffix: str = BEFORE) -> Dict[str, dict]:
     """``--baseline-tree``: each zkernels row over its baseline twin (``name + suffix``, the
     same row with zkernels from the other checkout, run in the same rounds).
 

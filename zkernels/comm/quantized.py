@@ -71,11 +71,10 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .base import CollectiveError, Comm, Handle
-from ..ops.quant import code_numel, num_blocks
+from ..ops.quant import _CODE_DTYPES, check_block_size, code_numel, num_blocks
 
 GRAD_FORMATS = {"int8": 8, "int4": 4}
 WEIGHT_FORMATS = {"int8": 8}
-_CODE_DTYPES = {8: torch.int8, 4: torch.uint8}
 
 
 class _Finishing:
@@ -119,21 +118,6 @@ def _check_flat(what: str, name: str, t) -> None:
         raise TypeError(f"{what}: {name} must be a floating tensor, got {t.dtype}")
 
 
-def check_block_size(block_size, name: str = "quantize_block") -> int:
-    """``block_size`` as the ops take it: a power of two in [2, 8192] (an int4 byte never
-    holds two blocks; a block is one Triton tile).
-
-    Raises:
-        ValueError: anything else (the message names ``name``).
-    """
-    from ..ops.quant import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    if type(block_size) is not int or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or \
-            block_size & (block_size - 1):
-        raise ValueError(f"{name} must be a power of two in [{MIN_BLOCK_SIZE}, "
-                         f"{MAX_BLOCK_SIZE}], got {block_size!r}")
-    return block_size
-
-
 def _bits(fmt, formats: dict, name: str) -> int:
     if not isinstance(fmt, str) or fmt not in formats:
         raise ValueError(f"{name} must be None or one of {tuple(formats)}, got {fmt!r}")
@@ -147,7 +131,7 @@ class _Wrapper:
     def __init__(self, comm: Comm, ops, block_size: int) -> None:
         self.comm = comm
         self.ops = ops
-        self.block_size = check_block_size(block_size)
+        self.block_size = check_block_size(block_size, "quantize_block")
         self.rank, self.world_size = comm.rank, comm.world_size
 
     @property

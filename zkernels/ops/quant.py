@@ -18,15 +18,25 @@ _CODE_DTYPES = {8: torch.int8, 4: torch.uint8}
 _FP32 = (torch.float32,)
 
 
-def _format(bits, block_size) -> None:
-    """``bits`` 8 or 4; ``block_size`` a power of two in [2, 8192] (so that an int4 byte never
-    holds two blocks and a block fits one Triton tile)."""
-    if type(bits) is not int or bits not in QMAX:
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+def check_block_size(block_size, name: str = "block_size") -> int:
+    """``block_size`` as the ops take it: a power of two in [2, 8192] (so that an int4 byte
+    never holds two blocks and a block fits one Triton tile).
+
+    Raises:
+        ValueError: anything else (the message names ``name``).
+    """
     if type(block_size) is not int or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or \
             block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, "
+        raise ValueError(f"{name} must be a power of two in [{MIN_BLOCK_SIZE}, "
                          f"{MAX_BLOCK_SIZE}], got {block_size!r}")
+    return block_size
+
+
+def _format(bits, block_size) -> None:
+    """``bits`` 8 or 4; ``block_size`` as :func:`check_block_size` takes it."""
+    if type(bits) is not int or bits not in QMAX:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    check_block_size(block_size)
 
 
 def _codes(name: str, t, bits: int, device: torch.device, numel: Optional[int] = None) -> None:

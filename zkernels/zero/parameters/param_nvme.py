@@ -150,7 +150,7 @@ class DiskParamStore(HostParamStore):
         self._grow_bounces(f.data_bytes)
         policy = DiskShardedParams(params, layout, slice(lo, hi), compute_shard.device, f,
                                    self)
-        policy.load_values(compute_shard.to("cpu"))
+        policy.load_values(compute_shard)   # (copied into the aligned write buffer)
         self.policies.append(policy)
         return policy
 

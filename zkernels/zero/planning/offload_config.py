@@ -20,6 +20,12 @@ NUM_PARAM_BOUNCES = 2     # read chunk k+1 while chunk k is copied to the device
 ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
 
 
+def nvme_slot_bytes(numel: int, num_kinds: int, compute_bytes: int) -> int:
+    """Bytes of one NVMe slot of ``numel`` elements: ``num_kinds`` fp32 states, an fp32
+    gradient and a compute-dtype output (``compute_bytes`` per element, 0 without one)."""
+    return numel * (4 * num_kinds + 4 + compute_bytes)
+
+
 def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
                          largest_shard: int, file_bytes: int = 0) -> int:
     """Elements per NVMe sub-group: the largest unit shard (rounded up to an aligned block),
@@ -33,7 +39,7 @@ def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
         ValueError: the budget cannot hold one aligned block per slot.
     """
     align = max(ALIGN_NUMEL, IO_ALIGN // file_bytes) if file_bytes else ALIGN_NUMEL
-    per_elem = NUM_NVME_BUFFERS * (4 * num_kinds + 4 + compute_bytes)
+    per_elem = NUM_NVME_BUFFERS * nvme_slot_bytes(1, num_kinds, compute_bytes)
     cap = (budget_bytes - 2 * IO_ALIGN) // per_elem // align * align
     if cap < align:
         need = align * per_elem + 2 * IO_ALIGN
@@ -62,7 +68,8 @@ def param_bounce_bytes(budget_bytes: int, largest_file_bytes: int) -> int:
 def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int) -> int:
     """Host bytes of the NVMe slot arena of ``sub_group_numel`` elements per slot (its
     allocation, alignment slack included)."""
-    return NUM_NVME_BUFFERS * sub_group_numel * (4 * num_kinds + 4 + compute_bytes) + IO_ALIGN
+    return NUM_NVME_BUFFERS * nvme_slot_bytes(sub_group_numel, num_kinds, compute_bytes) + \
+        IO_ALIGN
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ import torch
 
 from ...ops import OpSet
 from ...ops.adamw import Scalar
-from ..planning.offload_config import NUM_NVME_BUFFERS, OffloadConfig, nvme_sub_group_numel
+from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_bytes,
+                                       nvme_sub_group_numel)
 from ..parameters.units import FlatParamUnit
 from .grad_sink import GradShards
 from .nvme_files import NvmeFiles
@@ -172,6 +173,7 @@ class UpdateEngine:
         self._next_slot = 0
         self._prefetched: Optional[Tuple[ShardState, _Slot]] = None
         self._in_step = False
+        self._host_scale: Optional[float] = None
         self._update_s = self._exposed_s = 0.0
         self.last_step: Dict[str, float] = {}
         self._closed = False
@@ -226,6 +228,7 @@ class UpdateEngine:
             if cdt == torch.float32 or unit.gather.shard_on_host or self._slots and \
                     self._slots[0].out.numel() >= need and self._slots[0].out.dtype == cdt:
                 return
+            self._release_buffers()   # (unpinned: the larger ones replace them)
             self._buffers = [self.copier.host_empty(need, cdt) for _ in range(2)]
             self._slots = [_Slot(out=b) for b in self._buffers]
         elif self.placement == "nvme":
@@ -243,7 +246,7 @@ class UpdateEngine:
             self._settle_all()
             self._release_buffers()
             self.sub_group_numel = sub
-            per_slot = sub * (4 * len(kinds) + 4 + cb)
+            per_slot = nvme_slot_bytes(sub, len(kinds), cb)
             # Touched now (zeroed): host RAM holds what stats() reports from the start.
             arena = aligned_empty(NUM_NVME_BUFFERS * per_slot,
                                   self.copier.pin if self.copier.pinned else None).zero_()
@@ -294,13 +297,14 @@ class UpdateEngine:
         if self._closed:
             raise RuntimeError("this ZeroOptimizer was closed (close()): its offloaded state "
                                "is gone, build a new optimizer to train on")
-        if self.files is not None and not self._in_step:
-            self.files.check_sizes()
+        if self.on_host and not self._in_step:   # the step's first unit
+            if self.files is not None:
+                self.files.check_sizes()
+            self._host_scale = host_scalar(grad_scale)   # one read (sync) per step
         self._in_step = True
         rec = self.states[unit.index]
         rec.step += 1
-        hp = adamw_hparams(group, rec.step, host_scalar(grad_scale) if self.on_host
-                           else grad_scale)
+        hp = adamw_hparams(group, rec.step, self._host_scale if self.on_host else grad_scale)
         mixed = unit.compute_dtype != torch.float32
         # The compute shard lives beside the step: the AdamW writes it in place; or in a file
         # (parameters on NVMe): each sub-group's output goes from its slot to the file.
