@@ -1,8 +1,8 @@
 """Hybrid sharding's checks (``shard_size=K`` and the 2-D ``DeviceMesh`` form), run on every
 rank of one 4-rank spawn: 2 shard groups of 2 ranks ({0, 1}, {2, 3}), replicated across.
 
-The battery's hybrid rows (``_battery.py``: parity with single-process torch.optim.AdamW over
-the whole world's batch, then ``_traffic.hybrid_traffic_memory`` against the layouts the
+The battery's hybrid rows (``_battery.py``; test_battery.py's ``parity`` asserted on the ranks:
+parity with single-process torch.optim.AdamW over the whole world's batch, then ``_traffic.hybrid_traffic_memory`` against the layouts the
 optimizer built over K = 2 ranks) run here, beside a checkpoint across shapes, bad
 ``shard_size`` and stage 3's secondary shards (``reshard_after_forward=2``).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import zkernels as zk
 from tests.zero import _battery
 from tests.zero._battery import BETAS, SMALL_BUCKET, WD
 from tests.zero._harness import EPS, LR, chunk, make_batches, make_model, run_checks
+from tests.zero.test_battery import parity_on_rank
 
 K = 2                # ranks per shard group
 
@@ -147,7 +149,8 @@ def secondary_shards(rank, ws, *, steps=3):
 # The battery's hybrid rows (parity with torch.optim.AdamW, then this traffic and memory) run
 # in this spawn beside the checks only hybrid sharding has.
 CHECKS = {
-    **{name: _battery.CHECKS[name] for name in _battery.names_at(4, slow=False, hybrid=True)},
+    **{key: partial(parity_on_rank, row=row) for key, (row, check) in _battery.TABLE.items()
+       if _battery.WORLD_SIZES[key] is _battery.HYBRID and check == "parity"},
     "checkpoint_hybrid_to_plain3_and_back": checkpoint_across_shapes,
     "bad_shard_size": bad_shard_size,
     "stage3_secondary_shards": secondary_shards,
