@@ -11,7 +11,7 @@ import zkernels as zk
 from tests.zero._harness import make_batches, make_model
 from zkernels import plan as plan_mod
 from zkernels.layout import FlatLayout
-from zkernels.zero.planning import ladder, policy
+from zkernels.zero.planning import policy
 from zkernels.zero.planning.auto import RungNotAvailableError, resolve_auto_stage
 from zkernels.zero.planning.estimate import estimate_memory
 from zkernels.zero.optimizer import resolve_stage
@@ -22,7 +22,6 @@ from zkernels.zero.state.engine import UpdateEngine
 # -- the registry ---------------------------------------------------------------------------
 
 def test_every_consumer_reads_the_one_registry():
-    assert ladder.RUNGS is policy.RUNGS
     assert {s for s, _ in policy.RUNGS} <= set(policy.STAGES)
     assert {o for _, o in policy.RUNGS} <= set(policy.OFFLOADS)
     for stage, pol in policy.STAGES.items():
