@@ -4,7 +4,7 @@ this process (no process group), above it one spawn of gloo ranks per world size
 selected (``-k <row>`` runs that row's ranks only). Each rank runs a row's body below and
 returns what it measured; the test asserts on that here. Each check of a row is its own test,
 ``test_<check>[<world size>-<row>-<check>]``. The rows that need 4 ranks in 2 groups (hybrid
-sharding, ``reshard_after_forward=2``) run in test_hybrid.py's spawn (``parity_on_rank``).
+sharding, ``reshard_after_forward=2``) run in test_hybrid.py's spawn (``parity`` there too).
 
 The checks:
 
@@ -236,11 +236,6 @@ def check_offload_stats(res: dict, row: Row) -> None:
         assert st["disk_io_s"] > 0, st
 
 
-def parity_on_rank(rank, ws, *, row: Row) -> None:
-    """``parity`` asserted on the rank itself (test_hybrid.py's spawn of ``run_checks``)."""
-    check_parity(parity(rank, ws, row=row), row, ws)
-
-
 def catches(rank, ws, *, row: Row, fault: str) -> dict:
     """``parity`` with ``fault``: its comparisons (every rank compares the same gathered
     parameters with the same reference, so every rank sees the fault at the same step and
@@ -461,6 +456,6 @@ def test_traffic_memory(ranks, world_size, row):
 def test_every_row_is_run_somewhere():
     """Each check of the table runs at one world size at least, in this file or in
     test_hybrid.py's spawn, and its id names its row uniquely."""
-    from tests.zero import _hybrid_checks
-    assert set(BODIES) | set(_hybrid_checks.CHECKS) >= set(_battery.TABLE)
+    from tests.zero import test_hybrid
+    assert set(BODIES) | set(test_hybrid.BODIES) >= set(_battery.TABLE)
     assert len({row.id for row, _, _ in _battery.ROWS}) == len(_battery.ROWS)
