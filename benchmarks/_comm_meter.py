@@ -9,8 +9,8 @@ Bytes are what one rank *sends* under the ring algorithm, for a group of N ranks
                                             that starts at the root (so at N = 2: the root
                                             sends B, the other rank 0)
   anything else (reduce, gather, scatter, p2p)  the input's bytes, under "other"
-These are the volumes the ZeRO ladder is stated in (DESIGN.md: data parallel and stages 1/2
-move 2Ψ per step), whatever algorithm gloo or NCCL actually picks.
+These are the volumes the ZeRO ladder is stated in (docs/design.md#traffic: data parallel and
+stages 1/2 move 2Ψ per step), whatever algorithm gloo or NCCL actually picks.
 
 Interception is by wrapping the Python entry points of ``torch.distributed`` (both the
 ``torch.distributed`` and the ``torch.distributed.distributed_c10d`` names, so a caller that

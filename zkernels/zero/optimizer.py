@@ -553,8 +553,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             stage 3), and ``total``, what is held now plus what lived only inside the step
             (the peak ``estimate_memory``'s ``device_bytes`` predicts; stage 1's reduced
             shards during ``step()`` are not measured). Stage 2 keeps its gradient shard in fp32
-            whatever the reduce dtype, so bf16 stage 2 holds 2Ψ + 16Ψ/N, not DESIGN.md's
-            2Ψ + 14Ψ/N.
+            whatever the reduce dtype, so bf16 stage 2 holds 2Ψ + 16Ψ/N, not the paper's
+            2Ψ + 14Ψ/N (docs/design.md#by-kind).
         """
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
         upd = self.shard_update

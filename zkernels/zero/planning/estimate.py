@@ -6,7 +6,7 @@ r = bytes of the gradient reduction (``reduce_dtype``, fp32 when None), g = byte
 gradient shard (``grad_shard_dtype``: fp32 when None, as ``ZeroOptimizer`` accumulates reduced
 gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a ``param_dtype``
 narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
-is its own master (DESIGN.md's table). B = elements of the largest bucket
+is its own master (docs/design.md#pure-fp32). B = elements of the largest bucket
 (``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model; with
 ``bucket_bytes=None`` the optimizer's default, sized from Ψ by ``buckets.auto_bucket_bytes``),
 G = number of param groups, U = elements of stage 3's largest unit (a block; see
