@@ -186,10 +186,14 @@ def test_demo_bad_rungs(rungs, message, capsys):
     (["--device-memory", "8"], "argument --device-memory: needs a unit"),
     (["--headroom", "1"], "--headroom must be a fraction in [0, 1), got 1.0"),
     (["--offload-dir", "/no/such/folder"], "--offload-dir '/no/such/folder' is not an existing"),
+    # a folder that exists and takes no file: found by writing, not from two ranks' tracebacks
+    (["--offload-dir", "/proc"], "--offload-dir '/proc' is not writable: cannot create files"),
     (["--eval-batches", "-1"], "--eval-batches must be >= 0, got -1"),
 ])
-def test_demo_bad_plan_and_offload_options(argv, message, capsys):
+def test_demo_bad_plan_and_offload_options(argv, message, capsys, monkeypatch):
+    from zkernels.demo import launch
     from zkernels.demo.launch import main
+    monkeypatch.setattr(launch, "run_workers", lambda *a: pytest.fail("started the ranks"))
     try:
         rc = main(argv)
     except SystemExit as exc:   # argparse's own usage errors

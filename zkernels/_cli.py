@@ -36,6 +36,22 @@ def output_file(text: str) -> str:
     return text
 
 
+def writable_folder(text: str) -> str:
+    """An argparse ``type=`` for ``--offload-dir``: an existing folder that can hold files,
+    probed by writing (``ZeroOptimizer``'s own check of ``offload_dir``), so that ``/proc``,
+    which exists and takes no file, is one usage line before any rank starts. Nothing is
+    left behind."""
+    if not text or not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing folder")
+    from .zero.state.swap import OffloadIOError, check_writable
+    try:
+        check_writable(text)
+    except OffloadIOError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace(f"offload_dir={text!r}",
+                                                          repr(text), 1)) from None
+    return text
+
+
 def parse_bytes(text: str, name: str = "--device-memory", bare_unit: str = "") -> int:
     """A size with its unit -> bytes: '80GB' -> 80e9, '24GiB' -> 24 * 2**30, '1.5e9B'.
 
