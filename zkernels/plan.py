@@ -31,10 +31,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from dataclasses import asdict
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
 from .hf_params import count_hf_config, params_from_hf_config
@@ -174,36 +175,64 @@ def _compression_lines(rows, link_gbps: float) -> str:
     return "\n".join(out)
 
 
-def _trainable(text: str) -> float:
-    """``--trainable``: a fraction in (0, 1] (``0.01``, or ``1%``) or a count >= 2 (``4e6``)."""
-    pct = text.endswith("%")
+class Trainable(NamedTuple):
+    """``--trainable`` as written: a fraction of the parameters, or a count of them."""
+    value: float        # a fraction in (0, 1], or a whole count >= 1
+    is_count: bool
+    explicit: bool      # a count written with its unit, '2p': taken however small
+    text: str
+
+
+# A bare count under this fraction of the model is refused: '--trainable 2' is far more often
+# 2% (or 0.02) mistyped than a model with two trainable parameters.
+SMALL_COUNT = 0.01
+
+
+def _trainable(text: str) -> Trainable:
+    """``--trainable``: a fraction in (0, 1] (``0.01``, or ``1%``), a count >= 2 (``4e6``) or
+    a count with its unit ``p`` (``2p``: parameters, however few)."""
+    pct, explicit = text.endswith("%"), text.lower().endswith("p")
     try:
-        value = float(text[:-1] if pct else text)
+        value = float(text[:-1] if pct or explicit else text)
     except ValueError:
         value = float("nan")
     if pct:
         value /= 100
-    if not (0 < value <= 1 or (not pct and value >= 2 and value == int(value))):
+    whole = math.isfinite(value) and value == int(value)
+    if explicit and not (value >= 1 and whole):
+        raise argparse.ArgumentTypeError(f"a count of parameters written with p must be a "
+                                         f"whole number >= 1 (2p, 4e6p), got {text!r}")
+    if not (explicit or 0 < value <= 1 or (not pct and value >= 2 and whole)):
         raise argparse.ArgumentTypeError(f"must be a fraction of the parameters in (0, 1] "
-                                         f"(0.01 or 1%) or a whole count >= 2 (4e6), got "
-                                         f"{text!r}")
-    return value
+                                         f"(0.01 or 1%), a whole count >= 2 (4e6) or a count "
+                                         f"with p (2p), got {text!r}")
+    count = explicit or value > 1
+    return Trainable(int(value) if count else value, count, explicit, text)
 
 
-def frozen_from_trainable(num_params: int, trainable: Optional[float]) -> Optional[int]:
+def frozen_from_trainable(num_params: int, trainable: Optional[Trainable]) -> Optional[int]:
     """The frozen count ``--trainable`` implies for ``num_params`` parameters (None: all
-    train).
+    train). ``trainable``: ``--trainable`` parsed (:class:`Trainable`).
 
     Raises:
-        ValueError: a count larger than ``num_params``.
+        ValueError: a count larger than ``num_params``, or a bare count below 1% of them
+            (written without ``p``).
     """
     if trainable is None:
         return None
-    count = round(num_params * trainable) if trainable <= 1 else int(trainable)
+    if not trainable.is_count:
+        return num_params - max(round(num_params * trainable.value), 1)
+    count = int(trainable.value)
     if count > num_params:
-        raise ValueError(f"--trainable {int(trainable):,} exceeds the model's {num_params:,} "
+        raise ValueError(f"--trainable {count:,} exceeds the model's {num_params:,} "
                          f"parameters")
-    return num_params - max(count, 1)
+    if not trainable.explicit and count < SMALL_COUNT * num_params:
+        share = f"{count / 100:g} or {count}%" if count <= 100 else "e.g. 0.01 or 1%"
+        raise ValueError(f"--trainable {trainable.text} means {count:,} parameters, under "
+                         f"{SMALL_COUNT:.0%} of the model's {num_params:,}: write "
+                         f"{trainable.text}p if you mean that count, or a fraction "
+                         f"({share}) for a share")
+    return num_params - count
 
 
 def _headroom(text: str) -> float:
@@ -249,7 +278,9 @@ def parse_args(argv):
                      "an nn.Module")
     ap.add_argument("--trainable", type=_trainable, default=None, help="the parameters that "
                     "train, as a fraction (0.01 or 1%%) or a count (4e6); the rest are frozen "
-                    "(a LoRA's base: no gradient, no optimizer state; sharded at stage 3). "
+                    "(a LoRA's base: no gradient, no optimizer state; sharded at stage 3). A "
+                    "count below 1%% of the model's parameters is refused unless written with "
+                    "p (2p: two parameters), as 2 is more likely 2%% mistyped. "
                     "Default: all. A 'module:function' model counts its own (requires_grad)")
     ap.add_argument("--frozen-dtype", default="fp32", help="dtype the frozen parameters are "
                     "loaded in (fp32, default; bf16 for a base loaded in bf16): their bytes at "

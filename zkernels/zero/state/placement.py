@@ -20,6 +20,7 @@ from ..parameters.param_nvme import DiskParamStore
 from ..parameters.param_offload import HostParamStore, sharded_params_factory
 from .engine import UpdateEngine
 from .nvme_files import NvmeFiles
+from .swap import check_writable
 from .transfer import Copier
 
 
@@ -32,7 +33,7 @@ def check_offload_args(offload, offload_dir, offload_config, auto: bool = False)
 
     Raises:
         ValueError / NotImplementedError / TypeError: naming the argument and what was
-            expected.
+            expected. OffloadIOError: ``offload_dir`` cannot hold files (probed by writing).
     """
     if offload is not None and not (isinstance(offload, str) and offload in OFFLOADS):
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
@@ -59,6 +60,7 @@ def check_offload_args(offload, offload_dir, offload_config, auto: bool = False)
                 not os.path.exists(path) and not os.path.isdir(parent):
             raise ValueError(f"offload_dir={path!r} is not an existing folder (nor one whose "
                              f"parent exists)")
+        check_writable(path)     # OffloadIOError now, not from every rank's first file
     if offload == "nvme":
         if offload_dir is None:
             raise ValueError("offload='nvme' needs offload_dir= (an existing folder on the "
