@@ -336,14 +336,6 @@ class Quantization:
                                                      quantize_block, comm_backend, device)
         return cls(quantize_grads, quantize_weights, quantize_block, grad_bits, weight_bits)
 
-    def check_stage(self, stage: int, gathers_params: bool) -> None:
-        """Raises ValueError for ``quantize_weights`` at a stage that keeps parameters
-        whole."""
-        if self.weight_bits is not None and not gathers_params:
-            raise ValueError(f"quantize_weights={self.weights!r} applies to stage 3 (the "
-                             f"stage that gathers parameters before use); stage {stage} "
-                             f"keeps them whole and its post-update all-gather exact")
-
     def grad_comm(self, comm: Comm, ops) -> Comm:
         """The gradient strategies' comm: ``comm`` with quantized reduce-scatters, or
         ``comm`` itself."""

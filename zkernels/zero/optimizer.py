@@ -34,23 +34,29 @@ from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
-from .planning.policy import (STAGES, check_parameter_schedule, check_stage_arguments,
-                              resolve_stage as _resolve_stage)
+from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
+from .planning.policy import STAGES, check_parameter_schedule, check_stage_arguments
 from .stats import memory_by_location
-from .state.placement import (check_offload_args, check_offload_params, check_offload_stage,
-                              make_engine)
+from .state.placement import check_offload_dir, make_engine
 
 
-def resolve_stage(stage) -> int:
-    """An explicit ZeRO stage, one the registry (``policy.STAGES``) marks implemented.
+def _config_of(config: Optional[ZeroConfig], kwargs: dict) -> ZeroConfig:
+    """``config``, or the one the constructor's keywords build; not both.
 
     Raises:
-        ValueError: not an implemented stage, or ``"auto"`` (resolved by the constructor).
+        TypeError: ``config`` is not a ZeroConfig, or comes with a keyword it holds.
     """
-    if isinstance(stage, str) and stage == "auto":
-        raise ValueError("stage='auto' is resolved by ZeroOptimizer once the world size is "
-                         "known; resolve_stage takes an explicit stage")
-    return _resolve_stage(stage)
+    if config is None:
+        return ZeroConfig.from_kwargs(**kwargs)
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a zkernels.ZeroConfig or None, got "
+                        f"{type(config).__name__}")
+    given = [k for k, v in kwargs.items() if v is not CONFIG_KWARGS[k] and
+             not (type(v) is type(CONFIG_KWARGS[k]) and v == CONFIG_KWARGS[k])]
+    if given:
+        raise TypeError(f"pass config= or the keywords it holds, not both (got config= and "
+                        f"{', '.join(given)})")
+    return config
 
 
 def _ops_for(device: torch.device, ops_backend: Optional[str]):
@@ -191,17 +197,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_params: bool = False,
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
                  mesh=None, quantize_weights: Optional[str] = None,
-                 quantize_grads: Optional[str] = None, quantize_block: int = 256) -> None:
+                 quantize_grads: Optional[str] = None, quantize_block: int = 256,
+                 config: Optional[ZeroConfig] = None) -> None:
         # Each line is one decision, made by the module that owns it.
-        stage = _resolve_stage(stage)  # None for "auto"               # planning/policy.py
+        cfg = _config_of(config, dict(                                   # planning/config.py
+            stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
+            offload_dir=offload_dir, offload_config=offload_config,
+            offload_params=offload_params, bucket_bytes=bucket_bytes, shard_size=shard_size,
+            reshard_after_forward=reshard_after_forward, quantize_weights=quantize_weights,
+            quantize_grads=quantize_grads, quantize_block=quantize_block))
+        stage = resolve_stage(cfg.stage)  # None for "auto"
         check_stage_arguments(stage, memory_budget_bytes=memory_budget_bytes, units=units,
-                              reshard_after_forward=reshard_after_forward,
-                              overlap_param_gather=overlap_param_gather)
-        check_offload_args(offload, offload_dir, offload_config, auto=stage is None)
+                              overlap_param_gather=overlap_param_gather)  # planning/policy.py
+        check_offload_dir(cfg.offload)                                  # state/placement.py
         groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
                                               weight_decay)             # parameters/groups.py
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)         # gradients/clip.py
-        self.precision = MixedPrecision.build(param_dtype, reduce_dtype)  # gradients/precision
+        self.precision = MixedPrecision.build(cfg.precision.param_dtype,
+                                              cfg.precision.reduce_dtype)  # gradients/precision
         self.scaler = make_loss_scaler(self.precision, loss_scale)
         self.nonfinite = check_policy(nonfinite)                        # gradients/nonfinite
         device = groups[0]["params"][0].device
@@ -209,43 +222,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
         # sharding is a group shape] in zkernels/comm/hybrid.py.
         self.meter = VolumeMeter()
-        quant = Quantization.build(quantize_grads, quantize_weights, quantize_block,
-                                   comm_backend, device)                # comm/quantized.py
+        q = cfg.quantization
+        quant = Quantization.build(q.grads, q.weights, q.block, comm_backend,
+                                   device)                              # comm/quantized.py
         # ZeRO++'s qgZ: reduce-scatters quantized, every other collective exact (one comm for
         # all, so hybrid sharding's cross-group all-reduces launch on any next collective).
         self.comm = quant.grad_comm(make_metered_comm(
-            process_group, device, comm_backend, timeout, self.meter, shard_size=shard_size,
-            mesh=mesh), self.ops)
+            process_group, device, comm_backend, timeout, self.meter,
+            shard_size=cfg.sharding.shard_size, mesh=mesh), self.ops)
         self.quantize_grads, self.quantize_weights = quant.grads, quant.weights
         self.quantize_block = quant.block
         # The rung: as asked, or stage="auto"'s choice (planning/auto.py).
-        self.stage, offload, offload_params, offload_dir, offload_config = resolve_rung(
-            stage, offload=offload, offload_dir=offload_dir, offload_config=offload_config,
-            offload_params=offload_params, param_groups=groups,
-            world_size=self.comm.world_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+        self.config = cfg = resolve_rung(
+            cfg, param_groups=groups, world_size=self.comm.world_size,
             memory_budget_bytes=memory_budget_bytes, process_group=process_group, model=model)
-        self.policy = STAGES[self.stage]
-        quant.check_stage(self.stage, self.policy.shards_params)
-        check_offload_stage(offload, self.policy)                       # state/placement.py
-        self.offload_params = check_offload_params(offload_params, offload, self.policy)
+        self.stage, self.policy = cfg.stage, STAGES[cfg.stage]
+        self.offload_params = cfg.offload.params
         reshard_after_forward = check_parameter_schedule(
-            self.policy, reshard_after_forward, self.comm.world_size, self.offload_params,
-            overlap_param_gather, model)                                # planning/policy.py
+            self.policy, cfg.sharding.reshard_after_forward, self.comm.world_size,
+            self.offload_params, overlap_param_gather, model)           # planning/policy.py
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
         # Where the state lives (state/placement.py), then the units that feed it
         # (parameters/build.py); a failure closes the engine's threads and files at once.
         self.shard_update = make_engine(
-            offload, ops=self.ops, device=device, ops_backend=ops_backend,
-            offload_dir=offload_dir, rank=self.comm.rank, world_size=self.comm.world_size,
-            offload_config=offload_config, offload_params=self.offload_params)
+            cfg.offload.kind, ops=self.ops, device=device, ops_backend=ops_backend,
+            offload_dir=cfg.offload.dir, rank=self.comm.rank, world_size=self.comm.world_size,
+            offload_config=cfg.offload.config, offload_params=self.offload_params)
         try:
             self.units, self.frozen_units, gather_units = build_parameter_side(
                 self.policy, model, self.param_groups, self.precision.param_dtype,
                 self.precision.reduce_dtype, self.comm.world_size, self.comm.rank, self.ops,
-                self.shard_update, units=units, bucket_bytes=bucket_bytes)
+                self.shard_update, units=units, bucket_bytes=cfg.buckets.bucket_bytes)
             if self.shard_update.resumed:
                 self.shard_update.adopt(len(self.units))
         except BaseException:
