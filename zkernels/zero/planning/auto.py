@@ -120,9 +120,8 @@ def announce(message: str, group=None) -> None:
 
 
 def resolve_auto_stage(params: Iterable[torch.Tensor], **kwargs) -> int:
-    """The stage of :func:`resolve_auto_rung` (the rung's offload kind dropped; same
-    arguments)."""
-    return resolve_auto_rung(params, **kwargs)[0]
+    """The stage of :func:`resolve_auto_placement` (same arguments)."""
+    return resolve_auto_placement(params, **kwargs)[0]
 
 
 def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
@@ -134,11 +133,6 @@ def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
     usable = {None} | ({"cpu"} if device.type != "cpu" else set()) | \
         ({"nvme"} if offload_dir is not None and device.type != "cpu" else set())
     return tuple(r for r in RUNGS if r[1] in usable)
-
-
-def resolve_auto_rung(params: Iterable[torch.Tensor], **kwargs) -> Tuple[int, Optional[str]]:
-    """``(stage, offload)`` of :func:`resolve_auto_placement` (same arguments)."""
-    return resolve_auto_placement(params, **kwargs)[:2]
 
 
 def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,

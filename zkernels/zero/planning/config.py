@@ -42,20 +42,23 @@ def parse_dtype(value, name: str) -> Optional[torch.dtype]:
                      f"got {value!r} (names are accepted too: {', '.join(sorted(_DTYPES))})")
 
 
-def _frozen_set(obj, name: str, value) -> None:
-    object.__setattr__(obj, name, value)   # a frozen dataclass normalizing its own field
-
-
 @dataclass(frozen=True)
 class ShardingConfig:
     """What is sharded and over how many ranks.
 
     Attributes:
-        stage: 1, 2, 3 or "auto" (the lowest rung that fits, resolved by the optimizer);
-            0 is data parallel, the estimator's baseline (``ZeroOptimizer`` refuses it).
-        shard_size: hybrid sharding's K (None: every rank); K must divide the world size.
-        reshard_after_forward: stage 3: True (free units after forward), False (keep them to
-            backward) or an int R (keep a secondary shard over R ranks; R divides K).
+        stage: 1, 2, 3 or "auto": the lowest rung whose estimate fits the device (``auto.py``;
+            logs its choice at INFO): an ``offload`` kind limits the rungs to that kind; left
+            None, CPU offload is offered on a GPU, NVMe too with an ``offload_dir``. 0 is data
+            parallel, the estimator's baseline (``ZeroOptimizer`` refuses it).
+        shard_size: hybrid sharding (FSDP2's HSDP): shard over groups of K consecutive ranks
+            (K divides N) and replicate across the N/K groups, each reduced gradient shard
+            all-reduced across them; bytes per rank are the formula with N -> K ([Note:
+            hybrid sharding is a group shape] in ``zkernels/comm/hybrid.py``). None: all N.
+        reshard_after_forward: stage 3: free each unit after forward and gather it again for
+            backward (True: 3Ψ per step) or keep it to backward (False: 2Ψ); an int R (FSDP2's
+            integer, ZeRO++'s hpZ; 1 < R < K, R divides K) keeps a chunk over R ranks, so the
+            backward gather runs within them for pΨ/R more memory ([Note: secondary shards]).
     """
 
     stage: Union[int, str] = 1
@@ -107,8 +110,8 @@ class PrecisionConfig:
     reduce_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
-        _frozen_set(self, "param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
-        _frozen_set(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+        for name in ("param_dtype", "reduce_dtype"):   # frozen: normalized in place, once
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), name))
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,16 @@ class OffloadSpec:
     """Where the fp32 work lives (the registry's ``OFFLOADS`` says what each kind moves).
 
     Attributes:
-        kind: None, "cpu" or "nvme" (stages 2-3).
-        dir: "nvme": the folder its files go in (checked on disk by the optimizer; the
-            estimator needs none). With ``stage="auto"`` a folder offers the NVMe rungs.
-        params: stage 3: the parameter shards off the device too (host RAM, or files).
+        kind: None (the device), "cpu" (fp32 master, moments and gradient shard in host RAM,
+            the step on the CPU) or "nvme" (moments and master in files under ``dir``,
+            streamed through a fixed host budget); stages 2-3 (``state/engine.py``).
+        dir: "nvme": an existing folder (checked on disk by the optimizer; the estimator
+            needs none); the run's files go in a folder of their own inside, removed by
+            ``close()``. With ``stage="auto"`` a folder offers the NVMe rungs.
+        params: stage 3: the parameter shards off the device between uses, brought in ahead
+            of each all-gather (host RAM with "cpu", files with "nvme"). With "auto", True
+            limits the rungs to stage 3 with offload; False lets the ladder still take it
+            where a stage-3 offload rung does not fit without it.
         config: an :class:`OffloadConfig` (pinning, sub-groups, NVMe budgets); None: defaults.
     """
 
@@ -151,8 +160,11 @@ class QuantizeConfig:
     """ZeRO++'s compressed collectives (see ``zkernels/comm/quantized.py``).
 
     Attributes:
-        weights: None or "int8": stage 3's parameter all-gathers (qwZ).
-        grads: None, "int8" or "int4": the gradient reduce-scatters (qgZ), stages 1-3.
+        weights: None or "int8": stage 3's parameter all-gathers (qwZ) move int8 blocks and
+            fp32 scales; master and shards stay exact.
+        grads: None, "int8" or "int4": each gradient reduce-scatter (qgZ, stages 1-3) is an
+            all-to-all of codes, dequantize-summed in fp32; hybrid's cross-group all-reduce
+            stays exact.
         block: elements per fp32 scale, a power of two in [2, 8192].
     """
 
@@ -178,9 +190,10 @@ class BucketConfig:
     """Gradient buckets.
 
     Attributes:
-        bucket_bytes: reduce-buffer bytes per bucket (a larger parameter gets its own); None:
-            sized from the model ([Note: buckets sized from the model] in ``buckets.py``); 0
-            (estimator only): count no buffers.
+        bucket_bytes: reduce-buffer bytes per bucket (a larger parameter gets its own;
+            stages 1-2, stage 3 reduces one unit at a time); None: sized from the model
+            ([Note: buckets sized from the model] in ``buckets.py``); 0 (estimator only):
+            count no buffers.
     """
 
     bucket_bytes: Optional[int] = None
@@ -195,15 +208,9 @@ class BucketConfig:
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """One ZeRO run: its parts (see [Note: one config]), checked together.
-
-    Raises (at construction):
-        TypeError / ValueError: a part of the wrong type, or parts that do not combine
-            (offload below its lowest stage, ``offload_params`` without stage 3 and an
-            offload kind, ``reshard_after_forward`` other than True below stage 3, quantized
-            weights below stage 3, quantization at stage 0, an offload folder or config
-            that applies to no rung); each message names the argument.
-    """
+    """One ZeRO run: its parts (see [Note: one config]), checked together at construction
+    (TypeError / ValueError naming the argument: a part of the wrong type, or parts that do
+    not combine, e.g. offload below stage 2, quantized weights below stage 3)."""
 
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

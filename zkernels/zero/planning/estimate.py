@@ -547,11 +547,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             [Note: frozen parameters in the estimate]. A module counts its own.
         frozen_dtype: with ``frozen_numel``, the frozen parameters' dtype (default fp32).
 
-    Hybrid sharding (``shard_size=K``) shards over groups of K ranks and replicates across
-    the N/K groups: every byte per rank is the formula with N replaced by K, plus an
-    all-reduce of the gradient shard across the groups. Secondary shards (an int R) run the
-    backward gather within R ranks and add their chunks (p·Ψ/R) to the transient bytes. The
-    quantized collectives change the traffic (codes plus scales), not the memory.
+    Hybrid sharding replaces N by K in every byte per rank and adds the cross-group
+    all-reduce; secondary shards add p·Ψ/R to the transient bytes; quantization changes the
+    traffic only.
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
