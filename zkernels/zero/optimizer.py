@@ -35,7 +35,7 @@ from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
 from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
-from .planning.policy import STAGES, check_parameter_schedule, check_stage_arguments
+from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .state.placement import check_offload_dir, make_engine
 
@@ -159,9 +159,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             offload_params=offload_params, bucket_bytes=bucket_bytes, shard_size=shard_size,
             reshard_after_forward=reshard_after_forward, quantize_weights=quantize_weights,
             quantize_grads=quantize_grads, quantize_block=quantize_block))
-        stage = resolve_stage(cfg.stage)  # None for "auto"
-        check_stage_arguments(stage, memory_budget_bytes=memory_budget_bytes, units=units,
-                              overlap_param_gather=overlap_param_gather)  # planning/policy.py
+        if resolve_stage(cfg.stage) in (1, 2) and units is not None:
+            raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
+                             f"stages that shard parameters), got stage={cfg.stage}")
         check_offload_dir(cfg.offload)                                  # state/placement.py
         groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
                                               weight_decay)             # parameters/groups.py

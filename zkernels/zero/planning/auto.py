@@ -203,8 +203,15 @@ def resolve_rung(config: ZeroConfig, *, param_groups, world_size: int,
                  memory_budget_bytes: Optional[int], process_group, model) -> ZeroConfig:
     """The config the optimizer runs: ``config`` itself for an explicit stage; for "auto"
     the rung :func:`resolve_auto_placement` chooses (``ZeroConfig.at_rung``: the NVMe folder
-    kept only for an NVMe rung, the offload knobs only for an offload rung)."""
+    kept only for an NVMe rung, the offload knobs only for an offload rung).
+
+    Raises:
+        ValueError: ``memory_budget_bytes`` at an explicit stage.
+    """
     if config.stage != "auto":
+        if memory_budget_bytes is not None:
+            raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
+                             f"stage={config.stage!r}")
         return config
     from ...comm.hybrid import is_device_mesh
     rung = resolve_auto_placement(

@@ -150,26 +150,6 @@ def check_reshard_after_forward(value, shard_size: int):
     return value
 
 
-def check_stage_arguments(stage: Optional[int], *, memory_budget_bytes, units,
-                          overlap_param_gather) -> None:
-    """The optimizer's own options that depend on the stage asked for (None: ``"auto"``),
-    before the model and the ranks are looked at (the config's are ``ZeroConfig``'s).
-
-    Raises:
-        TypeError: ``overlap_param_gather`` not a bool.
-        ValueError: ``memory_budget_bytes`` without ``stage="auto"``; ``units=`` at stages 1-2.
-    """
-    if memory_budget_bytes is not None and stage is not None:
-        raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
-                         f"stage={stage!r}")
-    if stage in (1, 2) and units is not None:
-        raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
-                         f"stages that shard parameters), got stage={stage}")
-    if not isinstance(overlap_param_gather, bool):
-        raise TypeError(f"overlap_param_gather must be a bool, got "
-                        f"{type(overlap_param_gather).__name__}")
-
-
 def is_compiled(model) -> bool:
     """Whether ``model`` is the wrapper ``torch.compile`` returns for a module."""
     try:
@@ -185,10 +165,14 @@ def check_parameter_schedule(policy: StagePolicy, reshard_after_forward, shard_s
     as :func:`check_reshard_after_forward` returns it.
 
     Raises:
+        TypeError: ``overlap_param_gather`` not a bool.
         ValueError: an int ``reshard_after_forward`` with ``offload_params``; stage 3 freeing
             units after forward in a ``torch.compile``'d model; ``overlap_param_gather`` at
             stage 3.
     """
+    if not isinstance(overlap_param_gather, bool):
+        raise TypeError(f"overlap_param_gather must be a bool, got "
+                        f"{type(overlap_param_gather).__name__}")
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, shard_size)
     if not isinstance(reshard_after_forward, bool) and offload_params:
         raise ValueError(f"reshard_after_forward={reshard_after_forward} keeps a device "
