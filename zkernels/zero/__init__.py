@@ -23,6 +23,7 @@ from .planning.policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
 from .gradients.precision import LossScaleConfig, MixedPrecision
 
 __all__ = ["ZeroOptimizer", "ZeroConfig", "ShardingConfig", "PrecisionConfig", "OffloadSpec",
-           "QuantizeConfig", "BucketConfig", "resolve_stage", "OffloadConfig", "LossScaleConfig", "MixedPrecision",
+           "QuantizeConfig", "BucketConfig", "resolve_stage", "OffloadConfig", "LossScaleConfig",
+           "MixedPrecision",
            "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS",
            "NonFiniteGradientError"]

@@ -281,8 +281,6 @@ def _largest_tensor_numel(model) -> int:
         if isinstance(model, torch.nn.Module) else 0
 
 
-# The estimator's spellings of config fields: the OffloadConfig knobs flat, an int
-# reshard_after_forward as secondary_size.
 _OFFLOAD_KNOBS = ("sub_group_numel", "nvme_buffer_bytes", "nvme_param_buffer_bytes",
                   "nvme_master")
 
@@ -306,9 +304,9 @@ def estimate_config(stage=None, config: Optional[ZeroConfig] = None, **kwargs) -
     if stage is None:
         raise TypeError("estimate_memory needs stage= (0, 1, 2 or 3) or config=")
     knobs = {k: kwargs.pop(k) for k in _OFFLOAD_KNOBS if k in kwargs}
-    if kwargs.get("secondary_size") is not None:
-        kwargs["reshard_after_forward"] = kwargs["secondary_size"]
-    kwargs.pop("secondary_size", None)
+    secondary = kwargs.pop("secondary_size", None)
+    if secondary is not None:
+        kwargs["reshard_after_forward"] = secondary
     if knobs and kwargs.get("offload") is not None:
         kwargs["offload_config"] = OffloadConfig(**knobs)
     return ZeroConfig.from_kwargs(stage=stage, **kwargs)
