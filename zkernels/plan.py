@@ -38,24 +38,25 @@ from dataclasses import asdict
 from typing import List, NamedTuple, Optional
 
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
-from .hf_params import count_hf_config, params_from_hf_config
+from .hf_params import count_hf_config, gathered_from_hf_config, params_from_hf_config
 from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
 from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
-from .zero.planning.policy import implemented_stages, rung_implemented
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
            "render"]
 
 
 def load_model_spec(spec: str):
-    """A config.json path -> (parameter count, how it was counted); 'module:function' -> (the
-    nn.Module it returns, None)."""
+    """A config.json path -> (parameter count, how it was counted, parameters stage 3 gathers
+    at once); 'module:function' -> (the nn.Module it returns, None, None: counted from its
+    units)."""
     if spec.endswith(".json"):
         with open(spec) as f:
             cfg = json.load(f)
         if not isinstance(cfg, dict):
             raise ValueError(f"--model {spec}: not a Hugging Face config (a JSON object)")
-        return count_hf_config(cfg)
+        num, how = count_hf_config(cfg)
+        return num, how, gathered_from_hf_config(cfg, num)
     if ":" not in spec:
         raise ValueError(f"--model must be a config.json path or 'module:function', got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
@@ -66,7 +67,7 @@ def load_model_spec(spec: str):
     model = fn()
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model, None
+    return model, None, None
 
 
 def _fmt(value: float, unit: int) -> str:
@@ -79,17 +80,18 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
                  frozen_dtype=None, shard_size: Optional[int] = None,
-                 link_gbps: Optional[float] = None):
+                 link_gbps: Optional[float] = None, gathered_numel: Optional[int] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
     ``link_gbps``: also rows for the quantized collectives (see [Note: when compressed
     communication pays]), after the ladder's.
     ``frozen_numel``: with a parameter count, how many of them are frozen (a module counts its
     own), see [Note: frozen parameters in the estimate] in ``zero/planning/estimate.py``.
     ``shard_size``: hybrid sharding's K (the rungs shard over K ranks, data parallel
-    nothing)."""
+    nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
+    once (its transient column; a module counts its own units)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
-              shard_size=shard_size)
+              shard_size=shard_size, gathered_numel=gathered_numel)
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
@@ -109,7 +111,7 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
             (stage, offload), est, _ = choice
             bases = [(stage, offload, est.offload_params)]
         else:
-            bases = [(s, None, False) for s in (1, 2, 3) if s in implemented_stages()]
+            bases = [(s, None, False) for s in (1, 2, 3)]
         rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op,
                                  quantize_weights=qw, quantize_grads=qg, **kw)
                  for s, o, op in bases for qw, qg in quantized_choices(s)]
@@ -327,12 +329,12 @@ def parse_args(argv):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    how = None
+    how = gathered = None
     try:
         if args.params is not None:
             model = args.params
         else:
-            model, how = load_model_spec(args.model)
+            model, how, gathered = load_model_spec(args.model)
         if args.trainable is not None and not isinstance(model, int):
             raise ValueError("--trainable applies to --params or a config.json: a "
                              "'module:function' model's frozen parameters are counted from "
@@ -350,11 +352,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk,
             frozen_numel=frozen,
             frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None,
-            shard_size=args.shard_size, link_gbps=args.link_gbps)
+            shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
     e0 = rows[0]
+    uncounted = ", not counted for --params: no layer sizes" if args.params is not None else ""
     p, r, g = (_dtype_name(d) for d in (pdt, rdt, gdt))
     split = f" ({e0.trainable_numel:,} trainable, {e0.frozen_numel:,} frozen: no grads or " \
         f"states, whole at data parallel and stages 1-2, sharded at stage 3)" \
@@ -363,7 +366,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{r} on every rung and sharded in {g}, fp32 AdamW"
           f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
-          f"step only (stage 1's reduced shards, stage 3's gathered layers); device = peak; "
+          f"step only (stage 1's reduced shards, stage 3's gathered units: the root and two "
+          f"layers{uncounted}); device = peak; "
           f"comm = bytes sent per step: data parallel all-reduces the grads in {r} (2·r·Ψ), "
           f"stages 1-2 reduce-scatter them in {r} and all-gather the params in {p} "
           f"((r + p)·Ψ: " + ("equal to data parallel's, the paper's 2Ψ" if r == p else
@@ -382,12 +386,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if isinstance(choice, Exception):
         print(f"\nnothing fits: {choice}")
     elif choice is not None:
-        (stage, offload), _, reason = choice
-        avail = "" if rung_implemented(stage, offload) else (
-            f" (not available in this version, which implements stages "
-            f"{', '.join(map(str, implemented_stages()))})")
         size = _fmt(args.device_memory, _UNITS[args.unit.lower()])
-        print(f"\nchosen for {size} {args.unit} per device: {reason}{avail}")
+        print(f"\nchosen for {size} {args.unit} per device: {choice[2]}")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
