@@ -38,8 +38,9 @@ def test_the_probe_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
     # A missing folder is probed in its parent (where it will be made), and not made by the
     # check alone.
-    assert zk.zero.state.placement.check_offload_args("nvme", str(tmp_path / "new"),
-                                                      None) is None
+    spec = zk.ZeroConfig.from_kwargs(stage=2, offload="nvme",
+                                     offload_dir=str(tmp_path / "new")).offload
+    assert zk.zero.state.placement.check_offload_dir(spec) is None
     assert list(tmp_path.iterdir()) == []
 
 
