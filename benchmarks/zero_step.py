@@ -36,7 +36,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -159,38 +158,16 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _launch(opts: dict, world_size: int, timeout_s: float) -> list:
-    """Spawn the ranks; return each rank's results, or raise with the failing rank's trace."""
-    from _zero_step_worker import worker
-
+def launch(worker, opts: dict, world_size: int, timeout_s: float) -> list:
+    """Spawn ``worker(rank, world_size, port, opts, queue)`` on each rank (it puts ``(rank,
+    True, results)`` or ``(rank, False, traceback)``); return each rank's results, or raise
+    with the failing rank's trace. Also hook_path.py's launcher."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -276,6 +253,8 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     from zkernels.demo.model import GPT, GPTConfig
     from _comm_meter import __doc__ as convention_doc
+    from _zero_step_worker import worker
+    from zkernels.bench._common import cpu_model, git_revision
     from _zero_step_report import (add_ratios, check_memory, compare_trees, format_baseline,
                                    format_table, repeat_summary, summarize)
 
@@ -296,10 +275,10 @@ def main(argv=None) -> int:
     meta = {
         "benchmark": "zero_step",
         "utc_time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "machine": {"hostname": platform.node(), "platform": platform.platform(),
                     "arch": platform.machine(), "num_cpus": os.cpu_count()},
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "threads_per_rank": args.threads_per_rank,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -332,7 +311,7 @@ def main(argv=None) -> int:
     runs = []
     try:
         for _ in range(args.repeats):
-            per_rank = _launch(opts, n, args.timeout_s)
+            per_rank = launch(worker, opts, n, args.timeout_s)
             _check_trees(per_rank, opts)
             rows = [summarize(m, [r[m] for r in per_rank], n) for m in opts["methods"]]
             # bf16: zkernels rounds its parameters to bf16, autocast keeps fp32 ones: losses
