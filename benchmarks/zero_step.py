@@ -370,22 +370,31 @@ def main(argv=None) -> int:
 def _hybrid_verdict(rows) -> None:
     """Issue 16's bar: zkernels hybrid stage 3 no slower than FSDP2 HSDP in the same run
     (``--shard-size``); both rows' bytes within and across groups."""
-    by = {r["method"]: r for r in rows if "error" not in r}
-    for ours, peer in (("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp"),
-                       ("zk_stage3_hpz", "fsdp2_hpz")):
-        zk, fs = by.get(ours), by.get(peer)
-        if not (zk and fs):
-            continue
-        ratio = zk["step_time_s"]["median"] / fs["step_time_s"]["median"]
-        paired = statistics.median(a / b for a, b in zip(zk["step_times_s"], fs["step_times_s"]))
-        zk[f"step_time_ratio_to_{peer}"] = ratio
-        zk[f"step_time_ratio_to_{peer}_paired"] = paired
+    for ours, peer, zk, fs, ratio, paired in _vs_peers(rows, (
+            ("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp"),
+            ("zk_stage3_hpz", "fsdp2_hpz"))):
         zs, fsc = zk.get("comm_scopes_per_rank", {}), fs.get("comm_scopes_per_rank", {})
         print(f"{ours} vs {peer}: x{ratio:.3f} (paired per-step x{paired:.3f}): "
               f"{'no slower' if paired <= 1.0 else 'SLOWER'}; MiB/rank/step within/across: "
               f"{zs.get('within_group', 0) / 2**20:.3f}/{zs.get('across_groups', 0) / 2**20:.3f}"
               f" vs {fsc.get('within_group', 0) / 2**20:.3f}/"
               f"{fsc.get('across_groups', 0) / 2**20:.3f}")
+
+
+def _vs_peers(rows, pairs):
+    """For each ``(ours, peer)`` of ``pairs`` where both rows ran: ``(ours, peer, our row,
+    peer row, ratio of the median steps, median of the per-step ratios)``; both ratios go
+    into our row (``step_time_ratio_to_<peer>``, ``..._paired``)."""
+    by = {r["method"]: r for r in rows if "error" not in r}
+    for ours, peer in pairs:
+        zk, other = by.get(ours), by.get(peer)
+        if zk and other:
+            ratio = zk["step_time_s"]["median"] / other["step_time_s"]["median"]
+            paired = statistics.median(
+                a / b for a, b in zip(zk["step_times_s"], other["step_times_s"]))
+            zk[f"step_time_ratio_to_{peer}"] = ratio
+            zk[f"step_time_ratio_to_{peer}_paired"] = paired
+            yield ours, peer, zk, other, ratio, paired
 
 
 def _spec(method: str):
@@ -428,19 +437,13 @@ def _quant_verdict(rows) -> None:
 def _offload_verdicts(rows, meta) -> None:
     """The offload issue's bars: zk stage 2 cpu offload faster than DeepSpeed's in the same
     run; NVMe host RAM within its budget while the moments are >= 10x the budget."""
-    by = {r["method"]: r for r in rows if "error" not in r}
-    for ours, peer in (("zk_stage2_cpu", "ds_stage2_cpu"), ("zk_stage3_cpu", "ds_stage3_cpu"),
-                       ("zk_stage3_cpu_params", "ds_stage3_cpu_params"),
-                       ("zk_stage3_cpu_params", "fsdp2_cpu_offload")):
-        zk, ds = by.get(ours), by.get(peer)
-        if not (zk and ds):
-            continue
-        ratio = zk["step_time_s"]["median"] / ds["step_time_s"]["median"]
-        paired = sorted(a / b for a, b in zip(zk["step_times_s"], ds["step_times_s"]))
-        paired = paired[len(paired) // 2]
-        zk[f"step_time_ratio_to_{peer}"] = ratio
+    for ours, peer, _, _, ratio, paired in _vs_peers(rows, (
+            ("zk_stage2_cpu", "ds_stage2_cpu"), ("zk_stage3_cpu", "ds_stage3_cpu"),
+            ("zk_stage3_cpu_params", "ds_stage3_cpu_params"),
+            ("zk_stage3_cpu_params", "fsdp2_cpu_offload"))):
         print(f"{ours} vs {peer}: x{ratio:.3f} (paired per-step x{paired:.3f}): "
               f"{'faster' if ratio < 1 else 'NOT faster'}")
+    by = {r["method"]: r for r in rows if "error" not in r}
     for name in ("zk_stage2_nvme", "zk_stage3_nvme", "zk_stage3_nvme_params"):
         _nvme_verdict(name, by.get(name), meta)
     blocked = [r for r in rows if r["method"] == "ds_stage2_nvme" and "error" in r]
