@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import traceback
 from pathlib import Path
 
 from zero_step import CONFIGS, REPO_ROOT, _on_path, launch
@@ -200,30 +199,23 @@ def _free_grads_ms(params, grads, repeat: int) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
-    """One rank (zero_step.launch's protocol): DDP's steps, then stage 2's, on the same GPT."""
-    try:
-        import torch
-        import torch.distributed as dist
+def run(rank: int, world_size: int, opts: dict) -> dict:
+    """One rank (``zero_step.launch`` spawns it): DDP's steps, then stage 2's, same GPT."""
+    import torch
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}")
-        _instrument_stage2()
-        from zkernels.demo.model import GPT, GPTConfig
-        cfg = GPTConfig(**CONFIGS[opts["config"]]["model"])
-        batch = CONFIGS[opts["config"]]["batch_size"]
-        result = {}
-        for method in ("ddp", "zk_stage2"):
-            torch.manual_seed(0)
-            result[method] = _steps(method, GPT(cfg), cfg, batch, opts["steps"], rank)
-            dist.barrier()
-        result["num_param_tensors"] = len(list(GPT(cfg).parameters()))
-        result["num_params"] = sum(p.numel() for p in GPT(cfg).parameters())
-        dist.destroy_process_group()
-        queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        queue.put((rank, False, traceback.format_exc()))
+    _instrument_stage2()
+    from zkernels.demo.model import GPT, GPTConfig
+    cfg = GPTConfig(**CONFIGS[opts["config"]]["model"])
+    batch = CONFIGS[opts["config"]]["batch_size"]
+    result = {}
+    for method in ("ddp", "zk_stage2"):
+        torch.manual_seed(0)
+        result[method] = _steps(method, GPT(cfg), cfg, batch, opts["steps"], rank)
+        dist.barrier()
+    result["num_param_tensors"] = len(list(GPT(cfg).parameters()))
+    result["num_params"] = sum(p.numel() for p in GPT(cfg).parameters())
+    return result
 
 
 def main(argv=None) -> int:
@@ -234,7 +226,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     _on_path()  # the spawned ranks copy sys.path: this checkout's zkernels
     try:
-        results = dict(enumerate(launch(worker, dict(config=args.config, steps=args.steps), 2,
+        results = dict(enumerate(launch(run, dict(config=args.config, steps=args.steps), 2,
                                         900)))
     except RuntimeError as exc:
         print(exc)

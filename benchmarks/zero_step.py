@@ -37,6 +37,7 @@ import platform
 import socket
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -164,15 +165,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker, opts: dict, world_size: int, timeout_s: float) -> list:
-    """Spawn ``worker(rank, world_size, port, opts, queue)`` on each rank (it puts ``(rank,
-    True, results)`` or ``(rank, False, traceback)``); return each rank's results, or raise
-    with the failing rank's trace. Also hook_path.py's launcher."""
+def _rank(run, rank: int, world_size: int, port: int, opts: dict, queue) -> None:
+    """One spawned rank: ``opts["threads_per_rank"]`` threads (1), a gloo group, then ``run(rank,
+    world_size, opts)``; puts ``(rank, True, its result)`` or ``(rank, False, traceback)``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(opts.get("threads_per_rank", 1))
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=opts.get("pg_timeout_s", 1800)))
+        try:
+            result = run(rank, world_size, opts)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def launch(run, opts: dict, world_size: int, timeout_s: float) -> list:
+    """``run(rank, world_size, opts)`` on each of ``world_size`` spawned gloo ranks; return
+    each rank's result, or raise with the failing rank's trace. Also hook_path.py's."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world_size, port, opts, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_rank, args=(run, r, world_size, port, opts, queue),
+                         daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
     results, errors = {}, {}
@@ -253,7 +273,7 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     from zkernels.demo.model import GPT, GPTConfig
     from _comm_meter import __doc__ as convention_doc
-    from _zero_step_worker import worker
+    from _zero_step_worker import run
     from zkernels.bench._common import cpu_model, git_revision
     from _zero_step_report import (add_ratios, check_memory, compare_trees, format_baseline,
                                    format_table, repeat_summary, summarize)
@@ -311,7 +331,7 @@ def main(argv=None) -> int:
     runs = []
     try:
         for _ in range(args.repeats):
-            per_rank = launch(worker, opts, n, args.timeout_s)
+            per_rank = launch(run, opts, n, args.timeout_s)
             _check_trees(per_rank, opts)
             rows = [summarize(m, [r[m] for r in per_rank], n) for m in opts["methods"]]
             # bf16: zkernels rounds its parameters to bf16, autocast keeps fp32 ones: losses
