@@ -184,16 +184,13 @@ def format_table(rows: List[dict]) -> str:
         spread = f"[{t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f}]"
         traffic = "-" if tr is None else f"{tr:.4f}"
         lines.append(
-            f"{r['method']:<17} {t['median'] * 1e3:8.1f} "
-            f"{spread:>15} "
+            f"{r['method']:<17} {t['median'] * 1e3:8.1f} {spread:>15} "
             f"{r.get('step_time_ratio_to_ddp', float('nan')):6.3f} "
             f"{_yn(r.get('within_5pct_of_ddp')):>6} {sent:>8} "
-            f"{_mb(c['all_reduce']):>6} {_mb(c['reduce_scatter']):>6} "
-            f"{_mb(c['all_gather']):>6} {_mb(c['broadcast']):>6} {_mb(c['other']):>6} "
-            f"{traffic:>7} {_yn(r.get('traffic_equal_to_ddp')):>5} "
-            f"{_mb(m['total']):>7} {_mb(m['params']):>6} {_mb(m['grads']):>6} "
-            f"{_mb(m['master']):>6} {_mb(m['optimizer_states']):>6} {_mb(m['buffers']):>6} "
-            f"{r['final_loss']:7.4f}")
+            + " ".join(f"{_mb(c[k]):>6}" for k in KINDS)  # AR RS AG BC A2A
+            + f" {traffic:>7} {_yn(r.get('traffic_equal_to_ddp')):>5} {_mb(m['total']):>7} "
+            + " ".join(f"{_mb(m[k]):>6}" for k in MEMORY_KINDS[:-1])  # by kind, as the head
+            + f" {r['final_loss']:7.4f}")
         if "zk_stats_comm_bytes_per_rank" in r:
             z = r["zk_stats_comm_bytes_per_rank"]
             notes.append(f"{r['method']}: zkernels stats() sent MiB/rank/step: total "
