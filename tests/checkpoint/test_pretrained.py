@@ -22,7 +22,7 @@ from tests.checkpoint._ranks import plain, tensors
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-SHARD = "40KB"          # several files for these models (~100-200 KB of weights)
+SHARD = "20KB"          # several files for these models (~50-130 KB of weights)
 BUCKET = 6000           # bytes: many units, parameters cut mid-row by shard boundaries
 
 
@@ -95,6 +95,7 @@ def load_cases(rank, ws, cases):
         opt.step()
         opt.zero_grad()
         before = dict(counts)
+        counts["largest"] = 0
         result = zk.checkpoint.load_pretrained(opt, folder)
         state = [opt.read_state(u) for u in opt.units]
         out[(kind, dtype, stage, offload)] = plain({
@@ -120,7 +121,7 @@ def files(tmp_path_factory):
             folder = str(root / f"{kind}-{dtype}")
             model.save_pretrained(folder, max_shard_size=SHARD)
             assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
-            assert len(glob.glob(os.path.join(folder, "*.safetensors"))) > 2
+            assert len(glob.glob(os.path.join(folder, "*.safetensors"))) >= 3
             out[(kind, dtype)] = folder
     return out
 
