@@ -266,3 +266,30 @@ def test_peft_prefix_maps_to_the_base_model(files, stage):
         assert torch.equal(p, src[key].float()), n
         base += 1
     assert base == len(src)
+
+
+def test_shard_sizes_read_as_transformers_reads_them():
+    from zkernels.checkpoint.pretrained import parse_size
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("20KB") == 20_000 and parse_size(1234) == 1234
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("5 gigs")
+
+
+def test_save_pretrained_refuses_to_replace_a_foreign_folder(tmp_path):
+    """World size 1, in process: a folder holding anything but an earlier save_pretrained's
+    files is left alone; a single-file save (no index) otherwise."""
+    model = make_model("llama", 0)
+    opt = zk.ZeroOptimizer(model, stage=1, lr=1e-3, ops_backend="reference")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(zk.checkpoint.CheckpointError, match="refusing to replace"):
+        zk.checkpoint.save_pretrained(opt, str(folder))
+    assert os.listdir(folder) == ["notes.txt"]
+    out = tmp_path / "single"
+    zk.checkpoint.save_pretrained(opt, str(out), dtype="bf16")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    state = safetensors_torch.load_file(str(out / "model.safetensors"))
+    for n, p in model.named_parameters():
+        assert torch.equal(state[n], p.detach().to(torch.bfloat16)), n
