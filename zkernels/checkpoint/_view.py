@@ -300,8 +300,8 @@ class OptimizerView:
         """A fresh start from given weights, unit by unit: for every piece this rank holds,
         ``fill(name, start, end, out)`` writes the values of elements ``[start, end)`` of
         parameter ``name`` into ``out`` (the fp32 master's view; a frozen shard's, in its
-        dtype) or returns False to keep what is there; both moments are zeroed and the step
-        is 0. Each unit's state is handed back before the next is read (with NVMe offload
+        dtype), or leaves it as it is (a key no file holds keeps its value); both moments
+        are zeroed and the step is 0. Each unit's state is handed back before the next is read (with NVMe offload
         one unit is in host RAM at a time). Call :meth:`finish_fresh` after."""
         self._staged.clear()
         for u in self.opt.units:
