@@ -16,8 +16,9 @@ from .consolidate import consolidate, consolidate_to_file, verify
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
 from .load import load
+from .pretrained import LoadResult, load_pretrained, save_pretrained
 from .save import save
 
-__all__ = ["save", "load", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
+__all__ = ["save", "load", "load_pretrained", "save_pretrained", "LoadResult", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
            "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
            "SaveAbortedError", "UnsupportedVersionError"]
