@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import multiprocessing as mp
-import os
-import socket
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zero_step import _on_path, launch  # noqa: E402 - the shared launcher, from here
+
 # The issue's model: 4 blocks of 128, a 4096-token vocabulary, an untied head.
 MODEL = dict(vocab_size=4096, block_size=128, n_layer=4, n_head=4, n_embd=128,
              tie_weights=False)
@@ -32,54 +29,32 @@ BATCH = 4
 MIB = 2.0 ** 20
 
 
-def _on_path() -> None:
-    for path in (str(REPO_ROOT), str(REPO_ROOT / "benchmarks")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-
-
-def _rank(rank: int, world_size: int, port: int, methods, steps: int, queue) -> None:
-    _on_path()
+def _run(rank: int, world_size: int, opts: dict) -> dict:
+    """One rank: each row in turn, alone; its bytes after the last backward."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))
-    try:
-        from _zero_step_methods import Context, build
-        from zkernels.demo.model import GPTConfig
-        from zkernels.zero.stats import live_tensor_bytes
+    from _zero_step_methods import Context, build
+    from zkernels.demo.model import GPTConfig
+    from zkernels.zero.stats import live_tensor_bytes
 
-        cfg = GPTConfig(**MODEL)
-        ctx = Context(lr=1e-3, world_size=world_size, batch_size=BATCH)
-        rows = {}
-        for name in methods:
-            m = build(name, cfg, 0, ctx)
-            gen = torch.Generator().manual_seed(1 + rank)
-            for step in range(steps):
-                x = torch.randint(cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
-                m.forward_backward(x, x)
-                if step == steps - 1:
-                    rows[name] = {"after_backward": m.memory(),
-                                  "walked": live_tensor_bytes(skip=(x,))}
-                m.update()
-                m.zero_grad()
-            rows[name]["between_steps"] = m.memory()["total"]
-            del m
-            gc.collect()
-        queue.put((rank, rows))
-    except BaseException:  # noqa: BLE001 - the parent prints it
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    cfg = GPTConfig(**MODEL)
+    ctx = Context(lr=1e-3, world_size=world_size, batch_size=BATCH)
+    rows = {}
+    for name in opts["methods"]:
+        m = build(name, cfg, 0, ctx)
+        gen = torch.Generator().manual_seed(1 + rank)
+        for step in range(opts["steps"]):
+            x = torch.randint(cfg.vocab_size, (BATCH, cfg.block_size), generator=gen)
+            m.forward_backward(x, x)
+            if step == opts["steps"] - 1:
+                rows[name] = {"after_backward": m.memory(),
+                              "walked": live_tensor_bytes(skip=(x,))}
+            m.update()
+            m.zero_grad()
+        rows[name]["between_steps"] = m.memory()["total"]
+        del m
+        gc.collect()
+    return rows
 
 
 def main(argv=None) -> int:
@@ -95,23 +70,7 @@ def main(argv=None) -> int:
     world_size = 2
     methods = [m for m in args.methods.split(",") if m]
     psi = sum(t.numel() for t in GPT(GPTConfig(**MODEL)).parameters())
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, methods, args.steps, queue))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    try:
-        per_rank = dict(queue.get(timeout=600) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    failed = {r: v for r, v in per_rank.items() if isinstance(v, str)}
-    if failed:
-        raise RuntimeError(f"rank {min(failed)} failed:\n{failed[min(failed)]}")
+    per_rank = launch(_run, {"methods": methods, "steps": args.steps}, world_size, 900.0)
     rows = per_rank[0]
     formula = 16 * psi / world_size
     print(f"{psi / 1e6:.2f}M parameters, {world_size} ranks, fp32; 16Ψ/N = "

@@ -192,7 +192,8 @@ CASES = [
     ("estimate_world_size_zero", lambda: zk.estimate_memory(1000, world_size=0, stage=1),
      ValueError, r"world_size must be an int >= 1, got 0"),
     ("estimate_stage_unknown", lambda: zk.estimate_memory(1000, world_size=2, stage=7),
-     ValueError, r"stage must be one of \(0, 1, 2, 3\), got 7"),
+     ValueError, r"stage must be one of \(1, 2, 3\) or 'auto' \(0: data parallel, the "
+     r"estimator's baseline\), got 7"),
     # CLI: plan and demo (demo's checks run before any rank starts)
     ("plan_world_size_zero", plan("--params", "1e9", "--world-size", "0"), CliError,
      r"--world-size: must be >= 1, got 0"),

@@ -33,7 +33,7 @@ The checks:
   optimizer over another initialization (at the other placement for an offload row, and
   back) and the run continues bit for bit; a state of another world size is refused by name.
 - ``traffic_memory`` (a rung on the device): bytes sent per step and held per rank against
-  the ring formula and DESIGN.md's table (``_traffic.py``); hybrid rows check theirs in
+  the ring formula and docs/design.md#the-ladder (``_traffic.py``); hybrid rows check theirs in
   ``parity`` (``_traffic.hybrid_traffic_memory``).
 - ``overflow`` (fp16): an inf gradient on one rank makes every rank skip the step bit for bit,
   the scale halves, clean steps grow it again.
