@@ -8,7 +8,7 @@ import torch.nn as nn
 import zkernels as zk
 from tests.zero._harness import make_batches, make_model
 from zkernels.layout import FlatLayout
-from zkernels.zero.planning import ladder, policy
+from zkernels.zero.planning import policy
 from zkernels.zero.planning.estimate import estimate_memory
 from zkernels.zero.optimizer import resolve_stage
 from zkernels.zero.parameters.units import ReplicatedParams, build_replicated_unit, param_names
@@ -18,7 +18,6 @@ from zkernels.zero.state.engine import UpdateEngine
 # -- the registry ---------------------------------------------------------------------------
 
 def test_every_consumer_reads_the_one_registry():
-    assert ladder.RUNGS is policy.RUNGS
     assert {s for s, _ in policy.RUNGS} <= set(policy.STAGES)
     assert {o for _, o in policy.RUNGS} <= set(policy.OFFLOADS)
     for stage, pol in policy.STAGES.items():
