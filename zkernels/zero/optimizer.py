@@ -230,7 +230,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # qwZ quantizes the schedule's gathers ([Note: quantized all-gather]).
             self.schedule = GatherSchedule(gather_units, quant.gather_comm(self.comm, self.ops),
                                            reshard_after_forward, check_paths=check_paths,
-                                           grad_buckets=self.reducer.buckets)
+                                           grad_buckets=self.reducer.buckets,
+                                           on_end_backward=self.reducer.end_backward)
             if not isinstance(reshard_after_forward, bool):             # parameters/secondary
                 attach_secondary_shards(self.units, self.comm, reshard_after_forward, device,
                                         comm_backend, timeout, self.meter)
@@ -509,7 +510,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
             e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
             buffers the pooled reduce buffers held now (stage 3 holds them only while
-            gradients are in flight, so 0 between steps: [Note: transient reduce buffers]).
+            gradients are in flight, so 0 once backward has returned and between steps:
+            [Note: reduce buffers end with backward]; called between backward and ``step()``,
+            ``memory_bytes`` is what the rank holds after backward, 16Ψ/N in fp32 at stage 3).
             ``step_peak_bytes`` is the last step's peak beside that: the most reduce-buffer
             bytes held at once and stage 3's most gathered parameter bytes at once (0 below
             stage 3), and ``total``, what is held now plus what lived only inside the step

@@ -28,7 +28,8 @@ the same entries the optimizer and its gradient strategies are built from.
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are the reduce buffers at the step's peak; stages 1-2 hold
 them between steps too, stage 3 only while gradients are in flight (``held_buffers_bytes``:
-0, so between steps stage 3 holds its formula and nothing else, as FSDP2 does). They are two
+0, so after backward and between steps stage 3 holds its formula and nothing else, as FSDP2
+does). They are two
 bucket-sized reduce buffers
 (one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
 bucket may wait for another group's), never more than there are buckets (a model that fits in
@@ -191,14 +192,15 @@ class MemoryEstimate:
 
     @property
     def held_buffers_bytes(self) -> int:
-        """Reduce-buffer bytes held between steps: ``buffers_bytes`` at stages 0-2, 0 at
-        stage 3 (its buffers live only while gradients are in flight)."""
+        """Reduce-buffer bytes held between steps and after backward: ``buffers_bytes`` at
+        stages 0-2, 0 at stage 3 (its buffers live only while gradients are in flight)."""
         return self.buffers_bytes if STAGES[self.stage].holds_reduce_buffers else 0
 
     @property
     def held_device_bytes(self) -> int:
         """Device bytes held between steps: the peak (``device_bytes``) less the transient
-        memory and the reduce buffers not held between steps."""
+        memory and the reduce buffers not held between steps. Stages 2-3 hold the same after
+        backward, before ``step()`` (stage 1 holds its reduced shards then too)."""
         return self.device_bytes - self.transient_bytes - \
             (self.buffers_bytes - self.held_buffers_bytes)
 
