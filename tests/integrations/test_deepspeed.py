@@ -210,7 +210,8 @@ RUNS = [(1, 1), (2, 2), (3, 1)]
 def test_script_matches_deepspeed_and_resumes(tmp_path):
     from tests.integrations._ds_script import train
     ours = run_ranks(train, 2, "zkernels", RUNS, str(tmp_path), timeout=600)
-    theirs = run_ranks(train, 2, "deepspeed", RUNS, str(tmp_path), timeout=600)
+    theirs = run_ranks(train, 2, "deepspeed", RUNS, str(tmp_path), timeout=600,
+                       check_teardown=False)   # DeepSpeed's groups, not ours: see run_ranks
     for rank in range(2):
         for run in RUNS:
             o, d = ours[rank][run], theirs[rank][run]
