@@ -50,9 +50,10 @@ def train(rank, world, backend, runs, ckpt_root):
             for i in micro_steps:
                 x, y = data[i]
                 loss = F.mse_loss(engine(x), y)
-                engine.backward(loss)
+                boundary = engine.is_gradient_accumulation_boundary()
+                scaled = engine.backward(loss)     # DeepSpeed returns the loss / gas
                 engine.step()
-                losses.append(loss.item())
+                losses.append((loss.item(), scaled.item(), boundary))
                 if i == save_at:
                     engine.save_checkpoint(ckpt, client_state={"micro": i})
             return losses

@@ -215,11 +215,17 @@ def test_script_matches_deepspeed_and_resumes(tmp_path):
     for rank in range(2):
         for run in RUNS:
             o, d = ours[rank][run], theirs[rank][run]
-            assert o["full"] == pytest.approx(d["full"], rel=1e-5, abs=1e-7), run
+            assert [b for *_, b in o["full"]] == [b for *_, b in d["full"]] == \
+                [(i + 1) % run[1] == 0 for i in range(6 * run[1])], run
+            flat = [v for loss, scaled, _ in o["full"] for v in (loss, scaled)]
+            want = [v for loss, scaled, _ in d["full"] for v in (loss, scaled)]
+            assert flat == pytest.approx(want, rel=1e-5, abs=1e-7), run
+            assert o["full"][0][1] == pytest.approx(o["full"][0][0] / run[1], rel=1e-6)
             assert o["lr"] == pytest.approx(d["lr"], rel=1e-12), run
             assert o["steps"] == d["steps"] == 6 and o["loaded_steps"] == 3
             assert o["latest"] == d["latest"] == "global_step3"
             assert o["client"]["micro"] == 3 * run[1] - 1
             half = len(o["full"]) // 2
-            assert o["resumed"] == pytest.approx(o["full"][half:], rel=1e-6, abs=1e-8), run
+            assert [r[0] for r in o["resumed"]] == pytest.approx(
+                [r[0] for r in o["full"][half:]], rel=1e-6, abs=1e-8), run
             assert o["lr_resumed"] == pytest.approx(o["lr"], rel=1e-12)
