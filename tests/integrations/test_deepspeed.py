@@ -164,6 +164,36 @@ def test_contradicting_training_arguments_refused():
         read_config(cfg, args=_Args(), model=_Model(), num_training_steps=100, world_size=2)
 
 
+def test_explicit_bucket_size_stands_beside_training_arguments():
+    cfg = copy.deepcopy(ZERO2_NO_OFFLOAD)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 5e7     # transformers' fill_only key
+    zc, _ = read_config(cfg, args=_Args(), model=_Model(), num_training_steps=100,
+                        world_size=2)
+    assert zc.buckets.bucket_bytes == 5 * 10 ** 7 * 4
+
+
+def test_initialize_one_rank_loader_and_refused_optimizer():
+    from zkernels.integrations import deepspeed as ds
+    model = torch.nn.Linear(3, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 3))
+    cfg = {"train_batch_size": 4, "gradient_accumulation_steps": 2,
+           "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+    engine, opt, loader, sched = ds.initialize(model=model, config=cfg, training_data=data)
+    assert sched is None and opt.param_groups[0]["lr"] == 0.1
+    assert [len(b[0]) for b in loader] == [2, 2, 2, 2, 2]
+    assert engine.train_micro_batch_size_per_gpu() == 2
+    flags = []
+    for (x,) in loader:
+        flags.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(x).sum())
+        engine.step()
+    assert flags == [False, True, False, True, False] and engine.global_steps == 2
+    with pytest.raises(ValueError, match="SGD"):
+        ds.initialize(model=torch.nn.Linear(3, 2), config=cfg,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_every_key_has_a_disposition():
     assert all(d in ("mapped", "always", "sizing", "refused") and why
                for d, _, why in KEYS.values())

@@ -292,6 +292,11 @@ def _hf_values(args, model, num_training_steps, world_size) -> Dict[str, Any]:
     return fill
 
 
+# Filled only where "auto" (transformers' fill_only): any other value stands.
+_FILL_ONLY = ("scheduler.params.warmup_min_lr", "zero_optimization.reduce_bucket_size",
+              "zero_optimization.stage3_prefetch_bucket_size",
+              "zero_optimization.stage3_param_persistence_threshold")
+
 _AUTO_SOURCE = {
     "zero_optimization.reduce_bucket_size": "model.config.hidden_size",
     "zero_optimization.stage3_prefetch_bucket_size": "model.config.hidden_size",
@@ -377,7 +382,7 @@ def read_config(config, *, args=None, model=None, num_training_steps=None,
                 raise ValueError(f"DeepSpeed config {key}: 'auto' needs {src} to be filled "
                                  f"from (as transformers fills it)")
             flat[key] = fill[key]
-        elif args is not None and key in fill and key != "scheduler.params.warmup_min_lr":
+        elif args is not None and key in fill and key not in _FILL_ONLY:
             want = fill[key]
             same = list(value) == list(want) if isinstance(want, list) else value == want
             if not same:
