@@ -169,7 +169,7 @@ def test_before_after_run_end_to_end(tmp_path):
         assert c["step_time_ratio"] > 0
 
 
-@pytest.mark.slow  # imports deepspeed (~10 s here); an optional peer, absent from .[test]
+@pytest.mark.slow  # imports deepspeed (~10 s here); a peer, in .[test] since the drop-in's tests
 def test_deepspeed_rows_pass_deepspeeds_config_check(bench):
     zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
     m = bench("_zero_step_methods")
