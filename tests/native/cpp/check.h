@@ -10,24 +10,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 
+#include "cpu_convert.h"
 #include "simd/isa.h"
 
 namespace zk_test {
 
 inline int g_failures = 0;
 
-inline uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-inline float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+constexpr auto& bits = zk::cpu::detail::bits_of;
+constexpr auto& from_bits = zk::cpu::detail::float_of;
 
 // Exact round-to-nearest-even to bf16 by comparing the two neighbours in double; NaN -> `nan`.
 inline uint16_t exact_bf16(float x, uint16_t nan = 0xFFFF) {
