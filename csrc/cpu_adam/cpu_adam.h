@@ -8,24 +8,11 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 #include "dtype.h"
+#include "simd/isa.h"  // Isa and its detection
 
 namespace zk::cpu {
-
-// Instruction-set path of the kernel. kAuto picks the best one the running CPU supports.
-enum class Isa : int32_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-const char* isa_name(Isa isa);
-// "auto", "scalar", "avx2", "avx512"; throws std::invalid_argument naming the choices.
-Isa parse_isa(const std::string& name);
-// Whether this CPU (and OS) can run `isa`: avx2 needs AVX2+FMA+F16C, avx512 needs F+BW+VL.
-bool isa_supported(Isa isa);
-Isa best_isa();
-// `isa` itself, or (kAuto) best_isa(); throws std::invalid_argument when a forced path is one
-// this CPU cannot run. The CPU ops and the quantization ops resolve their `isa` through it.
-Isa resolve_isa(Isa isa);
 
 // Hyperparameters of one step, as zkernels.reference.adamw_step takes them.
 struct AdamWConfig {

@@ -58,13 +58,18 @@ void copy_bytes(const CopySpec& s, const void* src, void* dst, int64_t begin, in
               static_cast<size_t>((end - begin) * e));
 }
 
-CopyFn copy_function(const CopySpec& s, Isa isa) {
+const detail::Path& path_of(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512: return detail::copy_range_avx512;
-    case Isa::kAvx2: return detail::copy_range_avx2;
-    default:  // a bit copy is libc's memcpy on the scalar path
-      return !s.scaled && s.src == s.dst ? copy_bytes : detail::copy_range_scalar;
+    case Isa::kAvx512: return detail::kAvx512Path;
+    case Isa::kAvx2: return detail::kAvx2Path;
+    default: return detail::kScalarPath;
   }
+}
+
+CopyFn copy_function(const CopySpec& s, Isa isa) {
+  // a bit copy is libc's memcpy on the scalar path
+  if (isa == Isa::kScalar && !s.scaled && s.src == s.dst) return copy_bytes;
+  return path_of(isa).copy;
 }
 
 struct Tile {
@@ -114,10 +119,7 @@ bool unscale_and_check(void* x, DType dtype, int64_t numel, float inv_scale, Isa
                        int num_threads, Isa* ran) {
   isa = resolve_isa(isa);
   if (ran) *ran = isa;
-  using Fn = bool (*)(void*, DType, int64_t, int64_t, float);
-  const Fn fn = isa == Isa::kAvx512 ? detail::unscale_range_avx512
-                : isa == Isa::kAvx2 ? detail::unscale_range_avx2
-                                    : detail::unscale_range_scalar;
+  const auto fn = path_of(isa).unscale;
   const int64_t num_tiles = (numel + kTileNumel - 1) / kTileNumel;
   const int threads = thread_count(num_threads, numel / kTileNumel);
   if (threads == 1) return fn(x, dtype, 0, numel, inv_scale);
@@ -132,10 +134,7 @@ bool unscale_and_check(void* x, DType dtype, int64_t numel, float inv_scale, Isa
 double sum_squares(const Span* spans, int64_t count, Isa isa, int num_threads, Isa* ran) {
   isa = resolve_isa(isa);
   if (ran) *ran = isa;
-  using Fn = double (*)(const void*, DType, int64_t);
-  const Fn fn = isa == Isa::kAvx512 ? detail::sumsq_chunk_avx512
-                : isa == Isa::kAvx2 ? detail::sumsq_chunk_avx2
-                                    : detail::sumsq_chunk_scalar;
+  const auto fn = path_of(isa).sumsq;
   auto chunk = [&](const Tile& t) {
     const Span& s = spans[t.item];
     const char* base = static_cast<const char*>(s.data) + t.begin * dtype_bytes(s.dtype);

@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "cpu_adam/cpu_adam.h"  // Isa, isa_supported, best_isa
 #include "dtype.h"
+#include "simd/isa.h"  // Isa, resolve_isa
 
 namespace zk::cpu {
 

@@ -129,13 +129,14 @@ inline double sumsq_chunk_scalar(const void* data, DType dt, int64_t n) {
   }
 }
 
-// Per-path functions (path_avx2.cpp, path_avx512.cpp).
-void copy_range_avx2(const CopySpec& s, const void* src, void* dst, int64_t begin, int64_t end);
-void copy_range_avx512(const CopySpec& s, const void* src, void* dst, int64_t begin,
-                       int64_t end);
-bool unscale_range_avx2(void* x, DType dt, int64_t begin, int64_t end, float inv);
-bool unscale_range_avx512(void* x, DType dt, int64_t begin, int64_t end, float inv);
-double sumsq_chunk_avx2(const void* data, DType dt, int64_t n);
-double sumsq_chunk_avx512(const void* data, DType dt, int64_t n);
+// One path's range functions; path_avx2.cpp and path_avx512.cpp define theirs.
+struct Path {
+  void (*copy)(const CopySpec& s, const void* src, void* dst, int64_t begin, int64_t end);
+  bool (*unscale)(void* x, DType dt, int64_t begin, int64_t end, float inv);
+  double (*sumsq)(const void* data, DType dt, int64_t n);
+};
+inline constexpr Path kScalarPath = {copy_range_scalar, unscale_range_scalar, sumsq_chunk_scalar};
+extern const Path kAvx2Path;
+extern const Path kAvx512Path;
 
 }  // namespace zk::cpu::detail

@@ -69,7 +69,7 @@ inline void store_rounded(void* p, DType dt, int64_t i, float x) {
   }
 }
 
-// The scalar element operations (also the tails of the AVX2 path).
+// The scalar element operations (the scalar path; tile.h has their vector twins).
 struct Scalar {
   static uint32_t top(const float* x, int64_t n) {
     uint32_t m = 0;

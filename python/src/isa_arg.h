@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "cpu_adam/cpu_adam.h"
+#include "simd/isa.h"
 
 namespace zk::py_binding {
 

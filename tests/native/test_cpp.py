@@ -1,7 +1,8 @@
 """Runs the C++ tests (CTest) from pytest: configures the root CMakeLists.txt into
 build/native-ctest-<generator> (gitignored, kept between runs so a rerun only rebuilds what changed) with
-only the CPU library and its tests, builds, and runs ctest. The C++ test forces
-every SIMD path the CPU supports in turn (bit-exact against its own scalar reference)."""
+only the CPU libraries and their tests, builds, and runs ctest. Each C++ test (cpu_adam, cpu_ops,
+cpu_quant) forces every SIMD path the CPU supports in turn, bit-exact against the scalar path or
+an independent reference written in the test."""
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ def _run(cmd, cwd, timeout):
 
 
 @pytest.mark.slow  # a CMake build of the C++ tests; the bindings are tested in the quick suite
-def test_ctest_cpu_adam():
+def test_ctest_cpu_libraries():
     if skip_ext_requested():
         pytest.skip("ZKERNELS_SKIP_EXT=1: installed without the native extension")
     cmake = shutil.which("cmake")
@@ -32,9 +33,14 @@ def test_ctest_cpu_adam():
          ROOT, 300)
     _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 1)], ROOT, 600)
     ctest = os.path.join(os.path.dirname(cmake), "ctest")
-    out = _run([ctest if os.path.exists(ctest) else "ctest", "--test-dir", str(build), "--output-on-failure", "-V"], ROOT, 300)
-    assert "conversions ok" in out and "errors ok" in out, out
-    for isa in ("scalar", "avx2", "avx512"):
-        assert f"PATH {isa} ok" in out or f"PATH {isa} unsupported" in out, out
-    best = out.split("best path: ")[1].split()[0]
-    assert f"PATH {best} ok" in out, out  # the path production runs was among those tested
+    tests = ("cpu_adam", "cpu_ops", "cpu_quant")
+    for name in tests:  # one ctest run per library: each output read on its own
+        out = _run([ctest if os.path.exists(ctest) else "ctest", "--test-dir", str(build),
+                    "--output-on-failure", "-V", "-R", f"^{name}$"], ROOT, 300)
+        assert "1 tests passed" in out or "100% tests passed" in out, out
+        if name == "cpu_adam":
+            assert "conversions ok" in out and "errors ok" in out, out
+        for isa in ("scalar", "avx2", "avx512"):
+            assert f"PATH {isa} ok" in out or f"PATH {isa} unsupported" in out, out
+        best = out.split("best path: ")[1].split()[0]
+        assert f"PATH {best} ok" in out, out  # the path production runs was among those tested

@@ -2,10 +2,6 @@
 // independent scalar reference written here (bit for bit: all paths do the same IEEE ops), a
 // double-precision AdamW (tolerance), and the conversions against hardware/exact rounding.
 // Exit status 0 iff every check passed; each path prints "PATH <name> ok" when it ran.
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -15,55 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "cpu_adam/cpu_adam.h"
 
 using zk::DType;
 using namespace zk::cpu;
-
-static int g_failures = 0;
-#define CHECK(cond, ...)                                             \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      if (++g_failures <= 30) {                                      \
-        std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-        std::fprintf(stderr, __VA_ARGS__);                           \
-        std::fprintf(stderr, "\n");                                  \
-      }                                                              \
-    }                                                                \
-  } while (0)
-
-static uint32_t bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
-static float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
-
-// ---- conversions -------------------------------------------------------------------------
-
-#if defined(__x86_64__)
-__attribute__((target("f16c"))) static uint16_t hw_fp16(float x) {
-  return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
-}
-__attribute__((target("f16c"))) static float hw_from_fp16(uint16_t h) { return _cvtsh_ss(h); }
-static bool have_f16c() { return __builtin_cpu_supports("f16c"); }
-#else  // no hardware reference: the fp16 conversions are then checked only through AdamW
-static uint16_t hw_fp16(float) { return 0; }
-static float hw_from_fp16(uint16_t) { return 0.0f; }
-static bool have_f16c() { return false; }
-#endif
-
-// Exact round-to-nearest-even to bf16 by comparing the two neighbours in double.
-static uint16_t exact_bf16(float x) {
-  if (std::isnan(x)) return 0xFFFF;
-  const uint32_t lo = bits(x) >> 16;
-  const double a = std::fabs(static_cast<double>(x));
-  const double dlo = std::fabs(static_cast<double>(from_bits(lo << 16)));
-  if (std::isinf(x)) return static_cast<uint16_t>(lo);
-  // the next bf16 up, with an unbounded exponent (past the largest finite value: 2^128)
-  const double dhi = ((lo + 1) & 0x7FFF) == 0x7F80
-                         ? std::ldexp(1.0, 128)
-                         : std::fabs(static_cast<double>(from_bits((lo + 1) << 16)));
-  const double below = a - dlo, above = dhi - a;
-  if (below < above || (below == above && (lo & 1) == 0)) return static_cast<uint16_t>(lo);
-  return static_cast<uint16_t>(lo + 1);
-}
+using namespace zk_test;
 
 static void test_conversions() {
   std::vector<uint32_t> patterns = {0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000,
@@ -261,7 +214,6 @@ static void test_adamw(Isa isa) {
     unchanged &= p[i] == 1.0f && m[i] == 0.5f && v[i] == 0.25f && out[i] == 0x1234;
   }
   CHECK(unchanged, "%s: found_inf != 0 must leave every buffer untouched", isa_name(isa));
-  std::printf("PATH %s ok\n", isa_name(isa));
 }
 
 template <typename F>
@@ -295,14 +247,5 @@ static void test_errors() {
 int main() {
   test_conversions();
   test_errors();
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (!isa_supported(isa)) {
-      std::printf("PATH %s unsupported on this CPU\n", isa_name(isa));
-      continue;
-    }
-    test_adamw(isa);
-  }
-  std::printf("best path: %s\n", isa_name(best_isa()));
-  if (g_failures) std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-  return g_failures ? 1 : 0;
+  return run_paths(test_adamw);
 }
