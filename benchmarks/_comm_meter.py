@@ -9,8 +9,8 @@ Bytes are what one rank *sends* under the ring algorithm, for a group of N ranks
                                             that starts at the root (so at N = 2: the root
                                             sends B, the other rank 0)
   anything else (reduce, gather, scatter, p2p)  the input's bytes, under "other"
-These are the volumes the ZeRO ladder is stated in (DESIGN.md: data parallel and stages 1/2
-move 2Ψ per step), whatever algorithm gloo or NCCL actually picks.
+These are the volumes the ZeRO ladder is stated in (docs/design.md#traffic: data parallel and
+stages 1/2 move 2Ψ per step), whatever algorithm gloo or NCCL actually picks.
 
 Interception is by wrapping the Python entry points of ``torch.distributed`` (both the
 ``torch.distributed`` and the ``torch.distributed.distributed_c10d`` names, so a caller that
@@ -57,17 +57,12 @@ def _all_reduce(a) -> tuple:
     return "all_reduce", 2 * _nbytes(a[key]) * (n - 1) / n
 
 
-def _ring_rs(full_bytes_of: Callable) -> Callable:
+def _ring(kind: str, key: str, times_n: bool = False) -> Callable:
+    """Reduce-scatter, all-gather, all-to-all: (N-1)/N of the full buffer ``a[key]`` (N times
+    it with ``times_n``: the per-rank input of all-gather's list forms)."""
     def count(a) -> tuple:
         n, _ = _group_size_rank(a.get("group"))
-        return "reduce_scatter", full_bytes_of(a, n) * (n - 1) / n
-    return count
-
-
-def _ring_ag(full_bytes_of: Callable) -> Callable:
-    def count(a) -> tuple:
-        n, _ = _group_size_rank(a.get("group"))
-        return "all_gather", full_bytes_of(a, n) * (n - 1) / n
+        return kind, _nbytes(a[key]) * (n if times_n else 1) * (n - 1) / n
     return count
 
 
@@ -79,11 +74,6 @@ def _broadcast(a) -> tuple:
         src = a["src"] if group is None else dist.get_group_rank(group, a["src"])
     last = (src - 1) % n  # the ring's last rank receives and forwards nothing
     return "broadcast", (0 if n == 1 or rank == last else _nbytes(a["tensor"]))
-
-
-def _all_to_all(a) -> tuple:
-    n, _ = _group_size_rank(a.get("group"))
-    return "other", _nbytes(a["input"]) * (n - 1) / n
 
 
 def _first_tensor_arg(a) -> tuple:
@@ -99,18 +89,18 @@ _COUNTERS: Dict[str, Callable] = {
     "all_reduce": _all_reduce,
     "all_reduce_coalesced": _all_reduce,
     "broadcast": _broadcast,
-    "reduce_scatter_single": _ring_rs(lambda a, n: _nbytes(a["input"])),
-    "reduce_scatter_tensor": _ring_rs(lambda a, n: _nbytes(a["input"])),
-    "_reduce_scatter_base": _ring_rs(lambda a, n: _nbytes(a["input"])),
-    "reduce_scatter": _ring_rs(lambda a, n: _nbytes(a["input_list"])),
-    "reduce_scatter_tensor_coalesced": _ring_rs(lambda a, n: _nbytes(a["input_tensors"])),
-    "all_gather_single": _ring_ag(lambda a, n: _nbytes(a["output_tensor"])),
-    "all_gather_into_tensor": _ring_ag(lambda a, n: _nbytes(a["output_tensor"])),
-    "_all_gather_base": _ring_ag(lambda a, n: _nbytes(a["output_tensor"])),
-    "all_gather": _ring_ag(lambda a, n: _nbytes(a["tensor"]) * n),
-    "all_gather_coalesced": _ring_ag(lambda a, n: _nbytes(a["input_tensor_list"]) * n),
-    "all_gather_into_tensor_coalesced": _ring_ag(lambda a, n: _nbytes(a["output_tensors"])),
-    "all_to_all_single": _all_to_all,
+    "reduce_scatter_single": _ring("reduce_scatter", "input"),
+    "reduce_scatter_tensor": _ring("reduce_scatter", "input"),
+    "_reduce_scatter_base": _ring("reduce_scatter", "input"),
+    "reduce_scatter": _ring("reduce_scatter", "input_list"),
+    "reduce_scatter_tensor_coalesced": _ring("reduce_scatter", "input_tensors"),
+    "all_gather_single": _ring("all_gather", "output_tensor"),
+    "all_gather_into_tensor": _ring("all_gather", "output_tensor"),
+    "_all_gather_base": _ring("all_gather", "output_tensor"),
+    "all_gather": _ring("all_gather", "tensor", times_n=True),
+    "all_gather_coalesced": _ring("all_gather", "input_tensor_list", times_n=True),
+    "all_gather_into_tensor_coalesced": _ring("all_gather", "output_tensors"),
+    "all_to_all_single": _ring("other", "input"),
     "reduce": _first_tensor_arg,
     "gather": _first_tensor_arg,
     "scatter": _first_tensor_arg,
@@ -194,12 +184,3 @@ class CommMeter:
                     delattr(mod, name)
                 else:
                     setattr(mod, name, orig)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Bookkeeping collectives (gathering timings, losses) are not the method's traffic."""
-        was, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = was

@@ -152,28 +152,37 @@ def _count(kinds: Dict[str, Iterable], host: Optional[Dict[str, Iterable]] = Non
     return out
 
 
-class _TorchMethod:
-    """Shared step of the torch peers: plain backward, optimizer step, grads set to None;
-    ``param_dtype`` bf16 runs the forward under CPU autocast."""
-
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, ctx: Context):
-        self.model, self.opt, self.autocast_dtype = model, opt, ctx.param_dtype
+class _Method:
+    """The step every row runs: ``self.forward(x, y)`` (the model, or the engine that wraps
+    it), ``self.backward(loss)``, ``self.opt.step()`` and ``self.opt.zero_grad()``."""
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
-                            enabled=self.autocast_dtype is not None):
-            loss = self.model(x, y)
-        loss.backward()
+        loss = self.forward(x, y)
+        self.backward(loss)
         return loss.detach()
 
     def update(self) -> None:
         self.opt.step()
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
 
     def zk_stats(self) -> Optional[dict]:
         return None
+
+
+class _TorchMethod(_Method):
+    """Shared step of the torch peers: plain backward, optimizer step, grads set to None
+    (``zero_grad``'s default); ``param_dtype`` bf16 runs the forward under CPU autocast."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, ctx: Context):
+        self.model, self.opt, self.autocast_dtype = model, opt, ctx.param_dtype
+        self.backward = torch.Tensor.backward
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            return self.model(x, y)
 
     def _kinds(self, inner: torch.optim.Optimizer) -> Dict[str, List[torch.Tensor]]:
         params = list(self.model.parameters())
@@ -243,7 +252,7 @@ class FSDP2Method(_TorchMethod):
         return _count({"buffers": kinds.pop("buffers")}, host=kinds)
 
 
-class ZkMethod:
+class ZkMethod(_Method):
     """``zkernels.ZeroOptimizer(model, lr=..., **kw)``: its own backward, step and stats; with
     ``offload``, an ``OffloadConfig`` whose NVMe slots take ``--nvme-budget`` bytes."""
 
@@ -252,6 +261,7 @@ class ZkMethod:
 
         self.model, self.located = model, "offload" in kw
         self.opt = zkernels.ZeroOptimizer(model, **self.options(ctx, **kw))
+        self.forward, self.backward = model, self.opt.backward
 
     @staticmethod
     def options(ctx: Context, **kw) -> Dict[str, object]:
@@ -278,17 +288,6 @@ class ZkMethod:
             if kw["offload"] == "nvme":
                 kw["offload_dir"] = ctx.offload_dir
         return kw
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        self.opt.backward(loss)
-        return loss.detach()
-
-    def update(self) -> None:
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad()
 
     def zk_stats(self) -> Optional[dict]:
         return self.opt.stats()
@@ -338,7 +337,7 @@ def _first_role(kinds: Dict[str, Iterable], order) -> Dict[str, List[torch.Tenso
     return out
 
 
-class DeepSpeedMethod:
+class DeepSpeedMethod(_Method):
     """DeepSpeed ZeRO (stage 2 or 3) on its CPU accelerator (``DS_ACCELERATOR=cpu``) over the
     existing gloo group, fp32, ``gradient_clipping`` 0; torch's AdamW as the client optimizer,
     or, with ``offload_optimizer``, DeepSpeed's own AdamW (DeepSpeedCPUAdam; "nvme" needs its
@@ -378,6 +377,7 @@ class DeepSpeedMethod:
                                                            dist_init_required=False, **opt_kw)
         self.model, self.offloaded, self.offload_param = model, bool(offload_optimizer), \
             bool(offload_param)
+        self.forward, self.backward = self.engine, self.engine.backward
 
     @staticmethod
     def config(ctx: Context, stage: int, offload_optimizer: Optional[str] = None,
@@ -400,19 +400,11 @@ class DeepSpeedMethod:
             cfg["optimizer"] = {"type": "AdamW", "params": {"lr": ctx.lr, "weight_decay": 0.01}}
         return cfg
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        return loss.detach()
-
     def update(self) -> None:
         self.engine.step()
 
     def zero_grad(self) -> None:
         return None  # the engine's step() clears the gradients
-
-    def zk_stats(self) -> Optional[dict]:
-        return None
 
     def memory(self) -> Dict[str, int]:
         zo = self.opt

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional
 
-from _comm_meter import KINDS
+from _comm_meter import KINDS, SCOPES
 from _zero_step_trees import BEFORE
 
 TIME_BAR = 1.05          # the issue's bar: step time at most 1.05x DDP's (paired ratio)
@@ -22,8 +22,11 @@ MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "buffers", "tot
 ZK_COMM_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "total")
 
 
-def _median_by_key(dicts: List[dict], keys) -> Dict[str, int]:
-    return {k: int(statistics.median(d.get(k, 0) for d in dicts)) for k in keys}
+def _over_ranks(steps_by_rank: List[List[dict]], keys) -> tuple:
+    """Per key, each rank's median over its timed steps (``by_rank``), and their mean."""
+    by_rank = [{k: int(statistics.median(d.get(k, 0) for d in steps)) for k in keys}
+               for steps in steps_by_rank]
+    return {k: statistics.fmean(d[k] for d in by_rank) for k in keys}, by_rank
 
 
 def _varies(dicts: List[dict], key: str) -> bool:
@@ -45,17 +48,14 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
         "notes": [],
     }
     comm_keys = KINDS + ("total",)
-    by_rank = [_median_by_key([s["bytes"] for s in r["meter"]], comm_keys) for r in per_rank]
-    row["comm_bytes_per_rank"] = {k: statistics.fmean(b[k] for b in by_rank) for k in comm_keys}
-    row["comm_bytes_by_rank"] = by_rank
+    row["comm_bytes_per_rank"], row["comm_bytes_by_rank"] = _over_ranks(
+        [[s["bytes"] for s in r["meter"]] for r in per_rank], comm_keys)
     row["comm_calls_per_step_rank0"] = per_rank[0]["meter"][-1]["calls"]
     if any(s.get("scopes", {}).get("across_groups") for r in per_rank for s in r["meter"]) \
             or "hybrid" in name or "hsdp" in name:
         # --shard-size: the bytes within the shard group and across groups (_comm_meter.py)
-        scopes = [_median_by_key([s["scopes"] for s in r["meter"]],
-                                 ("within_group", "across_groups")) for r in per_rank]
-        row["comm_scopes_per_rank"] = {k: statistics.fmean(c[k] for c in scopes)
-                                       for k in ("within_group", "across_groups")}
+        row["comm_scopes_per_rank"] = _over_ranks(
+            [[s["scopes"] for s in r["meter"]] for r in per_rank], SCOPES)[0]
     if any(_varies([s["bytes"] for s in r["meter"]], "total") for r in per_rank):
         row["notes"].append("traffic varied between timed steps (median reported)")
     if row["comm_bytes_per_rank"]["total"] == 0 and world_size > 1:
@@ -79,9 +79,8 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
             row["notes"].append("DDP hook bucket bytes disagree with the meter's all-reduce")
     zk = [r["zk_stats"] for r in per_rank]
     if zk[0][0] is not None:
-        comm = [_median_by_key([s["comm_bytes"] for s in steps], ZK_COMM_KINDS) for steps in zk]
-        row["zk_stats_comm_bytes_per_rank"] = {
-            k: statistics.fmean(c[k] for c in comm) for k in ZK_COMM_KINDS}
+        row["zk_stats_comm_bytes_per_rank"] = _over_ranks(
+            [[s["comm_bytes"] for s in steps] for steps in zk], ZK_COMM_KINDS)[0]
         row["zk_stats_last"] = zk[0][-1]
         meter_total = row["comm_bytes_per_rank"]["total"]
         if abs(row["zk_stats_comm_bytes_per_rank"]["total"] - meter_total) > 0.5:
@@ -185,16 +184,13 @@ def format_table(rows: List[dict]) -> str:
         spread = f"[{t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f}]"
         traffic = "-" if tr is None else f"{tr:.4f}"
         lines.append(
-            f"{r['method']:<17} {t['median'] * 1e3:8.1f} "
-            f"{spread:>15} "
+            f"{r['method']:<17} {t['median'] * 1e3:8.1f} {spread:>15} "
             f"{r.get('step_time_ratio_to_ddp', float('nan')):6.3f} "
             f"{_yn(r.get('within_5pct_of_ddp')):>6} {sent:>8} "
-            f"{_mb(c['all_reduce']):>6} {_mb(c['reduce_scatter']):>6} "
-            f"{_mb(c['all_gather']):>6} {_mb(c['broadcast']):>6} {_mb(c['other']):>6} "
-            f"{traffic:>7} {_yn(r.get('traffic_equal_to_ddp')):>5} "
-            f"{_mb(m['total']):>7} {_mb(m['params']):>6} {_mb(m['grads']):>6} "
-            f"{_mb(m['master']):>6} {_mb(m['optimizer_states']):>6} {_mb(m['buffers']):>6} "
-            f"{r['final_loss']:7.4f}")
+            + " ".join(f"{_mb(c[k]):>6}" for k in KINDS)  # AR RS AG BC A2A
+            + f" {traffic:>7} {_yn(r.get('traffic_equal_to_ddp')):>5} {_mb(m['total']):>7} "
+            + " ".join(f"{_mb(m[k]):>6}" for k in MEMORY_KINDS[:-1])  # by kind, as the head
+            + f" {r['final_loss']:7.4f}")
         if "zk_stats_comm_bytes_per_rank" in r:
             z = r["zk_stats_comm_bytes_per_rank"]
             notes.append(f"{r['method']}: zkernels stats() sent MiB/rank/step: total "

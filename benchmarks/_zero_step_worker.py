@@ -10,10 +10,7 @@ optimizer step is left out of the time.
 """
 from __future__ import annotations
 
-import os
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -116,20 +113,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
     return results
 
 
-def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
-    """Process entry point: sends ``(rank, True, results)`` or ``(rank, False, traceback)``."""
-    try:
-        torch.set_num_threads(opts["threads_per_rank"])
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=opts["pg_timeout_s"]))
-        meter = CommMeter(shard_size=opts.get("shard_size"))
-        try:
-            with meter.installed():
-                result = _run(rank, world_size, opts, meter)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        queue.put((rank, False, traceback.format_exc()))
+def run(rank: int, world_size: int, opts: dict) -> dict:
+    """One rank's results (``zero_step.launch`` spawns it), the meter counting its bytes."""
+    meter = CommMeter(shard_size=opts.get("shard_size"))
+    with meter.installed():
+        return _run(rank, world_size, opts, meter)

@@ -34,33 +34,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import socket
 import statistics
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {
-    "small": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64), "batch_size": 8},
-    "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=32), "batch_size": 4},
-}
+from zero_step import CONFIGS, REPO_ROOT, _on_path, launch
+
 DDP_EVENTS = {"ddp_pack": "torch::distributed::reducer::mul_out",
               "ddp_copy_back": "torch.distributed.ddp.reducer::copy_bucket_to_grad"}
 ZK_EVENTS = {"zk_pack": "zkernels::bucket_pack", "zk_pack_path": "zkernels::stage2_pack",
              "zk_acquire": "zkernels::stage2_acquire", "zk_launch": "zkernels::stage2_launch",
              "zk_hook": "zkernels::stage2_hook",
              "zk_accumulate": "zkernels::stage2_accumulate"}
+# what the table calls each range, in its order
+LABELS = {"ddp_pack": "DDP reducer: grad * 1/N into the bucket (mul_out)",
+          "ddp_copy_back": "DDP reducer: bucket back into the grads",
+          "zk_pack": "zkernels stage 2: pack (OpSet.bucket_pack: 1/N, cast)*",
+          "zk_pack_path": "zkernels stage 2: _pack (buffer acquire + pack + grad=None)",
+          "zk_acquire": "zkernels stage 2: reduce buffer acquire (waits for a free one)",
+          "zk_launch": "zkernels stage 2: reduce-scatter launch",
+          "zk_hook": "zkernels stage 2: whole hook (pack + bookkeeping + launch)",
+          "zk_accumulate": "zkernels stage 2: reduced shard into the fp32 grad shard"}
+_TIMES: dict = {}  # range name -> (seconds, calls) in this step
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_TIMES: dict = {}
+def _add(name: str, seconds: float) -> None:
+    total, calls = _TIMES.get(name, (0.0, 0))
+    _TIMES[name] = (total + seconds, calls + 1)
 
 
 def _instrument_stage2() -> None:
@@ -76,8 +75,7 @@ def _instrument_stage2() -> None:
             try:
                 return fn(*args, **kwargs)
             finally:
-                total, calls = _TIMES.get(name, (0.0, 0))
-                _TIMES[name] = (total + time.perf_counter() - t0, calls + 1)
+                _add(name, time.perf_counter() - t0)
         return wrapper
     cls = gr.GradBucket  # each bucket owns its gradient hook (on_grad) and pack
     # The reducer packs through the optimizer's OpSet (backend chosen once, see
@@ -89,18 +87,6 @@ def _instrument_stage2() -> None:
     cls.on_grad = ranged(ZK_EVENTS["zk_hook"], cls.on_grad)
     gr.DeviceGradShards.accumulate = ranged(ZK_EVENTS["zk_accumulate"],
                                             gr.DeviceGradShards.accumulate)
-
-
-def _per_step_ms(prof, names: dict) -> dict:
-    """Total CPU time (ms) of each named range in one profiled step, and its call count."""
-    out = {k: 0.0 for k in names}
-    calls = {k: 0 for k in names}
-    for e in prof.events():
-        for key, name in names.items():
-            if e.name == name:
-                out[key] += e.cpu_time_total / 1e3
-                calls[key] += 1
-    return {**out, **{f"{k}_calls": v for k, v in calls.items()}}
 
 
 def _steps(method: str, model, cfg, batch: int, steps: int, rank: int) -> list:
@@ -132,18 +118,20 @@ def _steps(method: str, model, cfg, batch: int, steps: int, rank: int) -> list:
         step()
     rows = []
     for _ in range(steps):
-        if method == "ddp":
+        _TIMES.clear()
+        if method == "ddp":  # the profiler's CPU time of each of the reducer's ranges
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
-            rows.append(_per_step_ms(prof, names))
+            for e in prof.events():
+                if e.name in names.values():
+                    _add(e.name, e.cpu_time_total / 1e6)
         else:
-            _TIMES.clear()
             step()
-            row = {}
-            for key, name in names.items():
-                total, calls = _TIMES.get(name, (0.0, 0))
-                row[key], row[f"{key}_calls"] = 1e3 * total, calls
-            rows.append(row)
+        row = {}
+        for key, name in names.items():
+            total, calls = _TIMES.get(name, (0.0, 0))
+            row[key], row[f"{key}_calls"] = 1e3 * total, calls
+        rows.append(row)
     return rows
 
 
@@ -211,30 +199,23 @@ def _free_grads_ms(params, grads, repeat: int) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, world_size: int, port: int, opts: dict, queue) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def run(rank: int, world_size: int, opts: dict) -> dict:
+    """One rank (``zero_step.launch`` spawns it): DDP's steps, then stage 2's, same GPT."""
+    import torch
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}")
-        _instrument_stage2()
-        from zkernels.demo.model import GPT, GPTConfig
-        cfg = GPTConfig(**CONFIGS[opts["config"]]["model"])
-        batch = CONFIGS[opts["config"]]["batch_size"]
-        result = {}
-        for method in ("ddp", "zk_stage2"):
-            torch.manual_seed(0)
-            result[method] = _steps(method, GPT(cfg), cfg, batch, opts["steps"], rank)
-            dist.barrier()
-        result["num_param_tensors"] = len(list(GPT(cfg).parameters()))
-        result["num_params"] = sum(p.numel() for p in GPT(cfg).parameters())
-        dist.destroy_process_group()
-        queue.put((rank, result))
-    except BaseException as exc:  # reported by the parent
-        queue.put((rank, {"error": repr(exc)}))
-        raise
+    _instrument_stage2()
+    from zkernels.demo.model import GPT, GPTConfig
+    cfg = GPTConfig(**CONFIGS[opts["config"]]["model"])
+    batch = CONFIGS[opts["config"]]["batch_size"]
+    result = {}
+    for method in ("ddp", "zk_stage2"):
+        torch.manual_seed(0)
+        result[method] = _steps(method, GPT(cfg), cfg, batch, opts["steps"], rank)
+        dist.barrier()
+    result["num_param_tensors"] = len(list(GPT(cfg).parameters()))
+    result["num_params"] = sum(p.numel() for p in GPT(cfg).parameters())
+    return result
 
 
 def main(argv=None) -> int:
@@ -243,47 +224,24 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=str(REPO_ROOT / "bench_results" / "hook_path.json"))
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    opts = dict(config=args.config, steps=args.steps)
-    procs = [ctx.Process(target=worker, args=(r, 2, port, opts, queue), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    if any("error" in r for r in results.values()):
-        print({k: r["error"] for k, r in results.items() if "error" in r})
+    _on_path()  # the spawned ranks copy sys.path: this checkout's zkernels
+    try:
+        results = dict(enumerate(launch(run, dict(config=args.config, steps=args.steps), 2,
+                                        900)))
+    except RuntimeError as exc:
+        print(exc)
         return 1
     r0 = results[0]
 
     def med(rows, key):
         return statistics.median(row[key] for row in rows)
     ddp, zk = r0["ddp"], r0["zk_stage2"]
-    table = [("DDP reducer: grad * 1/N into the bucket (mul_out)", med(ddp, "ddp_pack"),
-              med(ddp, "ddp_pack_calls")),
-             ("DDP reducer: bucket back into the grads", med(ddp, "ddp_copy_back"),
-              med(ddp, "ddp_copy_back_calls")),
-             ("zkernels stage 2: pack (OpSet.bucket_pack: 1/N, cast)*", med(zk, "zk_pack"),
-              med(zk, "zk_pack_calls")),
-             ("zkernels stage 2: _pack (buffer acquire + pack + grad=None)",
-              med(zk, "zk_pack_path"), med(zk, "zk_pack_path_calls")),
-             ("zkernels stage 2: reduce buffer acquire (waits for a free one)",
-              med(zk, "zk_acquire"), med(zk, "zk_acquire_calls")),
-             ("zkernels stage 2: reduce-scatter launch", med(zk, "zk_launch"),
-              med(zk, "zk_launch_calls")),
-             ("zkernels stage 2: whole hook (pack + bookkeeping + launch)", med(zk, "zk_hook"),
-              med(zk, "zk_hook_calls")),
-             ("zkernels stage 2: reduced shard into the fp32 grad shard", med(zk, "zk_accumulate"),
-              med(zk, "zk_accumulate_calls"))]
+    table = []
+    for key, label in LABELS.items():
+        rows = ddp if key in DDP_EVENTS else zk
+        table.append((label, med(rows, key), med(rows, f"{key}_calls")))
     import torch
     torch.set_num_threads(1)
-    sys.path.insert(0, str(REPO_ROOT))
     from zkernels.demo.model import GPTConfig
     prim = primitive(GPTConfig(**CONFIGS[args.config]["model"]))
     print(f"1. per-gradient primitive, one process, 1 thread, {prim['num_grads']} gradients "

@@ -39,8 +39,9 @@ if __package__ in (None, ""):  # run as a script: import the checkout's zkernels
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zkernels import ZeroOptimizer  # noqa: E402
-from zkernels.demo.data import VOCAB_SIZE, get_batch, load_corpus  # noqa: E402
-from zkernels.demo.model import GPT, GPTConfig  # noqa: E402
+from zkernels.demo.data import get_batch, load_corpus  # noqa: E402
+from zkernels.demo.model import GPT  # noqa: E402
+from zkernels.demo.worker import WORKER_OPTS, model_config  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-6, 0.1
 LOSS_RTOL = 1e-5
@@ -55,17 +56,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--backends", default="torch nccl",
                     help='comm backends ("torch", "nccl"), e.g. "torch nccl"')
     ap.add_argument("--steps", type=int, default=20)
-    # The demo's model and batch (zkernels/demo/worker.py's defaults).
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-head", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=8)
+    # The demo's model, batch and seed: its own options (zkernels/demo/worker.py).
+    for flag, typ, default, doc in WORKER_OPTS:
+        if flag in ("--n-layer", "--n-head", "--n-embd", "--block-size", "--batch-size",
+                    "--seed"):
+            ap.add_argument(flag, type=typ, default=default, help=doc)
     ap.add_argument("--bucket-bytes", type=int, default=2 ** 18)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    args.stages = [_stage(s) for s in args.stages.split()]
+    try:
+        args.stages = [int(s) for s in args.stages.split()]
+    except ValueError:
+        ap.error(f"--stages: each must be an integer, got {args.stages!r}")
     args.backends = args.backends.split()
     for b in args.backends:
         if b not in ENGINES:
@@ -77,13 +79,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device (use --device cpu)")
     return args
-
-
-def _stage(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise SystemExit(f"train_check: --stages: each must be an integer, got {text!r}")
 
 
 def _init_group(device: torch.device) -> None:
@@ -101,9 +96,7 @@ def run_check(stage: int, backend: str, args, tokens, device: torch.device) -> d
     _init_group(device)
     try:
         torch.manual_seed(args.seed)
-        cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size,
-                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        model = GPT(cfg).to(device)
+        model = GPT(model_config(args)).to(device)
         ref = copy.deepcopy(model)
         opt = ZeroOptimizer(model, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             bucket_bytes=args.bucket_bytes, comm_backend=backend)

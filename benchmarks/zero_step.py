@@ -36,8 +36,8 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -159,43 +159,40 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _launch(opts: dict, world_size: int, timeout_s: float) -> list:
-    """Spawn the ranks; return each rank's results, or raise with the failing rank's trace."""
-    from _zero_step_worker import worker
+def _rank(run, rank: int, world_size: int, port: int, opts: dict, queue) -> None:
+    """One spawned rank: ``opts["threads_per_rank"]`` threads (1), a gloo group, then ``run(rank,
+    world_size, opts)``; puts ``(rank, True, its result)`` or ``(rank, False, traceback)``."""
+    from datetime import timedelta
 
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(opts.get("threads_per_rank", 1))
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=opts.get("pg_timeout_s", 1800)))
+        try:
+            result = run(rank, world_size, opts)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def launch(run, opts: dict, world_size: int, timeout_s: float) -> list:
+    """``run(rank, world_size, opts)`` on each of ``world_size`` spawned gloo ranks; return
+    each rank's result, or raise with the failing rank's trace. Also hook_path.py's."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world_size, port, opts, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_rank, args=(run, r, world_size, port, opts, queue),
+                         daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
     results, errors = {}, {}
@@ -276,6 +273,8 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     from zkernels.demo.model import GPT, GPTConfig
     from _comm_meter import __doc__ as convention_doc
+    from _zero_step_worker import run
+    from zkernels.bench._common import cpu_model, git_revision
     from _zero_step_report import (add_ratios, check_memory, compare_trees, format_baseline,
                                    format_table, repeat_summary, summarize)
 
@@ -296,10 +295,10 @@ def main(argv=None) -> int:
     meta = {
         "benchmark": "zero_step",
         "utc_time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "machine": {"hostname": platform.node(), "platform": platform.platform(),
                     "arch": platform.machine(), "num_cpus": os.cpu_count()},
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "threads_per_rank": args.threads_per_rank,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -332,7 +331,7 @@ def main(argv=None) -> int:
     runs = []
     try:
         for _ in range(args.repeats):
-            per_rank = _launch(opts, n, args.timeout_s)
+            per_rank = launch(run, opts, n, args.timeout_s)
             _check_trees(per_rank, opts)
             rows = [summarize(m, [r[m] for r in per_rank], n) for m in opts["methods"]]
             # bf16: zkernels rounds its parameters to bf16, autocast keeps fp32 ones: losses
@@ -391,22 +390,31 @@ def main(argv=None) -> int:
 def _hybrid_verdict(rows) -> None:
     """Issue 16's bar: zkernels hybrid stage 3 no slower than FSDP2 HSDP in the same run
     (``--shard-size``); both rows' bytes within and across groups."""
-    by = {r["method"]: r for r in rows if "error" not in r}
-    for ours, peer in (("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp"),
-                       ("zk_stage3_hpz", "fsdp2_hpz")):
-        zk, fs = by.get(ours), by.get(peer)
-        if not (zk and fs):
-            continue
-        ratio = zk["step_time_s"]["median"] / fs["step_time_s"]["median"]
-        paired = statistics.median(a / b for a, b in zip(zk["step_times_s"], fs["step_times_s"]))
-        zk[f"step_time_ratio_to_{peer}"] = ratio
-        zk[f"step_time_ratio_to_{peer}_paired"] = paired
+    for ours, peer, zk, fs, ratio, paired in _vs_peers(rows, (
+            ("zk_stage3_hybrid", "fsdp2_hsdp"), ("zk_stage2_hybrid", "fsdp2_hsdp"),
+            ("zk_stage3_hpz", "fsdp2_hpz"))):
         zs, fsc = zk.get("comm_scopes_per_rank", {}), fs.get("comm_scopes_per_rank", {})
         print(f"{ours} vs {peer}: x{ratio:.3f} (paired per-step x{paired:.3f}): "
               f"{'no slower' if paired <= 1.0 else 'SLOWER'}; MiB/rank/step within/across: "
               f"{zs.get('within_group', 0) / 2**20:.3f}/{zs.get('across_groups', 0) / 2**20:.3f}"
               f" vs {fsc.get('within_group', 0) / 2**20:.3f}/"
               f"{fsc.get('across_groups', 0) / 2**20:.3f}")
+
+
+def _vs_peers(rows, pairs):
+    """For each ``(ours, peer)`` of ``pairs`` where both rows ran: ``(ours, peer, our row,
+    peer row, ratio of the median steps, median of the per-step ratios)``; both ratios go
+    into our row (``step_time_ratio_to_<peer>``, ``..._paired``)."""
+    by = {r["method"]: r for r in rows if "error" not in r}
+    for ours, peer in pairs:
+        zk, other = by.get(ours), by.get(peer)
+        if zk and other:
+            ratio = zk["step_time_s"]["median"] / other["step_time_s"]["median"]
+            paired = statistics.median(
+                a / b for a, b in zip(zk["step_times_s"], other["step_times_s"]))
+            zk[f"step_time_ratio_to_{peer}"] = ratio
+            zk[f"step_time_ratio_to_{peer}_paired"] = paired
+            yield ours, peer, zk, other, ratio, paired
 
 
 def _spec(method: str):
@@ -449,19 +457,13 @@ def _quant_verdict(rows) -> None:
 def _offload_verdicts(rows, meta) -> None:
     """The offload issue's bars: zk stage 2 cpu offload faster than DeepSpeed's in the same
     run; NVMe host RAM within its budget while the moments are >= 10x the budget."""
-    by = {r["method"]: r for r in rows if "error" not in r}
-    for ours, peer in (("zk_stage2_cpu", "ds_stage2_cpu"), ("zk_stage3_cpu", "ds_stage3_cpu"),
-                       ("zk_stage3_cpu_params", "ds_stage3_cpu_params"),
-                       ("zk_stage3_cpu_params", "fsdp2_cpu_offload")):
-        zk, ds = by.get(ours), by.get(peer)
-        if not (zk and ds):
-            continue
-        ratio = zk["step_time_s"]["median"] / ds["step_time_s"]["median"]
-        paired = sorted(a / b for a, b in zip(zk["step_times_s"], ds["step_times_s"]))
-        paired = paired[len(paired) // 2]
-        zk[f"step_time_ratio_to_{peer}"] = ratio
+    for ours, peer, _, _, ratio, paired in _vs_peers(rows, (
+            ("zk_stage2_cpu", "ds_stage2_cpu"), ("zk_stage3_cpu", "ds_stage3_cpu"),
+            ("zk_stage3_cpu_params", "ds_stage3_cpu_params"),
+            ("zk_stage3_cpu_params", "fsdp2_cpu_offload"))):
         print(f"{ours} vs {peer}: x{ratio:.3f} (paired per-step x{paired:.3f}): "
               f"{'faster' if ratio < 1 else 'NOT faster'}")
+    by = {r["method"]: r for r in rows if "error" not in r}
     for name in ("zk_stage2_nvme", "zk_stage3_nvme", "zk_stage3_nvme_params"):
         _nvme_verdict(name, by.get(name), meta)
     blocked = [r for r in rows if r["method"] == "ds_stage2_nvme" and "error" in r]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM,
                           TrainingArguments)
 
+from zkernels._cli import writable_folder
 from zkernels.demo.data import VOCAB_SIZE, decode, encode, load_corpus
 from zkernels.integrations.transformers import ZeroTrainer  # zkernels
 
@@ -45,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stage", default="2", help='1, 2, 3 or "auto"')
     ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
-    ap.add_argument("--offload-dir", default=None, help='a folder, with --offload nvme')
+    ap.add_argument("--offload-dir", type=writable_folder, default=None,
+                    help="an existing folder that can hold files, with --offload nvme")
     ap.add_argument("--offload-params", action="store_true", help="stage 3 with --offload: "
                     "keep the parameter shards in host RAM too")
     ap.add_argument("--steps", type=int, default=40)

@@ -32,7 +32,7 @@ Launch (torchrun is PyTorch's own launcher; gloo on CPU, NCCL on GPU), with zker
         --resume
 
     # full weights for model.load_state_dict (or Hugging Face tools), streamed
-    python -m zkernels.checkpoint consolidate runs/train_gpt gpt.safetensors --dtype bf16
+    python -m zkernels checkpoint consolidate runs/train_gpt gpt.safetensors --dtype bf16
 """
 from __future__ import annotations
 

@@ -102,7 +102,9 @@ def test_flags_and_docs_name_only_rows(bench):
                   zs.BASELINE_SET):
         assert set(group) <= set(m.METHODS)
     named = set()
-    for doc in ("README.md", os.path.join("benchmarks", "README.md")):
+    docs = sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                  if f.endswith(".md"))
+    for doc in ["README.md", os.path.join("benchmarks", "README.md")] + docs:
         with open(os.path.join(ROOT, doc)) as f:
             named |= {n for arg in re.findall(r"--methods[ =]+([\w,]+)", f.read())
                       for n in arg.split(",") if n}

@@ -186,10 +186,14 @@ def test_demo_bad_rungs(rungs, message, capsys):
     (["--device-memory", "8"], "argument --device-memory: needs a unit"),
     (["--headroom", "1"], "--headroom must be a fraction in [0, 1), got 1.0"),
     (["--offload-dir", "/no/such/folder"], "--offload-dir '/no/such/folder' is not an existing"),
+    # a folder that exists and takes no file: found by writing, not from two ranks' tracebacks
+    (["--offload-dir", "/proc"], "--offload-dir '/proc' is not writable: cannot create files"),
     (["--eval-batches", "-1"], "--eval-batches must be >= 0, got -1"),
 ])
-def test_demo_bad_plan_and_offload_options(argv, message, capsys):
+def test_demo_bad_plan_and_offload_options(argv, message, capsys, monkeypatch):
+    from zkernels.demo import launch
     from zkernels.demo.launch import main
+    monkeypatch.setattr(launch, "run_workers", lambda *a: pytest.fail("started the ranks"))
     try:
         rc = main(argv)
     except SystemExit as exc:   # argparse's own usage errors
@@ -296,6 +300,50 @@ def test_demo_table_marks_plans_choice():
                                                       reason="no rung of the ladder fits")))
     text = _flat(text)
     assert "--device-memory 8 MiB (10% headroom): no rung of the ladder fits" in text
+
+
+def test_demo_plot_marks_every_step_where_the_losses_differ():
+    # The |loss - DP| strip is on a log axis with no point at identical steps: a step that
+    # differs between identical ones (a lone ulp) must still show, as a marker at its value.
+    pytest.importorskip("matplotlib")
+    import math
+
+    import matplotlib.pyplot as plt
+
+    from zkernels.demo.report import figure
+    ulp = 2.0 ** -20
+    ref = [3.0, 2.0, 1.5, 1.25, 1.0]
+    results = _results(dict(rung="ddp", name="data parallel", losses=ref),
+                       dict(rung="1", name="stage 1", losses=[3.0, 2.0, 1.5 + ulp, 1.25, 1.0]),
+                       dict(rung="2", name="stage 2",
+                            losses=[3.0, 2.0 + 4 * ulp, 1.5, 1.25, 1.0 + 1e-3]))
+    fig = figure(results)
+    try:
+        ax = next(a for a in fig.axes if a.get_ylabel() == "|loss - DP|")
+        assert ax.get_yscale() == "log"
+        lines = ax.get_lines()
+        assert len(lines) == 2
+        for line, want in zip(lines, ({3: ulp}, {2: 4 * ulp, 5: 1e-3})):
+            assert line.get_marker() not in (None, "", " ", "None", "none")
+            assert line.get_markersize() > 0 and line.get_alpha() in (None, 1.0)
+            shown = {int(x): y for x, y in zip(line.get_xdata(), line.get_ydata())
+                     if not math.isnan(y)}
+            assert shown == pytest.approx(want)
+            lo, hi = ax.get_ylim()
+            assert all(lo <= y <= hi for y in want.values())
+        assert ax.get_xlim()[0] <= 1 and ax.get_xlim()[1] >= len(ref)
+    finally:
+        plt.close(fig)
+
+
+def test_demo_progress_bar_says_it_shows_rank_0s_loss(tmp_path):
+    # The bar's loss is rank 0's own (the table's are the mean over ranks): it says so.
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "zkernels", "demo", *TINY, "--rungs", "1"],
+                          capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank0_loss=" in proc.stderr, proc.stderr
+    assert proc.stderr.count("loss=") == proc.stderr.count("rank0_loss=")
 
 
 def test_corpus_tokenizer_and_batches():

@@ -126,3 +126,55 @@ def test_plan_module_with_frozen_parts(capsys):
         with pytest.raises(SystemExit):
             zk_main(["plan", "--params", "7e9", "--trainable", bad, "--world-size", "8"])
         assert "--trainable: must be a fraction" in capsys.readouterr().err
+
+
+def test_plan_trainable_small_count_needs_p(capsys):
+    # `--trainable 2` on 7.5e9 parameters: two parameters, or 2% mistyped? A bare count below
+    # 1% of the model is refused, saying how to write either; `2p` is the count, taken.
+    assert zk_main(["plan", "--params", "7.5e9", "--trainable", "2", "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zkernels plan: error: --trainable 2 means 2 parameters, under 1% "
+                          "of the model's 7,500,000,000: write 2p if you mean that count, or "
+                          "a fraction (0.02 or 2%)"), err
+    assert zk_main(["plan", "--params", "7.5e9", "--trainable", "2p", "--world-size", "8"]) == 0
+    assert "2 trainable, 7,499,999,998 frozen" in capsys.readouterr().out
+    assert zk_main(["plan", "--params", "7.5e9", "--trainable", "1P", "--world-size", "8"]) == 0
+    assert "1 trainable, 7,499,999,999 frozen" in capsys.readouterr().out
+    # The same count is fine where it is 1% or more of the model; percentages as before.
+    assert zk_main(["plan", "--params", "200", "--trainable", "2", "--world-size", "2"]) == 0
+    assert "2 trainable, 198 frozen" in capsys.readouterr().out
+    assert zk_main(["plan", "--params", "7.5e9", "--trainable", "2%", "--world-size", "8"]) == 0
+    assert "150,000,000 trainable" in capsys.readouterr().out
+    assert zk_main(["plan", "--params", "7.5e9", "--trainable", "7.5e7", "--world-size",
+                    "8"]) == 0          # exactly 1%
+    assert "75,000,000 trainable" in capsys.readouterr().out
+    # More than the model has, p or not, is refused as before.
+    assert zk_main(["plan", "--params", "7.5e9", "--trainable", "8e9p", "--world-size",
+                    "8"]) == 2
+    assert "exceeds the model's 7,500,000,000 parameters" in capsys.readouterr().err
+    for bad in ("0p", "1.5p", "-2p", "p", "2%p"):
+        with pytest.raises(SystemExit):
+            zk_main(["plan", "--params", "7e9", f"--trainable={bad}", "--world-size", "8"])
+        assert "argument --trainable: a count of parameters written with p must be a whole " \
+            "number >= 1" in capsys.readouterr().err
+
+
+def test_plan_trainable_small_count_of_a_config(capsys, tmp_path):
+    # A config.json's count is known only once counted: the same check, after counting.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="gpt2", vocab_size=50257, n_embd=768,
+                                    n_layer=12, n_head=12, n_positions=1024)))
+    argv = ["plan", "--model", str(path), "--world-size", "8", "--trainable"]
+    assert zk_main(argv + ["3"]) == 2
+    assert "--trainable 3 means 3 parameters, under 1% of the model's 124,439,808" in \
+        capsys.readouterr().err
+    assert zk_main(argv + ["3p"]) == 0
+    assert "3 trainable, 124,439,805 frozen" in capsys.readouterr().out
+
+
+def test_plan_help_says_small_counts_need_p(capsys):
+    with pytest.raises(SystemExit):
+        zk_main(["plan", "-h"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "A count below 1% of the model's parameters is refused unless written with p " \
+        "(2p: two parameters)" in out

@@ -93,3 +93,25 @@ def test_package_trains_without_triton():
     proc = subprocess.run([sys.executable, "-c", BLOCK_TRITON + TRAIN], capture_output=True,
                           text=True, env=env, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith("ok 81"), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("path", ["out.png", "hf_trainer_out/final/config.json",
+                                  "gpt.safetensors"])
+def test_run_outputs_in_the_root_are_ignored(path):
+    # What the README's commands write when run from the repository root (demo --plot
+    # out.png, examples/hf_trainer.py's default --output-dir, checkpoint consolidate) never
+    # shows up as a file to commit.
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    res = subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT)
+    assert res.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+def test_sources_named_like_run_outputs_are_not_ignored():
+    # The patterns are anchored at the root: a tracked file of the same kind deeper down
+    # (a test fixture, an example's figure) stays visible.
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    for path in ("tests/checkpoint/fixture.safetensors", "benchmarks/out.png"):
+        res = subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT)
+        assert res.returncode == 1, f"{path} is ignored"

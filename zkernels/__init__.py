@@ -5,9 +5,11 @@ no environment variable is read until an op runs.
 """
 from . import checkpoint, ops
 from .layout import FlatLayout
-from .zero import ZeroOptimizer
+from .zero import (BucketConfig, OffloadSpec, PrecisionConfig, QuantizeConfig, ShardingConfig,
+                   ZeroConfig, ZeroOptimizer)
 from .zero.planning.estimate import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
-__all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "MemoryEstimate",
+__all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "ZeroConfig", "ShardingConfig",
+           "PrecisionConfig", "OffloadSpec", "QuantizeConfig", "BucketConfig", "MemoryEstimate",
            "estimate_memory", "__version__"]

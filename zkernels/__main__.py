@@ -1,4 +1,4 @@
-"""``python -m zkernels <plan|demo|bench> [...]``: the package's command line.
+"""``python -m zkernels <plan|demo|bench|checkpoint> [...]``: the package's command line.
 
 Each subcommand's module is imported only when it runs, so one missing optional piece (the
 benchmarks, matplotlib) never breaks the others.
@@ -13,12 +13,15 @@ SUBCOMMANDS = {
     "plan": ("zkernels.plan", "bytes per rank and traffic for each rung of the ZeRO ladder"),
     "demo": ("zkernels.demo.launch", "train a small GPT on N ranks at every rung and compare"),
     "bench": ("zkernels.bench.__main__", "kernel microbenchmarks"),
+    "checkpoint": ("zkernels.checkpoint.__main__", "consolidate (full weights, for "
+                   "load_state_dict) or verify a sharded checkpoint"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: python -m zkernels <subcommand> [options]   (<subcommand> -h for help)", ""]
-    lines += [f"  {name:6s} {doc}" for name, (_, doc) in SUBCOMMANDS.items()]
+    lines = ["usage: python -m zkernels <subcommand> [options]   (<subcommand> -h for help)",
+             "       python -m zkernels --version", ""]
+    lines += [f"  {name:10s} {doc}" for name, (_, doc) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -27,6 +30,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+        print(f"zkernels {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"zkernels: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
@@ -46,4 +53,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ._cli import exit_quietly_on_broken_pipe
+    exit_quietly_on_broken_pipe(main)

@@ -1,6 +1,7 @@
-"""What the subcommands (plan, demo, bench) share on their command lines: argparse types that
-check a value before any work starts, so that a bad option costs one clear line (argparse's
-``error: argument --json: ...``, exit status 2), never a run that dies at its end.
+"""What the subcommands (plan, demo, bench, checkpoint) share on their command lines: argparse
+types that check a value before any work starts, so that a bad option costs one clear line
+(argparse's ``error: argument --json: ...``, exit status 2), never a run that dies at its end;
+and the entry point's exit, quiet when the reader of stdout has gone (``... | head``).
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import math
 import os
 import re
+import sys
+from typing import Callable, List, NoReturn, Optional
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -30,6 +33,22 @@ def output_file(text: str) -> str:
     if not os.access(folder, os.W_OK | os.X_OK) or (
             os.path.exists(path) and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
+
+
+def writable_folder(text: str) -> str:
+    """An argparse ``type=`` for ``--offload-dir``: an existing folder that can hold files,
+    probed by writing (``ZeroOptimizer``'s own check of ``offload_dir``), so that ``/proc``,
+    which exists and takes no file, is one usage line before any rank starts. Nothing is
+    left behind."""
+    if not text or not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing folder")
+    from .zero.state.swap import OffloadIOError, check_writable
+    try:
+        check_writable(text)
+    except OffloadIOError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace(f"offload_dir={text!r}",
+                                                          repr(text), 1)) from None
     return text
 
 
@@ -84,3 +103,27 @@ def param_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number of parameters >= 1, got "
                                          f"{text!r}")
     return int(value)
+
+
+def exit_quietly_on_broken_pipe(main: Callable[[Optional[List[str]]], object],
+                                argv: Optional[List[str]] = None) -> NoReturn:
+    """``sys.exit(main(argv))`` for a ``python -m`` entry point, without a BrokenPipeError
+    traceback when stdout's reader exits early (``python -m zkernels plan ... | head``).
+
+    Python ignores SIGPIPE, so a write to a closed pipe raises BrokenPipeError, in a print or
+    in the flush at exit. As Python's documentation of SIGPIPE recommends: flush inside the
+    ``try``, and on the error point stdout at devnull (so that the flush at interpreter exit
+    has nowhere to fail) and exit with status 1. argparse's ``-h`` exits through SystemExit
+    with its text still buffered, so that exit is flushed here too.
+    """
+    try:
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        rc = 1
+    sys.exit(rc)

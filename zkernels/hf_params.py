@@ -38,6 +38,20 @@ _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "olmo": 0}
 def params_from_hf_config(cfg: dict) -> int:
     """Ψ of the decoder ``cfg`` describes (a parsed ``config.json``); see [Note: counting from
     config.json]. Raises ValueError when a size the count needs is missing."""
+    return _formula(cfg)[0]
+
+
+def gathered_from_hf_config(cfg: dict, num_params: int) -> int:
+    """Parameters stage 3 gathers at once for the decoder ``cfg`` describes, ``num_params`` in
+    all: the root unit (embeddings, head, final norm: everything outside the layers) plus two
+    of the largest layer, as ``unit_plan.gathered_peak_numel`` counts a module's units."""
+    _, layers, largest = _formula(cfg)
+    return num_params - layers + 2 * largest
+
+
+def _formula(cfg: dict) -> Tuple[int, int, int]:
+    """(Ψ, parameters of all layers, of the largest layer) by [Note: counting from
+    config.json]."""
     def get(*keys, default=None):
         for k in keys:
             if cfg.get(k) is not None:
@@ -93,7 +107,8 @@ def params_from_hf_config(cfg: dict) -> int:
     per_layer = attn + _NORMS_PER_LAYER.get(kind, 2) * norm
     final_norm = 0 if kind == "olmo" else norm
     layers = num_layers * per_layer + num_moe * moe + (num_layers - num_moe) * dense
-    return vocab * h * (1 if tied else 2) + positions * h + layers + final_norm
+    largest = per_layer + max(moe if num_moe else 0, dense if num_moe < num_layers else 0)
+    return vocab * h * (1 if tied else 2) + positions * h + layers + final_norm, layers, largest
 
 
 def params_from_transformers(cfg: dict) -> Tuple[Optional[int], str]:

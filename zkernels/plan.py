@@ -31,30 +31,32 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from dataclasses import asdict
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
-from .hf_params import count_hf_config, params_from_hf_config
+from .hf_params import count_hf_config, gathered_from_hf_config, params_from_hf_config
 from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
 from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
-from .zero.planning.policy import implemented_stages, rung_implemented
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
            "render"]
 
 
 def load_model_spec(spec: str):
-    """A config.json path -> (parameter count, how it was counted); 'module:function' -> (the
-    nn.Module it returns, None)."""
+    """A config.json path -> (parameter count, how it was counted, parameters stage 3 gathers
+    at once); 'module:function' -> (the nn.Module it returns, None, None: counted from its
+    units)."""
     if spec.endswith(".json"):
         with open(spec) as f:
             cfg = json.load(f)
         if not isinstance(cfg, dict):
             raise ValueError(f"--model {spec}: not a Hugging Face config (a JSON object)")
-        return count_hf_config(cfg)
+        num, how = count_hf_config(cfg)
+        return num, how, gathered_from_hf_config(cfg, num)
     if ":" not in spec:
         raise ValueError(f"--model must be a config.json path or 'module:function', got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
@@ -65,7 +67,7 @@ def load_model_spec(spec: str):
     model = fn()
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model, None
+    return model, None, None
 
 
 def _fmt(value: float, unit: int) -> str:
@@ -78,17 +80,18 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
                  frozen_dtype=None, shard_size: Optional[int] = None,
-                 link_gbps: Optional[float] = None):
+                 link_gbps: Optional[float] = None, gathered_numel: Optional[int] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
     ``link_gbps``: also rows for the quantized collectives (see [Note: when compressed
     communication pays]), after the ladder's.
     ``frozen_numel``: with a parameter count, how many of them are frozen (a module counts its
     own), see [Note: frozen parameters in the estimate] in ``zero/planning/estimate.py``.
     ``shard_size``: hybrid sharding's K (the rungs shard over K ranks, data parallel
-    nothing)."""
+    nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
+    once (its transient column; a module counts its own units)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
-              shard_size=shard_size)
+              shard_size=shard_size, gathered_numel=gathered_numel)
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
@@ -108,7 +111,7 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
             (stage, offload), est, _ = choice
             bases = [(stage, offload, est.offload_params)]
         else:
-            bases = [(s, None, False) for s in (1, 2, 3) if s in implemented_stages()]
+            bases = [(s, None, False) for s in (1, 2, 3)]
         rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op,
                                  quantize_weights=qw, quantize_grads=qg, **kw)
                  for s, o, op in bases for qw, qg in quantized_choices(s)]
@@ -174,36 +177,64 @@ def _compression_lines(rows, link_gbps: float) -> str:
     return "\n".join(out)
 
 
-def _trainable(text: str) -> float:
-    """``--trainable``: a fraction in (0, 1] (``0.01``, or ``1%``) or a count >= 2 (``4e6``)."""
-    pct = text.endswith("%")
+class Trainable(NamedTuple):
+    """``--trainable`` as written: a fraction of the parameters, or a count of them."""
+    value: float        # a fraction in (0, 1], or a whole count >= 1
+    is_count: bool
+    explicit: bool      # a count written with its unit, '2p': taken however small
+    text: str
+
+
+# A bare count under this fraction of the model is refused: '--trainable 2' is far more often
+# 2% (or 0.02) mistyped than a model with two trainable parameters.
+SMALL_COUNT = 0.01
+
+
+def _trainable(text: str) -> Trainable:
+    """``--trainable``: a fraction in (0, 1] (``0.01``, or ``1%``), a count >= 2 (``4e6``) or
+    a count with its unit ``p`` (``2p``: parameters, however few)."""
+    pct, explicit = text.endswith("%"), text.lower().endswith("p")
     try:
-        value = float(text[:-1] if pct else text)
+        value = float(text[:-1] if pct or explicit else text)
     except ValueError:
         value = float("nan")
     if pct:
         value /= 100
-    if not (0 < value <= 1 or (not pct and value >= 2 and value == int(value))):
+    whole = math.isfinite(value) and value == int(value)
+    if explicit and not (value >= 1 and whole):
+        raise argparse.ArgumentTypeError(f"a count of parameters written with p must be a "
+                                         f"whole number >= 1 (2p, 4e6p), got {text!r}")
+    if not (explicit or 0 < value <= 1 or (not pct and value >= 2 and whole)):
         raise argparse.ArgumentTypeError(f"must be a fraction of the parameters in (0, 1] "
-                                         f"(0.01 or 1%) or a whole count >= 2 (4e6), got "
-                                         f"{text!r}")
-    return value
+                                         f"(0.01 or 1%), a whole count >= 2 (4e6) or a count "
+                                         f"with p (2p), got {text!r}")
+    count = explicit or value > 1
+    return Trainable(int(value) if count else value, count, explicit, text)
 
 
-def frozen_from_trainable(num_params: int, trainable: Optional[float]) -> Optional[int]:
+def frozen_from_trainable(num_params: int, trainable: Optional[Trainable]) -> Optional[int]:
     """The frozen count ``--trainable`` implies for ``num_params`` parameters (None: all
-    train).
+    train). ``trainable``: ``--trainable`` parsed (:class:`Trainable`).
 
     Raises:
-        ValueError: a count larger than ``num_params``.
+        ValueError: a count larger than ``num_params``, or a bare count below 1% of them
+            (written without ``p``).
     """
     if trainable is None:
         return None
-    count = round(num_params * trainable) if trainable <= 1 else int(trainable)
+    if not trainable.is_count:
+        return num_params - max(round(num_params * trainable.value), 1)
+    count = int(trainable.value)
     if count > num_params:
-        raise ValueError(f"--trainable {int(trainable):,} exceeds the model's {num_params:,} "
+        raise ValueError(f"--trainable {count:,} exceeds the model's {num_params:,} "
                          f"parameters")
-    return num_params - max(count, 1)
+    if not trainable.explicit and count < SMALL_COUNT * num_params:
+        share = f"{count / 100:g} or {count}%" if count <= 100 else "e.g. 0.01 or 1%"
+        raise ValueError(f"--trainable {trainable.text} means {count:,} parameters, under "
+                         f"{SMALL_COUNT:.0%} of the model's {num_params:,}: write "
+                         f"{trainable.text}p if you mean that count, or a fraction "
+                         f"({share}) for a share")
+    return num_params - count
 
 
 def _headroom(text: str) -> float:
@@ -249,7 +280,9 @@ def parse_args(argv):
                      "an nn.Module")
     ap.add_argument("--trainable", type=_trainable, default=None, help="the parameters that "
                     "train, as a fraction (0.01 or 1%%) or a count (4e6); the rest are frozen "
-                    "(a LoRA's base: no gradient, no optimizer state; sharded at stage 3). "
+                    "(a LoRA's base: no gradient, no optimizer state; sharded at stage 3). A "
+                    "count below 1%% of the model's parameters is refused unless written with "
+                    "p (2p: two parameters), as 2 is more likely 2%% mistyped. "
                     "Default: all. A 'module:function' model counts its own (requires_grad)")
     ap.add_argument("--frozen-dtype", default="fp32", help="dtype the frozen parameters are "
                     "loaded in (fp32, default; bf16 for a base loaded in bf16): their bytes at "
@@ -296,12 +329,12 @@ def parse_args(argv):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    how = None
+    how = gathered = None
     try:
         if args.params is not None:
             model = args.params
         else:
-            model, how = load_model_spec(args.model)
+            model, how, gathered = load_model_spec(args.model)
         if args.trainable is not None and not isinstance(model, int):
             raise ValueError("--trainable applies to --params or a config.json: a "
                              "'module:function' model's frozen parameters are counted from "
@@ -319,11 +352,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk,
             frozen_numel=frozen,
             frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None,
-            shard_size=args.shard_size, link_gbps=args.link_gbps)
+            shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
     e0 = rows[0]
+    uncounted = ", not counted for --params: no layer sizes" if args.params is not None else ""
     p, r, g = (_dtype_name(d) for d in (pdt, rdt, gdt))
     split = f" ({e0.trainable_numel:,} trainable, {e0.frozen_numel:,} frozen: no grads or " \
         f"states, whole at data parallel and stages 1-2, sharded at stage 3)" \
@@ -332,7 +366,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{r} on every rung and sharded in {g}, fp32 AdamW"
           f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
-          f"step only (stage 1's reduced shards, stage 3's gathered layers); device = peak; "
+          f"step only (stage 1's reduced shards, stage 3's gathered units: the root and two "
+          f"layers{uncounted}); device = peak; "
           f"comm = bytes sent per step: data parallel all-reduces the grads in {r} (2·r·Ψ), "
           f"stages 1-2 reduce-scatter them in {r} and all-gather the params in {p} "
           f"((r + p)·Ψ: " + ("equal to data parallel's, the paper's 2Ψ" if r == p else
@@ -351,12 +386,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if isinstance(choice, Exception):
         print(f"\nnothing fits: {choice}")
     elif choice is not None:
-        (stage, offload), _, reason = choice
-        avail = "" if rung_implemented(stage, offload) else (
-            f" (not available in this version, which implements stages "
-            f"{', '.join(map(str, implemented_stages()))})")
         size = _fmt(args.device_memory, _UNITS[args.unit.lower()])
-        print(f"\nchosen for {size} {args.unit} per device: {reason}{avail}")
+        print(f"\nchosen for {size} {args.unit} per device: {choice[2]}")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -75,8 +75,8 @@ def test_zero_config_errors(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
                              max_grad_norm=0.0, learning_rate=5e-4, weight_decay=0.01)
     kw = optimizer_kwargs(args, {"stage": 2})
-    assert kw["max_grad_norm"] is None and kw["lr"] == 5e-4 and kw["stage"] == 2
-    assert kw["param_dtype"] is None and kw["weight_decay"] == 0.01
+    assert kw["max_grad_norm"] is None and kw["lr"] == 5e-4 and kw["config"].stage == 2
+    assert kw["config"].precision.param_dtype is None and kw["weight_decay"] == 0.01
 
     from tests.zero._hf_checks import make_hf
     from zkernels.integrations.transformers import ZeroTrainer

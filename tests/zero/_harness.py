@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import traceback
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -283,6 +283,133 @@ def rank_check_tests(checks: Dict[str, Callable], world_size, *, timeout: float 
             check_at(results, world_size, check)
 
     return results, test_check
+
+
+# -- ranks that return objects ------------------------------------------------------------------
+
+class RankFailure:
+    """What a rank sends back for a row whose body raised: the traceback text (picklable, and
+    enough to re-raise in the pytest process with the rank's own frames)."""
+
+    def __init__(self, traceback_text: str):
+        self.traceback = traceback_text
+
+    def __repr__(self):
+        return f"RankFailure({self.traceback.splitlines()[-1]!r})"
+
+
+class RankError(Exception):
+    """A row's body raised on a rank: the message is that rank's traceback."""
+
+
+def run_rows(rank: int, world_size: int, bodies: Dict[str, Callable], names) -> Dict[str, Any]:
+    """Run ``bodies[name](rank, world_size)`` for every name, in order; return name -> its
+    return value, or a :class:`RankFailure` with the traceback. A body that fails on one rank
+    may leave the others waiting in a collective: the process group's timeout
+    (tests/_dist.py) bounds that."""
+    torch.manual_seed(0)
+    out = {}
+    for name in names:
+        try:
+            out[name] = bodies[name](rank, world_size)
+        except Exception:  # noqa: BLE001 - re-raised per row in the pytest process
+            out[name] = RankFailure(traceback.format_exc())
+    return out
+
+
+def _selected_rows(request, fixture: str, default_ws: Optional[int]) -> Dict[int, set]:
+    """world size -> the rows that the collected (selected) tests of this module ask
+    ``fixture`` for: their ``row`` and ``world_size`` parameters."""
+    wanted: Dict[int, set] = {}
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        if fixture not in getattr(item, "fixturenames", ()):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "row" in params:
+            ws = params.get("world_size", default_ws)
+            wanted.setdefault(ws, set()).add(params["row"])
+    return wanted
+
+
+def rank_fixture(bodies: Dict[str, Callable], *, world_size: Optional[int] = None,
+                 name: str = "ranks", timeout: float = 400.0, pg_timeout_s: float = 60.0):
+    """A module-scoped fixture ``name`` for a test module whose tests take a ``row``
+    parameter (a key of ``bodies``) and, unless ``world_size`` is given here, a
+    ``world_size`` parameter. The fixture is ``get(row, world_size=<default>)`` -> the list,
+    by rank, of what ``bodies[row](rank, world_size)`` returned (a picklable object: the test
+    asserts on it in the pytest process, so a failure shows the values). A rank whose body
+    raised is re-raised here as :class:`RankError` with its traceback.
+
+    One spawn per world size runs the rows of every *selected* test of the module that uses
+    the fixture (so ``-k <row>`` runs that row's ranks only; each rank pays a torch import
+    once); world size 1 runs here, without torch.distributed, on the ranks' thread count
+    (ZKERNELS_TEST_THREADS). Bodies travel to the ranks by pickle: module-level callables or
+    ``functools.partial`` of them. Assign at module level: ``ranks = rank_fixture(BODIES, ...)``.
+    """
+    import pytest
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(request):
+        wanted = _selected_rows(request, name, world_size)
+        cache: Dict[int, Dict[str, list]] = {}
+
+        def get(row: str, ws: Optional[int] = None) -> list:
+            ws = world_size if ws is None else ws
+            if ws is None:
+                raise TypeError(f"{name}(row, world_size): no default world size")
+            if ws not in cache or row not in cache[ws]:
+                names = [n for n in bodies if n in wanted.get(ws, set()) | {row}
+                         and n not in cache.get(ws, {})]
+                if ws == 1:
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(rank_threads())
+                    try:
+                        per_rank = [run_rows(0, 1, bodies, names)]
+                    finally:
+                        torch.set_num_threads(threads)
+                else:
+                    per_rank = run_ranks(run_rows, ws, bodies, names, timeout=timeout,
+                                         pg_timeout_s=pg_timeout_s)
+                done = cache.setdefault(ws, {})
+                for n in names:
+                    done[n] = [r[n] for r in per_rank]
+            results = cache[ws][row]
+            for rank, r in enumerate(results):
+                if isinstance(r, RankFailure):
+                    raise RankError(f"{row} failed on rank {rank} of {ws}:\n{r.traceback}")
+            return results
+
+        return get
+
+    return fixture
+
+
+def ratio(actual, expected, *, rtol: float, atol: float) -> float:
+    """The worst ``|actual - expected| / (atol + rtol |expected|)`` over the elements (inf
+    where one is NaN and the other not): ``<= 1`` is exactly torch.testing.assert_close's
+    pass with these tolerances (equal NaNs aside, which no comparison here expects)."""
+    a = torch.as_tensor(actual, dtype=torch.float64)
+    e = torch.as_tensor(expected, dtype=torch.float64)
+    if a.numel() == 0:
+        return 0.0
+    err = (a - e).abs() / (atol + rtol * e.abs())
+    err = torch.where(torch.isnan(err) | torch.isinf(a) | torch.isinf(e),
+                      torch.where(a == e, torch.zeros_like(err), torch.full_like(err, float("inf"))),
+                      err)
+    return float(err.max())
+
+
+def worst_param(model, ref, **tol) -> Tuple[float, str]:
+    """``(ratio, name)`` of the parameter of ``model`` farthest from ``ref``'s (see
+    :func:`ratio`)."""
+    out = (0.0, "")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        r = ratio(p.detach().float(), q.detach().float(), **tol)
+        if not r <= out[0]:
+            out = (r, n)
+    return out
 
 
 def clone_model(model):

@@ -1,11 +1,11 @@
 """The battery's ``traffic_memory`` check (``_battery.py``) for a rung on the device, stages
 1-3 in fp32 or bf16: bytes sent per step (volume meter) and held per rank (allocated storages)
-against the ring formula and DESIGN.md's table. Run on every rank (module-level so spawned
+against the ring formula and docs/design.md#the-ladder. Run on every rank (module-level so spawned
 ranks can import it); and :func:`hybrid_traffic_memory`, which hybrid rows run in their
 ``parity``.
 
 Exact against the padded layout; within 1% of the unpadded formula (padding is at most
-align*(tensors+N) elements per bucket or unit) and of DESIGN.md's bytes per parameter.
+align*(tensors+N) elements per bucket or unit) and of docs/design.md#by-kind.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _stage12_memory(opt, st, psi, ws, row, padded, shard, pel, rel) -> None:
                 "buffers": 2 * biggest * rel if pooled else 0}
     expected["total"] = sum(expected.values())
     assert mem == expected, (mem, expected)
-    # DESIGN.md: fp32 stage 1 4+4+8/N, stage 2 4+12/N; bf16 stage 1 2+2+12/N, stage 2
-    # 2+(4+12)/N (our grad shard is fp32, the reduce dtype), bucket buffers aside.
+    # docs/design.md#by-kind: fp32 stage 1 4+4+8/N, stage 2 4+12/N; bf16 stage 1 2+2+12/N,
+    # stage 2 2+(4+12)/N (our grad shard is fp32, the reduce dtype), bucket buffers aside.
     if not mixed:
         design = psi * (8 + 8 / ws) if row.stage == 1 else psi * (4 + 12 / ws)
     else:
@@ -79,8 +79,8 @@ def _stage12_memory(opt, st, psi, ws, row, padded, shard, pel, rel) -> None:
 def _stage3_memory(opt, st, psi, ws, row, padded, shard, pel, rel) -> None:
     """One all-gather per flat unit per direction; params held between steps = this rank's
     shards (nothing gathered); every kind exact against the layout, the total within 2% of
-    DESIGN.md's 16Ψ/N (fp32) beside the reduce buffers; peak gathered bytes under the
-    prefetch bound (all of them without resharding)."""
+    16Ψ/N (fp32, docs/design.md#pure-fp32) beside the reduce buffers; peak gathered bytes under
+    the prefetch bound (all of them without resharding)."""
     g = st["gather"]
     gathers = 1 if row.reshard is False else 2
     assert g["all_gathers"] == gathers * len(opt.units), g

@@ -43,11 +43,6 @@ def test_subpackages_import_only_downward():
     assert not bad, bad
 
 
-def test_no_module_left_flat():
-    flat = sorted(p.name for p in ZERO.glob("*.py"))
-    assert flat == ["__init__.py", "checkpoint_view.py", "optimizer.py", "stats.py"], flat
-
-
 def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
     """The update engine reads ``unit.gather.shard_on_host`` (the parameter side says where
     its shard lives); none tests ``isinstance`` against a class of parameters/."""

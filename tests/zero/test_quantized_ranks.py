@@ -322,7 +322,7 @@ def check_traffic_bars(rank, ws):
     assert s3 <= 0.35 and s2 <= 0.6, (s3, s2, comm)
 
 
-# Issue 17 item 3 at a smaller size (the 300-step run is in benchmarks/README.md): the demo's
+# Issue 17 item 3 at a smaller size (the 300-step run: docs/benchmark-history.md): the demo's
 # GPT and corpus at 2 layers of 64, bf16, stage 3, 40 steps at the demo's lr (1e-3); the mean
 # loss of the last 10 steps (the same batches for every run) within 1% of the unquantized
 # run's, for each option alone and both together. Measured on 2 ranks: int8 weights -0.33%,

@@ -66,7 +66,7 @@ def test_stage3_arguments_at_other_stages():
         zk.ZeroOptimizer(make_model(), stage=1, reshard_after_forward=False)
     with pytest.raises(TypeError, match="reshard_after_forward must be a bool or an int"):
         zk.ZeroOptimizer(make_model(), stage=3, reshard_after_forward="yes")
-    # An int is a secondary group's size (tests/zero/_hybrid_checks.py): one rank has none.
+    # An int is a secondary group's size (tests/zero/test_hybrid.py): one rank has none.
     with pytest.raises(ValueError, match="reshard_after_forward=1 must divide"):
         zk.ZeroOptimizer(make_model(), stage=3, reshard_after_forward=1)
 

@@ -123,7 +123,8 @@ def gbps(num_bytes: int, ms: float) -> float:
     return num_bytes / (ms * 1e-3) / 1e9 if ms > 0 else float("inf")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -133,7 +134,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_revision() -> str:
+def git_revision() -> str:
+    """The checkout's short commit, ``+dirty`` with uncommitted changes to tracked files."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, cwd=Path(__file__).resolve().parent)
@@ -153,10 +155,10 @@ def metadata(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    meta = dict(kind="meta", machine=platform.node(), cpu=_cpu_model(),
+    meta = dict(kind="meta", machine=platform.node(), cpu=cpu_model(),
                 num_cpus=os.cpu_count(), threads=torch.get_num_threads(),
                 torch=torch.__version__, triton=triton_version, python=platform.python_version(),
-                git_revision=_git_revision(), device=str(device), load_average=load_average(),
+                git_revision=git_revision(), device=str(device), load_average=load_average(),
                 utc_time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     if device.type == "cuda":
         meta.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)

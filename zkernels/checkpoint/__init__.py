@@ -4,7 +4,8 @@
     extra = zk.checkpoint.load(opt, "ckpt/step1000")   # any world size, stage, dtype
     weights = zk.checkpoint.consolidate("ckpt/step1000")  # {state_dict key: fp32 tensor}
 
-    python -m zkernels.checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
+    python -m zkernels checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
+    python -m zkernels checkpoint verify ckpt/step1000   # (or python -m zkernels.checkpoint)
 
 A checkpoint is a folder: one file per saving rank holding its pieces of every parameter
 (element ranges, fp32 master and AdamW moments), one for frozen parameters and buffers, and a
@@ -15,8 +16,9 @@ from .consolidate import consolidate, consolidate_to_file, verify
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
 from .load import load
+from .pretrained import LoadResult, load_pretrained, save_pretrained
 from .save import save
 
-__all__ = ["save", "load", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
+__all__ = ["save", "load", "load_pretrained", "save_pretrained", "LoadResult", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
            "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
            "SaveAbortedError", "UnsupportedVersionError"]

@@ -1,16 +1,18 @@
-"""``python -m zkernels.checkpoint consolidate PATH OUT [--dtype bf16]`` and ``verify PATH``."""
+"""``python -m zkernels checkpoint consolidate PATH OUT [--dtype bf16]`` and ``verify PATH``
+(``python -m zkernels.checkpoint ...`` runs the same :func:`main`)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import List, Optional
 
+from .._cli import exit_quietly_on_broken_pipe
 from .consolidate import EXPORT_DTYPES, consolidate_to_file, verify
 from .errors import CheckpointError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zkernels.checkpoint",
+    ap = argparse.ArgumentParser(prog="python -m zkernels checkpoint",
                                  description="zkernels sharded checkpoints")
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="full weights of a checkpoint, for "
@@ -32,10 +34,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{args.path}: {info['files']} files, {info['bytes']} bytes, every "
                   f"checksum matches")
     except (CheckpointError, ValueError) as exc:
-        print(f"zkernels.checkpoint: error: {exc}", file=sys.stderr)
+        print(f"zkernels checkpoint: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_quietly_on_broken_pipe(main)

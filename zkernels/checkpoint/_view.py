@@ -40,6 +40,7 @@ parameter loaded at stages 1-2 fills the whole tensor (``load._load_model_tensor
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -291,3 +292,55 @@ class OptimizerView:
         self._steps.clear()
         # Frozen units too: their shards were written, so a stale gathered copy goes.
         self.opt.publish(list(self.opt.units) + self.frozen_units)
+
+    # -- Pretrained weights (``pretrained.py``): values only, one unit at a time. --
+
+    @torch.no_grad()
+    def write_fresh(self, fill) -> None:
+        """A fresh start from given weights, unit by unit: for every piece this rank holds,
+        ``fill(name, start, end, out)`` writes the values of elements ``[start, end)`` of
+        parameter ``name`` into ``out`` (the fp32 master's view; a frozen shard's, in its
+        dtype), or leaves it as it is (a key no file holds keeps its value); both moments
+        are zeroed and the step is 0. Each unit's state is handed back before the next is read (with NVMe offload
+        one unit is in host RAM at a time). Call :meth:`finish_fresh` after."""
+        self._staged.clear()
+        for u in self.opt.units:
+            _, (master, exp_avg, exp_avg_sq) = self.opt.read_state(u)
+            for name, a, s, n in u.param_slices_in_shard():
+                fill(name, a, a + n, master[s:s + n])
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+            self.opt.write_state(u, 0, master, exp_avg, exp_avg_sq)
+        for fp in self.frozen_pieces(write=True):
+            fill(fp.name, fp.start, fp.end, fp.tensor)
+
+    def finish_fresh(self) -> None:
+        """Step counters to 0 and every rank's parameters following the shards (collective)."""
+        self.opt.load_counters({"num_steps": 0, "overflow_skips": 0, "loss_scaler": None})
+        self.opt.publish(list(self.opt.units) + self.frozen_units)
+
+    @torch.no_grad()
+    def full_units(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` of every sharded parameter, unit by unit: each unit's fp32
+        masters (a frozen unit's values, in its dtype) all-gathered over the shard group into
+        one buffer of the unit's size, which is dropped before the next unit (collective:
+        every rank iterates to the end). Tensors are on this rank's device, valid until the
+        generator advances."""
+        units = [(u, True) for u in self.opt.units] + [(u, False) for u in self.frozen_units]
+        for u, trainable in units:
+            if trainable:
+                shard = self.opt.read_state(u)[1][0]
+                full = self._gather(u, shard)
+            else:
+                with u.shard_values() as shard:
+                    full = self._gather(u, shard)
+            for name, shape, off in zip(u.names, u.shapes, u.layout.offsets):
+                n = math.prod(shape)
+                yield name, full[off:off + n].view(tuple(shape))
+            del full
+
+    def _gather(self, unit, shard: torch.Tensor) -> torch.Tensor:
+        shard = shard.to(self.device)
+        full = torch.empty(unit.layout.padded_numel, dtype=shard.dtype, device=self.device)
+        self.comm.all_gather(full, shard.contiguous()).wait()
+        return full

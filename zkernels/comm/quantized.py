@@ -284,32 +284,25 @@ def quantize_grads_comm(comm: Comm, ops, bits: int, block_size: int) -> Comm:
     return QuantizedGradComm(comm, ops, bits, block_size)
 
 
-def check_quantize_args(quantize_grads, quantize_weights, quantize_block, comm_backend: str,
-                        device):
-    """``ZeroOptimizer``'s quantization options as ``(grad bits or None, weight bits or
-    None)``; the stage is checked by the caller once it is known.
+def check_quantize_backend(quantize_grads, quantize_weights, comm_backend: str, device) -> None:
+    """The quantization options (formats and block checked by ``ZeroConfig``'s
+    ``QuantizeConfig``) against the comm engine.
 
     Raises:
-        ValueError: an unknown format, a bad ``quantize_block``, or either option with the
-            native NCCL engine (no all-to-all, no int8 buffers); each message names the
-            option.
+        ValueError: either option with the native NCCL engine (no all-to-all, no int8
+            buffers); each message names the option.
     """
     from .select import resolve_backend
-    grad_bits = None if quantize_grads is None else _bits(quantize_grads, GRAD_FORMATS,
-                                                          "quantize_grads")
-    weight_bits = None if quantize_weights is None else _bits(quantize_weights, WEIGHT_FORMATS,
-                                                              "quantize_weights")
-    check_block_size(quantize_block, "quantize_block")
-    if resolve_backend(comm_backend, device) == "nccl":
-        if grad_bits is not None:
-            raise ValueError(f"quantize_grads={quantize_grads!r} needs an all-to-all, which the "
-                             f"native NCCL engine (comm_backend='nccl') does not have: use "
-                             f"comm_backend='torch' (NCCL through torch.distributed)")
-        if weight_bits is not None:
-            raise ValueError(f"quantize_weights={quantize_weights!r} gathers int8 codes, which "
-                             f"the native NCCL engine (comm_backend='nccl', fp32/bf16/fp16 "
-                             f"only) does not move: use comm_backend='torch'")
-    return grad_bits, weight_bits
+    if resolve_backend(comm_backend, device) != "nccl":
+        return
+    if quantize_grads is not None:
+        raise ValueError(f"quantize_grads={quantize_grads!r} needs an all-to-all, which the "
+                         f"native NCCL engine (comm_backend='nccl') does not have: use "
+                         f"comm_backend='torch' (NCCL through torch.distributed)")
+    if quantize_weights is not None:
+        raise ValueError(f"quantize_weights={quantize_weights!r} gathers int8 codes, which "
+                         f"the native NCCL engine (comm_backend='nccl', fp32/bf16/fp16 "
+                         f"only) does not move: use comm_backend='torch'")
 
 
 @dataclass(frozen=True)
@@ -331,18 +324,10 @@ class Quantization:
     @classmethod
     def build(cls, quantize_grads, quantize_weights, quantize_block, comm_backend: str,
               device) -> "Quantization":
-        """Check the options (see :func:`check_quantize_args`)."""
-        grad_bits, weight_bits = check_quantize_args(quantize_grads, quantize_weights,
-                                                     quantize_block, comm_backend, device)
-        return cls(quantize_grads, quantize_weights, quantize_block, grad_bits, weight_bits)
-
-    def check_stage(self, stage: int, gathers_params: bool) -> None:
-        """Raises ValueError for ``quantize_weights`` at a stage that keeps parameters
-        whole."""
-        if self.weight_bits is not None and not gathers_params:
-            raise ValueError(f"quantize_weights={self.weights!r} applies to stage 3 (the "
-                             f"stage that gathers parameters before use); stage {stage} "
-                             f"keeps them whole and its post-update all-gather exact")
+        """From checked formats and block (see :func:`check_quantize_backend`)."""
+        check_quantize_backend(quantize_grads, quantize_weights, comm_backend, device)
+        return cls(quantize_grads, quantize_weights, quantize_block,
+                   GRAD_FORMATS.get(quantize_grads), WEIGHT_FORMATS.get(quantize_weights))
 
     def grad_comm(self, comm: Comm, ops) -> Comm:
         """The gradient strategies' comm: ``comm`` with quantized reduce-scatters, or

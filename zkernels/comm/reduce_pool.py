@@ -30,9 +30,10 @@ class ReducePool:
     With ``transient=True`` (stage 3, whose formula must hold between steps as FSDP2's does)
     the pool holds no buffer until the first ``acquire`` of a round, allocates up to
     ``num_buffers`` as they are needed, and gives every buffer back in :meth:`trim` once no
-    reduction is in flight and no bucket is filling one (the end of ``step()``'s drain, or a
-    discarded round): a unit's buffer lives only while its gradients are in flight, and the peak is
-    the persistent pool's (the same ``num_buffers`` at most). Readers' fences are waited first,
+    reduction is in flight and no bucket is filling one (the end of each backward at stage 3,
+    see [Note: reduce buffers end with backward] in ``zkernels/zero/gradients/grad_reducers.py``;
+    ``step()``'s drain; a discarded round): a unit's buffer lives only while its gradients are
+    in flight, and the peak is the persistent pool's (the same ``num_buffers`` at most). Readers' fences are waited first,
     so no copy still reading a buffer (an offload copy) sees its memory reused.
     ``peak_bytes`` is the most buffer bytes held at once since :meth:`take_peak`.
 

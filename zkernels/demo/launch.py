@@ -21,7 +21,7 @@ import sys
 import tempfile
 from typing import List, Optional
 
-from .._cli import byte_size, output_file
+from .._cli import byte_size, output_file, writable_folder
 from .report import plot, render_table
 from .rungs import parse_rungs
 from .worker import WORKER_OPTS, model_config
@@ -175,10 +175,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("zkernels demo: error: --resume continues the ZeRO rungs from their checkpoints: "
               "give --ckpt-dir and --rungs without ddp (e.g. --rungs 1,2)", file=sys.stderr)
         return 2
-    if args.offload_dir and not os.path.isdir(args.offload_dir):
-        print(f"zkernels demo: error: --offload-dir {args.offload_dir!r} is not an existing "
-              f"folder", file=sys.stderr)
-        return 2
+    if args.offload_dir:    # written to, as ZeroOptimizer will: /proc exists, takes no file
+        try:
+            writable_folder(args.offload_dir)
+        except argparse.ArgumentTypeError as exc:
+            print(f"zkernels demo: error: --offload-dir {exc}", file=sys.stderr)
+            return 2
     if args.plot:   # fail before training, not after
         try:
             import matplotlib  # noqa: F401

@@ -253,8 +253,18 @@ def _wrap(name: str) -> str:
 
 
 def plot(results: dict, path: str) -> None:
+    """Draw :func:`figure` to ``path`` (a PNG)."""
+    import matplotlib.pyplot as plt
+    fig = figure(results)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(results: dict):
     """The demo's figure: the loss of every rung over the steps (the curves lie on top of each
-    other) with, under it, each rung's distance from the first rung's loss; the step time of
+    other) with, under it, each rung's distance from the first rung's loss (a marker at every
+    step where they differ, so that a lone step among identical ones shows on the log axis,
+    where the line between points is broken by the identical steps); the step time of
     each rung (median and quartiles of the timed steps, ratio to the first rung); and, below,
     the ZeRO paper's memory figure from measured bytes: per rung, the bytes each rank holds on
     the device (and, offloaded, in host RAM and on disk), stacked by kind, each measured bar
@@ -282,8 +292,11 @@ def plot(results: dict, path: str) -> None:
                      **styles[i % len(styles)])
         if i:
             diff = [abs(a - b) for a, b in zip(r["losses"], ref)]
+            # NaN at identical steps (no point on a log axis): a line alone would draw only
+            # runs of differing steps, never a step whose neighbours are identical.
             ax_diff.plot(steps, [d if d > 0 else float("nan") for d in diff],
-                         color=colors[i % len(colors)], **styles[i % len(styles)])
+                         color=colors[i % len(colors)], marker="o", ms=3,
+                         **dict(styles[i % len(styles)], alpha=1.0))
     if _has_eval(rungs):   # each rung's eval loss after the last step, at the last step
         for i, r in enumerate(rungs):
             ax_loss.plot([len(ref)], [r["eval_loss"]], marker="o", ms=6, ls="none",
@@ -384,5 +397,4 @@ def plot(results: dict, path: str) -> None:
 
     fig.suptitle(f"zkernels demo: {rungs[0]['num_params']:,} params, {meta['world_size']} "
                  f"ranks on {meta['device']}, {_dtype(meta)}, {len(ref)} steps per rung")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

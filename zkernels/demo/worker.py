@@ -324,7 +324,8 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
                 torch.cuda.synchronize(device)
             times[i].append(time.perf_counter() - t0)
             losses[i].append(loss.detach().float().reshape(1))
-        bar.update(1, loss=losses[0][-1].item())     # this rank's
+        # Rank 0's own loss of the first rung (the table's are the mean over ranks), named so.
+        bar.update(1, rank0_loss=losses[0][-1].item())
     bar.close()
     # The global batch's loss, as one process would see it: the mean over ranks, summed (in
     # fp32) by one all-reduce after training instead of one per rung and step.

@@ -67,7 +67,8 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as zk_checkpoint
-from ..zero import LossScaleConfig, OffloadConfig, ZeroOptimizer
+from ..zero import LossScaleConfig, OffloadConfig, ZeroConfig, ZeroOptimizer
+from ..zero.planning.config import CONFIG_KWARGS, parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ _TRAINER_HOOKS = ("create_accelerator_and_postprocess", "_build_accelerator_args
                   "_load_optimizer_and_scheduler", "_load_best_model",
                   "_maybe_log_save_evaluate")
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def _transformers_version() -> str:
@@ -119,22 +118,18 @@ def read_zero_config(zero_config: Union[None, str, os.PathLike, Dict[str, Any]])
     if owned:
         raise ValueError(f"zero_config sets {owned}: ZeroTrainer takes "
                          f"{', '.join(_FROM_ARGS[k] for k in owned)} from TrainingArguments")
-    if isinstance(cfg.get("reduce_dtype"), str):
-        name = cfg["reduce_dtype"]
-        if name not in _DTYPES:
-            raise ValueError(f"zero_config['reduce_dtype'] must be one of {sorted(_DTYPES)} or "
-                             f"a torch dtype, got {name!r}")
-        cfg["reduce_dtype"] = _DTYPES[name]
     if isinstance(cfg.get("offload_config"), dict):
         cfg["offload_config"] = OffloadConfig(**cfg["offload_config"])
     if isinstance(cfg.get("loss_scale"), dict):
         cfg["loss_scale"] = LossScaleConfig(**cfg["loss_scale"])
+    if "reduce_dtype" in cfg:   # how the keys combine is ZeroConfig's check (optimizer_kwargs)
+        cfg["reduce_dtype"] = parse_dtype(cfg["reduce_dtype"], "zero_config['reduce_dtype']")
     return cfg
 
 
 def optimizer_kwargs(args, zero_config: Dict[str, Any]) -> Dict[str, Any]:
     """ZeroOptimizer keyword arguments (param groups aside) from ``TrainingArguments`` and the
-    parsed ``zero_config``.
+    parsed ``zero_config``: its ZeroConfig keys (and the compute dtype) as one ``config``.
 
     Raises:
         ValueError: ``args.optim`` is not an AdamW (ZeroOptimizer's update is AdamW).
@@ -145,10 +140,13 @@ def optimizer_kwargs(args, zero_config: Dict[str, Any]) -> Dict[str, Any]:
                          f"TrainingArguments.optim must be one of {_ADAMW}, got {optim!r}")
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     max_norm = args.max_grad_norm
+    config = ZeroConfig.from_kwargs(param_dtype=param_dtype, **{
+        k: v for k, v in zero_config.items() if k in CONFIG_KWARGS})
     return dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                 eps=args.adam_epsilon, weight_decay=args.weight_decay,
                 max_grad_norm=float(max_norm) if max_norm and max_norm > 0 else None,
-                param_dtype=param_dtype, **zero_config)
+                config=config, **{k: v for k, v in zero_config.items()
+                                  if k not in CONFIG_KWARGS})
 
 
 def _state_dict_refs(model: nn.Module) -> Dict[str, torch.Tensor]:

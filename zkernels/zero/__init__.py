@@ -3,8 +3,8 @@
 The folder follows the design (see [Note: parameters and state] in ``parameters/units.py`` and
 [Note: the stage registry] in ``planning/policy.py``):
 
-- ``planning/``: the stage and offload registry (StagePolicy, OffloadPolicy, STAGES,
-  OFFLOADS, RUNGS), buckets, stage-3 units, the memory estimator and the ladder;
+- ``planning/``: the run's ZeroConfig, the stage and offload registry (StagePolicy,
+  OffloadPolicy, STAGES, OFFLOADS, RUNGS), buckets, stage-3 units, the memory estimator and the ladder;
 - ``parameters/``: param groups, flat parameter units and their gather policies (replicated,
   sharded, host-sharded), stage 3's gather schedule;
 - ``gradients/``: the gradient strategies (reduction during backward), precision and loss
@@ -16,10 +16,14 @@ The folder follows the design (see [Note: parameters and state] in ``parameters/
 """
 from .gradients.nonfinite import NonFiniteGradientError
 from .planning.offload_config import OffloadConfig
-from .optimizer import ZeroOptimizer, resolve_stage
+from .optimizer import ZeroOptimizer
+from .planning.config import (BucketConfig, OffloadSpec, PrecisionConfig, QuantizeConfig,
+                              ShardingConfig, ZeroConfig, resolve_stage)
 from .planning.policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
 from .gradients.precision import LossScaleConfig, MixedPrecision
 
-__all__ = ["ZeroOptimizer", "resolve_stage", "OffloadConfig", "LossScaleConfig", "MixedPrecision",
+__all__ = ["ZeroOptimizer", "ZeroConfig", "ShardingConfig", "PrecisionConfig", "OffloadSpec",
+           "QuantizeConfig", "BucketConfig", "resolve_stage", "OffloadConfig", "LossScaleConfig",
+           "MixedPrecision",
            "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS",
            "NonFiniteGradientError"]

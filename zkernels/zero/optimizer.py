@@ -34,23 +34,29 @@ from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
-from .planning.policy import (STAGES, check_parameter_schedule, check_stage_arguments,
-                              resolve_stage as _resolve_stage)
+from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
+from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
-from .state.placement import (check_offload_args, check_offload_params, check_offload_stage,
-                              make_engine)
+from .state.placement import check_offload_dir, make_engine
 
 
-def resolve_stage(stage) -> int:
-    """An explicit ZeRO stage, one the registry (``policy.STAGES``) marks implemented.
+def _config_of(config: Optional[ZeroConfig], kwargs: dict) -> ZeroConfig:
+    """``config``, or the one the constructor's keywords build; not both.
 
     Raises:
-        ValueError: not an implemented stage, or ``"auto"`` (resolved by the constructor).
+        TypeError: ``config`` is not a ZeroConfig, or comes with a keyword it holds.
     """
-    if isinstance(stage, str) and stage == "auto":
-        raise ValueError("stage='auto' is resolved by ZeroOptimizer once the world size is "
-                         "known; resolve_stage takes an explicit stage")
-    return _resolve_stage(stage)
+    if config is None:
+        return ZeroConfig.from_kwargs(**kwargs)
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a zkernels.ZeroConfig or None, got "
+                        f"{type(config).__name__}")
+    given = [k for k, v in kwargs.items() if v is not CONFIG_KWARGS[k] and
+             not (type(v) is type(CONFIG_KWARGS[k]) and v == CONFIG_KWARGS[k])]
+    if given:
+        raise TypeError(f"pass config= or the keywords it holds, not both (got config= and "
+                        f"{', '.join(given)})")
+    return config
 
 
 def _ops_for(device: torch.device, ops_backend: Optional[str]):
@@ -72,40 +78,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             2-3 install gradient hooks on them; stage 3 also installs forward hooks on its
             units, and between uses a parameter has no storage (read it inside
             ``opt.gathered()``).
-        stage: 1, 2, 3 or "auto" (the lowest rung whose estimate fits the device, see
-            ``zkernels/zero/planning/auto.py``; logs its choice at INFO). With "auto", ``offload``
-            limits the rungs to that kind; left None, CPU offload is offered on a GPU, and
-            NVMe offload too when ``offload_dir`` is given.
+        stage, param_dtype, reduce_dtype, offload, offload_dir, offload_config,
+        offload_params, bucket_bytes, shard_size, reshard_after_forward, quantize_weights,
+        quantize_grads, quantize_block: the run's :class:`~zkernels.ZeroConfig`
+            (``ZeroConfig.from_kwargs`` builds it from these; each is documented on its part,
+            ``zkernels/zero/planning/config.py``). Default: stage 1, pure fp32, no offload.
+        config: a ZeroConfig instead of those keywords (not both).
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
             "weight_decay": 0.0}, ...]``; every trainable parameter must be in one.
-        param_dtype: None (pure fp32) or torch.bfloat16 / torch.float16 for the compute copy;
-            the fp32 master shard lives with the optimizer.
-        reduce_dtype: dtype of the gradient reduction (default fp32).
-        offload: None (states on the device), "cpu" (fp32 master, moments and gradient shard
-            in host RAM, the step on the CPU: see ``state/engine.py``) or "nvme" (moments and
-            master in files under ``offload_dir``, streamed through a fixed host budget: see
-            ``state/engine.py``). Stages 2 and up (stage 1 raises ValueError).
-        offload_dir: with "nvme", an existing folder; the run's files go in a folder of
-            its own inside, removed by :meth:`close`.
-        offload_config: an :class:`~zkernels.zero.planning.offload_config.OffloadConfig` (pinning,
-            sub-group size, the NVMe host budget, ...); default ``OffloadConfig()``.
-        bucket_bytes: reduce-buffer bytes per bucket; a larger parameter gets its own bucket
-            (stages 1-2; stage 3 reduces one unit at a time). None (default): sized from the
-            model: where buckets cost reduce buffers (stage 2), a small first bucket then
-            buckets of about 1/4 of the model; where they do not (stage 1 reducing in place),
-            DDP's 1 MiB then 25 MiB (see [Note: buckets sized from the model] in
-            ``buckets.py``).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank), or a ``DeviceMesh`` (1-D: its group; 2-D: as ``mesh``).
-        shard_size: hybrid sharding (FSDP2's HSDP): shard state, gradients and (stage 3)
-            parameters over groups of K consecutive ranks and replicate across the N/K groups;
-            each reduced gradient shard is all-reduced across groups (2Ψ/K elements per rank
-            per step), and memory per rank is the stage's formula with N replaced by K. K must
-            divide N; K = N is plain ZeRO, K = 1 keeps the whole state on every rank (DDP
-            with a replicated optimizer). See [Note: hybrid sharding is a group shape] in
-            ``zkernels/comm/hybrid.py``.
         mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` (dim 0 replicate, dim 1
             shard), as ``fully_shard(mesh=...)`` takes it: hybrid sharding over its groups.
         loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
@@ -127,42 +111,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         units: stage 3: None (one unit per transformer block: the children of a ModuleList /
             Sequential of one repeated class; the rest is the root unit) or a list of module
             classes and/or submodules; see [Note: stage-3 units] in ``unit_plan.py``.
-        reshard_after_forward: stage 3: free each unit after its forward and gather it again
-            for backward (True: 3Ψ per step) or keep it from forward to backward (False: 2Ψ,
-            every unit gathered at the end of forward); see [Note: stage-3 gather schedule].
-            An int R (FSDP2's integer, ZeRO++'s hpZ; R divides the shard group's K, 1 < R <
-            K): after forward keep a chunk over R consecutive ranks, so the backward gather
-            runs within those R ranks (pΨ(R-1)/R instead of pΨ(K-1)/K) for pΨ/R more memory
-            from forward to backward ([Note: secondary shards] in ``secondary.py``).
         check_paths: stage 3: before each all-gather, check that every rank gathers the same
             unit and raise naming it otherwise ([Note: divergent paths] in ``stage3.py``).
-        offload_params: stage 3 with ``offload``: keep the parameter shards (compute dtype)
-            off the device between uses, each brought to the device ahead of its unit's
-            all-gather: in host RAM with ``offload="cpu"`` ([Note: parameter offload] in
-            ``param_offload.py``), in files through two host bounces with ``offload="nvme"``
-            ([Note: parameters on NVMe] in ``param_nvme.py``). Stages 1-2 or no
-            offload raise ValueError. With ``stage="auto"``, True limits the rungs to stage 3
-            with offload; left False, the ladder may still take it for a stage-3 offload rung
-            that does not fit without it (see ``ladder.choose_rung``; ``opt.offload_params``
-            says what was chosen).
         overlap_param_gather: False (default): ``step()`` returns with the parameters
             all-gathered, a complete step. True (stages 1-2): ``step()`` returns with the
             all-gathers in flight and the next forward waits for each unit's gather when the
             first module owning its parameters runs; code that reads parameters between steps
             outside a module's forward or ``state_dict()`` calls :meth:`wait_params` first
             (see [Note: lazy parameter gathers] in ``param_wait.py``).
-        quantize_weights: None or ``"int8"`` (stage 3, ZeRO++'s qwZ): every parameter
-            all-gather, forward and backward, moves int8 blocks plus fp32 scales and is
-            dequantized into the unit's compute buffer; the master and the shards stay exact.
-            See [Note: quantized all-gather] in ``zkernels/comm/quantized.py``.
-        quantize_grads: None, ``"int8"`` or ``"int4"`` (ZeRO++'s qgZ, every stage): each
-            gradient reduce-scatter quantizes its chunks, exchanges them with an all-to-all
-            and dequantize-sums them in fp32 on arrival ([Note: quantized reduce-scatter]);
-            with hybrid sharding within the shard group, the cross-group all-reduce exact.
-        quantize_block: elements per fp32 scale of both options, a power of two in [2, 8192]
-            (default 256: scales add 4/256 bytes per element).
 
     Attributes:
+        config: the :class:`~zkernels.ZeroConfig` it runs (with "auto": the rung chosen).
         policy: the stage's :class:`~zkernels.zero.planning.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.parameters.units.FlatParamUnit` list, in launch order.
@@ -191,17 +150,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_params: bool = False,
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
                  mesh=None, quantize_weights: Optional[str] = None,
-                 quantize_grads: Optional[str] = None, quantize_block: int = 256) -> None:
+                 quantize_grads: Optional[str] = None, quantize_block: int = 256,
+                 config: Optional[ZeroConfig] = None) -> None:
         # Each line is one decision, made by the module that owns it.
-        stage = _resolve_stage(stage)  # None for "auto"               # planning/policy.py
-        check_stage_arguments(stage, memory_budget_bytes=memory_budget_bytes, units=units,
-                              reshard_after_forward=reshard_after_forward,
-                              overlap_param_gather=overlap_param_gather)
-        check_offload_args(offload, offload_dir, offload_config, auto=stage is None)
+        cfg = _config_of(config, dict(                                   # planning/config.py
+            stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
+            offload_dir=offload_dir, offload_config=offload_config,
+            offload_params=offload_params, bucket_bytes=bucket_bytes, shard_size=shard_size,
+            reshard_after_forward=reshard_after_forward, quantize_weights=quantize_weights,
+            quantize_grads=quantize_grads, quantize_block=quantize_block))
+        if resolve_stage(cfg.stage) in (1, 2) and units is not None:
+            raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
+                             f"stages that shard parameters), got stage={cfg.stage}")
+        check_offload_dir(cfg.offload)                                  # state/placement.py
         groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
                                               weight_decay)             # parameters/groups.py
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)         # gradients/clip.py
-        self.precision = MixedPrecision.build(param_dtype, reduce_dtype)  # gradients/precision
+        self.precision = MixedPrecision.build(cfg.precision.param_dtype,
+                                              cfg.precision.reduce_dtype)  # gradients/precision
         self.scaler = make_loss_scaler(self.precision, loss_scale)
         self.nonfinite = check_policy(nonfinite)                        # gradients/nonfinite
         device = groups[0]["params"][0].device
@@ -209,43 +175,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
         # sharding is a group shape] in zkernels/comm/hybrid.py.
         self.meter = VolumeMeter()
-        quant = Quantization.build(quantize_grads, quantize_weights, quantize_block,
-                                   comm_backend, device)                # comm/quantized.py
+        q = cfg.quantization
+        quant = Quantization.build(q.grads, q.weights, q.block, comm_backend,
+                                   device)                              # comm/quantized.py
         # ZeRO++'s qgZ: reduce-scatters quantized, every other collective exact (one comm for
         # all, so hybrid sharding's cross-group all-reduces launch on any next collective).
         self.comm = quant.grad_comm(make_metered_comm(
-            process_group, device, comm_backend, timeout, self.meter, shard_size=shard_size,
-            mesh=mesh), self.ops)
+            process_group, device, comm_backend, timeout, self.meter,
+            shard_size=cfg.sharding.shard_size, mesh=mesh), self.ops)
         self.quantize_grads, self.quantize_weights = quant.grads, quant.weights
         self.quantize_block = quant.block
         # The rung: as asked, or stage="auto"'s choice (planning/auto.py).
-        self.stage, offload, offload_params, offload_dir, offload_config = resolve_rung(
-            stage, offload=offload, offload_dir=offload_dir, offload_config=offload_config,
-            offload_params=offload_params, param_groups=groups,
-            world_size=self.comm.world_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+        self.config = cfg = resolve_rung(
+            cfg, param_groups=groups, world_size=self.comm.world_size,
             memory_budget_bytes=memory_budget_bytes, process_group=process_group, model=model)
-        self.policy = STAGES[self.stage]
-        quant.check_stage(self.stage, self.policy.shards_params)
-        check_offload_stage(offload, self.policy)                       # state/placement.py
-        self.offload_params = check_offload_params(offload_params, offload, self.policy)
+        self.stage, self.policy = cfg.stage, STAGES[cfg.stage]
+        self.offload_params = cfg.offload.params
         reshard_after_forward = check_parameter_schedule(
-            self.policy, reshard_after_forward, self.comm.world_size, self.offload_params,
-            overlap_param_gather, model)                                # planning/policy.py
+            self.policy, cfg.sharding.reshard_after_forward, self.comm.world_size,
+            self.offload_params, overlap_param_gather, model)           # planning/policy.py
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
         # Where the state lives (state/placement.py), then the units that feed it
         # (parameters/build.py); a failure closes the engine's threads and files at once.
         self.shard_update = make_engine(
-            offload, ops=self.ops, device=device, ops_backend=ops_backend,
-            offload_dir=offload_dir, rank=self.comm.rank, world_size=self.comm.world_size,
-            offload_config=offload_config, offload_params=self.offload_params)
+            cfg.offload.kind, ops=self.ops, device=device, ops_backend=ops_backend,
+            offload_dir=cfg.offload.dir, rank=self.comm.rank, world_size=self.comm.world_size,
+            offload_config=cfg.offload.config, offload_params=self.offload_params)
         try:
             self.units, self.frozen_units, gather_units = build_parameter_side(
                 self.policy, model, self.param_groups, self.precision.param_dtype,
                 self.precision.reduce_dtype, self.comm.world_size, self.comm.rank, self.ops,
-                self.shard_update, units=units, bucket_bytes=bucket_bytes)
+                self.shard_update, units=units, bucket_bytes=cfg.buckets.bucket_bytes)
             if self.shard_update.resumed:
                 self.shard_update.adopt(len(self.units))
         except BaseException:
@@ -268,7 +230,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # qwZ quantizes the schedule's gathers ([Note: quantized all-gather]).
             self.schedule = GatherSchedule(gather_units, quant.gather_comm(self.comm, self.ops),
                                            reshard_after_forward, check_paths=check_paths,
-                                           grad_buckets=self.reducer.buckets)
+                                           grad_buckets=self.reducer.buckets,
+                                           on_end_backward=self.reducer.end_backward)
             if not isinstance(reshard_after_forward, bool):             # parameters/secondary
                 attach_secondary_shards(self.units, self.comm, reshard_after_forward, device,
                                         comm_backend, timeout, self.meter)
@@ -547,14 +510,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             buffers or the stage-2 fp32 gradient shards (plus any full gradient still held,
             e.g. inside ``no_sync``); master the fp32 master shards (0 in pure fp32);
             buffers the pooled reduce buffers held now (stage 3 holds them only while
-            gradients are in flight, so 0 between steps: [Note: transient reduce buffers]).
+            gradients are in flight, so 0 once backward has returned and between steps:
+            [Note: reduce buffers end with backward]; called between backward and ``step()``,
+            ``memory_bytes`` is what the rank holds after backward, 16Ψ/N in fp32 at stage 3).
             ``step_peak_bytes`` is the last step's peak beside that: the most reduce-buffer
             bytes held at once and stage 3's most gathered parameter bytes at once (0 below
             stage 3), and ``total``, what is held now plus what lived only inside the step
             (the peak ``estimate_memory``'s ``device_bytes`` predicts; stage 1's reduced
             shards during ``step()`` are not measured). Stage 2 keeps its gradient shard in fp32
-            whatever the reduce dtype, so bf16 stage 2 holds 2Ψ + 16Ψ/N, not DESIGN.md's
-            2Ψ + 14Ψ/N.
+            whatever the reduce dtype, so bf16 stage 2 holds 2Ψ + 16Ψ/N, not the paper's
+            2Ψ + 14Ψ/N (docs/design.md#by-kind).
         """
         grads = list(self.reducer.held_grads()) + [p.grad for p in self._model_params]
         upd = self.shard_update

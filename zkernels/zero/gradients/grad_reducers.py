@@ -40,6 +40,28 @@ communicated only there. Every rank must run the same program (the same backward
 gradient writes), as for stage 2's rounds, so that they issue the same collectives. A
 reduction superseded while in flight has its input changed under it; its result is thrown
 away and it is waited for before ``step()`` returns (its buffers stay alive until then).
+
+[Note: reduce buffers end with backward]
+Stage 3's reduce buffers (a transient pool: [Note: transient reduce buffers] in
+``zkernels/comm/reduce_pool.py``) live only while backward's reductions are in flight. During
+backward the pool keeps at most its ``num_buffers``: a bucket that needs one while all are
+busy first waits for the oldest reduction and takes its buffer, as FSDP2 keeps only the
+previous reduce-scatter's input alive until the next one. At the end of every synced backward
+the stage-3 schedule's end-of-backward callback (queued on the autograd engine at the first
+pre-backward hook, as FSDP2's post-backward final callback is) calls
+:meth:`ShardedGradReducer.end_backward`: every bucket still pending (an unused parameter, a
+bucket waiting for one, gradients held from ``no_sync``) packs and launches in order, every
+reduction is waited for (``Handle.wait``: on a GPU the current stream waits on the comm stream,
+no host sync; the buffers are dropped after that wait, so the caching allocator reuses them
+only behind the collective, with no ``record_stream``) and the pool gives its buffers back. So
+after backward and before ``step()`` a rank holds its formula (16Ψ/N in fp32) and nothing else;
+the peak is unchanged (the same buffers during backward). The reduced shards are in the sink
+already, so a second backward before ``step()`` starts a new round whose shards add (exact: a
+bucket reduced in the first round adds zeros for its members the first backward left out);
+only its traffic differs from reducing both backwards in one round, in the rare case where
+the two backwards touch disjoint parameters. A backward that raised runs no callback: its
+pending gradients wait for ``step()`` or ``zero_grad()`` as before. Stage 2's pool is
+persistent (its buffers are held between steps anyway), so it keeps reducing in ``step()``.
 """
 from __future__ import annotations
 
@@ -344,7 +366,8 @@ class ShardedGradReducer(_Reducer):
     order). The reduced shards go to the grad sink, whose fp32 shard per bucket is the only
     gradient memory held between steps. The pool holds one open (partly filled) bucket per
     param group beyond two (one may wait for an earlier one: see plan_buckets); at stage 3 it
-    holds its buffers only while gradients are in flight ([Note: transient reduce buffers]).
+    holds its buffers only while gradients are in flight ([Note: transient reduce buffers]),
+    given back at the end of each backward ([Note: reduce buffers end with backward]).
 
     Args:
         hooks: install each bucket's gradient hooks (stage 2); stage 3's GatherUnits install
@@ -366,10 +389,24 @@ class ShardedGradReducer(_Reducer):
         Returns:
             the fp32 gradient shard per bucket ([shard_numel], already divided by N) and 1.0.
         """
+        self._settle()
+        return self.sink.collect(), 1.0
+
+    def end_backward(self) -> None:
+        """A synced backward ended (stage 3's end-of-backward callback): reduce what it left
+        and give the reduce buffers back, so that between backward and ``step()`` a rank holds
+        only its formula ([Note: reduce buffers end with backward]). Inside ``no_sync``
+        nothing was packed and nothing is done. A persistent pool (stage 2) keeps its
+        buffers, so nothing is gained there: stage 2 never calls it."""
+        if self.sync:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Launch what is pending (unused parameters, a bucket that waits for one, gradients
+        held from ``no_sync``), in order; wait for everything in flight; trim the pool."""
         if self.order.started() or any(b.holds_grads() for b in self.buckets):
             self.order.flush()
         self.order.drain()
-        return self.sink.collect(), 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.order.discard()

@@ -21,9 +21,6 @@ from typing import Optional
 
 import torch
 
-_LOW = (torch.bfloat16, torch.float16)
-
-
 @dataclass(frozen=True)
 class MixedPrecision:
     """Dtypes of the compute copy and of the gradient reduction.
@@ -40,14 +37,7 @@ class MixedPrecision:
     @classmethod
     def build(cls, param_dtype: Optional[torch.dtype],
               reduce_dtype: Optional[torch.dtype]) -> "MixedPrecision":
-        """Validate the user's arguments (None means float32)."""
-        allowed = (None, torch.float32) + _LOW
-        if param_dtype not in allowed:
-            raise ValueError(f"param_dtype must be None, torch.float32, torch.bfloat16 or "
-                             f"torch.float16, got {param_dtype!r}")
-        if reduce_dtype not in allowed:
-            raise ValueError(f"reduce_dtype must be None, torch.float32, torch.bfloat16 or "
-                             f"torch.float16, got {reduce_dtype!r}")
+        """From a ``PrecisionConfig``'s dtypes (checked there; None means float32)."""
         return cls(param_dtype or torch.float32, reduce_dtype or torch.float32)
 
     @property

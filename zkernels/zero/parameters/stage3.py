@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -265,12 +265,17 @@ class GatherSchedule:
             (see [Note: divergent paths]).
         limit_bytes: bound on gathered bytes a prefetch may bring the total to (default: the
             root plus twice the largest other unit).
+        on_end_backward: called at the end of each backward that completed, after the units
+            are freed (the gradient strategy's ``end_backward``: [Note: reduce buffers end
+            with backward] in ``grad_reducers.py``).
     """
 
     def __init__(self, units: Sequence[GatherUnit], comm: Comm, reshard_after_forward: bool,
                  limit_bytes: Optional[int] = None, check_paths: bool = True,
-                 grad_buckets: Sequence = ()) -> None:
+                 grad_buckets: Sequence = (),
+                 on_end_backward: Optional[Callable[[], None]] = None) -> None:
         self.units = list(units)
+        self._on_end_backward = on_end_backward
         self._keys_only = 0  # > 0 inside sharded_state_dict_keys()
         self.check_paths = bool(check_paths) and comm.world_size > 1
         self._index = {id(u): i for i, u in enumerate(self.units)}
@@ -377,8 +382,9 @@ class GatherSchedule:
 
     def _pre_forward(self, u: GatherUnit) -> None:
         if self._in_backward and torch._C._current_graph_task_id() == -1:
-            # A backward that raised never ran its end-of-backward callback: close it now.
-            self._end_backward()
+            # A backward that raised never ran its end-of-backward callback: close it now
+            # (its gradients wait for step() or zero_grad(), as before).
+            self._end_backward(completed=False)
         nxt = None  # in backward: a recompute (activation checkpointing), gathered, never freed
         if not self._in_backward:
             if u.is_root and u.depth == 0:
@@ -427,12 +433,14 @@ class GatherSchedule:
         if nxt is not None and nxt.needs_backward:
             self._prefetch(nxt)
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, completed: bool = True) -> None:
         self._in_backward = False
         self._bwd.end()
         for u in self.units:
             u.end_backward()
         self.free_all()
+        if completed and self._on_end_backward is not None:
+            self._on_end_backward()
 
     @contextlib.contextmanager
     def sharded_state_dict_keys(self) -> Iterator[None]:

@@ -1,8 +1,8 @@
 """``stage="auto"``: measure the memory a rank may use and climb the ladder until it fits.
 
-The decision itself is :func:`zkernels.zero.planning.estimate.choose_rung` (pure arithmetic); this
-module measures the budget, makes every rank agree on it, and turns the chosen rung into a
-stage the optimizer implements or a clear error.
+The decision itself is :func:`zkernels.zero.planning.ladder.choose_rung` (pure arithmetic); this
+module measures the budget, makes every rank agree on it, and turns the chosen rung into the
+run's :class:`~zkernels.zero.planning.config.ZeroConfig`.
 
 [Note: auto budget]
 The budget of a rank is what it could hold for model states: the device's free memory plus the
@@ -34,17 +34,14 @@ from typing import Iterable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .estimate import count_params, rung_name
+from .config import ZeroConfig
+from .estimate import count_params
 from .ladder import choose_rung
-from .policy import RUNGS, implemented_stages, rung_implemented
+from .policy import RUNGS
 
 log = logging.getLogger("zkernels.zero")
 
 MEASURED_HEADROOM = 0.10
-
-
-class RungNotAvailableError(NotImplementedError):
-    """The rung the model needs is not implemented in this version of zkernels."""
 
 
 def host_available_bytes() -> int:
@@ -123,9 +120,8 @@ def announce(message: str, group=None) -> None:
 
 
 def resolve_auto_stage(params: Iterable[torch.Tensor], **kwargs) -> int:
-    """The stage of :func:`resolve_auto_rung` (the rung's offload kind dropped; same
-    arguments)."""
-    return resolve_auto_rung(params, **kwargs)[0]
+    """The stage of :func:`resolve_auto_placement` (same arguments)."""
+    return resolve_auto_placement(params, **kwargs)[0]
 
 
 def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
@@ -139,23 +135,22 @@ def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
     return tuple(r for r in RUNGS if r[1] in usable)
 
 
-def resolve_auto_rung(params: Iterable[torch.Tensor], **kwargs) -> Tuple[int, Optional[str]]:
-    """``(stage, offload)`` of :func:`resolve_auto_placement` (same arguments)."""
-    return resolve_auto_placement(params, **kwargs)[:2]
-
-
 def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
-                           param_dtype=None, reduce_dtype=None, bucket_bytes: Optional[int] = None,
+                           config: Optional[ZeroConfig] = None,
                            memory_budget_bytes: Optional[int] = None, group=None,
-                           num_param_groups: int = 1, model=None, offload=None,
-                           offload_dir=None, offload_params: Optional[bool] = None
+                           num_param_groups: int = 1, model=None, **config_kwargs
                            ) -> Tuple[int, Optional[str], bool]:
-    """The rung ``stage="auto"`` resolves to: the lowest rung that fits, if implemented.
+    """The rung ``stage="auto"`` resolves to: the lowest rung that fits.
 
     Args:
         params: the parameters the optimizer will shard (their device is the training device).
         world_size: ranks sharing the states.
-        param_dtype, reduce_dtype, bucket_bytes: the optimizer's settings.
+        config: the run's :class:`ZeroConfig` (stage "auto"); or its keywords
+            (``param_dtype``, ``bucket_bytes``, ``offload``, ...) in ``config_kwargs``. Its
+            ``offload`` kind limits the rungs to that kind, its ``offload.dir`` offers the
+            NVMe rungs (see :func:`auto_rungs`), its ``offload.params`` takes only rungs with
+            the parameter shards off the device (else a stage-3 offload rung that does not
+            fit tries them).
         memory_budget_bytes: bytes per rank the user allows (taken as is); None: measure the
             device (see [Note: auto budget]).
         group: the process group (None: the world).
@@ -163,19 +158,16 @@ def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
         model: the module, when known: stage 3's estimate then counts its units (the gathered
             root and blocks, one reduce buffer per unit); without it, gathered units are not
             counted.
-        offload, offload_dir: the optimizer's; they decide which offload rungs are offered
-            (see :func:`auto_rungs`).
-        offload_params: as ``ladder.choose_rung``'s: None lets a stage-3 offload rung that
-            does not fit try the parameter shards in host RAM; True takes only such rungs.
 
     Returns:
-        ``(stage, offload, offload_params)`` (implemented: see ``policy.rung_implemented``).
-        Rank 0 says which rung and why, in one line (see [Note: auto announcement]).
+        ``(stage, offload, offload_params)``. Rank 0 says which rung and why, in one line
+        (see [Note: auto announcement]).
 
     Raises:
         NoRungFitsError: not even the last rung fits.
-        RungNotAvailableError: the lowest rung that fits is not implemented in this version.
     """
+    cfg = config if config is not None else ZeroConfig.from_kwargs(stage="auto",
+                                                                   **config_kwargs)
     params = [p for p in params]
     if not params:
         raise ValueError("stage='auto' needs at least one parameter")
@@ -194,42 +186,37 @@ def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
         budget, headroom, source = memory_budget_bytes, 0.0, "memory_budget_bytes"
     budget = _min_over_ranks(budget, group, device)
     # Offload to host RAM means nothing when the device is the host (unless asked for).
-    rungs = auto_rungs(device, offload, offload_dir)
+    rungs = auto_rungs(device, cfg.offload.kind, cfg.offload.dir)
     distinct = {id(p): p for p in params}.values()     # tied weights count once
     (stage, offload), est, reason = choose_rung(
         model if model is not None else count_params(sum(p.numel() for p in distinct)),
-        world_size, budget,
-        headroom=headroom, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        bucket_bytes=bucket_bytes, max_tensor_numel=max(p.numel() for p in distinct),
-        num_param_groups=num_param_groups, rungs=rungs, offload_params=offload_params)
-    if not rung_implemented(stage, offload):
-        raise RungNotAvailableError(
-            f"stage='auto': this model needs {rung_name(stage, offload)} ({reason}), which is "
-            f"not available in this version of zkernels (implemented stages: "
-            f"{', '.join(map(str, implemented_stages()))}). Use more ranks, a narrower "
-            f"param_dtype, or a larger memory budget")
+        world_size, budget, config=cfg, headroom=headroom,
+        max_tensor_numel=max(p.numel() for p in distinct),
+        num_param_groups=num_param_groups, rungs=rungs,
+        offload_params=True if cfg.offload.params else None)
     chosen = f"stage {stage}" if offload is None else est.name
     announce(f"stage='auto' chose {chosen} (budget from {source}): {reason}", group)
     return stage, offload, est.offload_params
 
 
-def resolve_rung(stage: Optional[int], *, offload, offload_dir, offload_config,
-                 offload_params: bool, param_groups, world_size: int, param_dtype,
-                 reduce_dtype, bucket_bytes: Optional[int], memory_budget_bytes: Optional[int],
-                 process_group, model) -> Tuple[int, Optional[str], bool, object, object]:
-    """``(stage, offload, offload_params, offload_dir, offload_config)`` the optimizer runs:
-    the arguments as given for an explicit ``stage``; for ``"auto"`` (``stage`` None) the
-    rung :func:`resolve_auto_placement` chooses, the NVMe folder kept only for an NVMe rung
-    and the offload config only for an offload rung."""
-    if stage is not None:
-        return stage, offload, offload_params, offload_dir, offload_config
+def resolve_rung(config: ZeroConfig, *, param_groups, world_size: int,
+                 memory_budget_bytes: Optional[int], process_group, model) -> ZeroConfig:
+    """The config the optimizer runs: ``config`` itself for an explicit stage; for "auto"
+    the rung :func:`resolve_auto_placement` chooses (``ZeroConfig.at_rung``: the NVMe folder
+    kept only for an NVMe rung, the offload knobs only for an offload rung).
+
+    Raises:
+        ValueError: ``memory_budget_bytes`` at an explicit stage.
+    """
+    if config.stage != "auto":
+        if memory_budget_bytes is not None:
+            raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
+                             f"stage={config.stage!r}")
+        return config
     from ...comm.hybrid import is_device_mesh
-    stage, offload, offload_params = resolve_auto_placement(
-        [p for g in param_groups for p in g["params"]], world_size=world_size,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+    rung = resolve_auto_placement(
+        [p for g in param_groups for p in g["params"]], world_size=world_size, config=config,
         memory_budget_bytes=memory_budget_bytes,
         group=None if is_device_mesh(process_group) else process_group,
-        num_param_groups=len(param_groups), model=model, offload=offload,
-        offload_dir=offload_dir, offload_params=True if offload_params else None)
-    return (stage, offload, offload_params, offload_dir if offload == "nvme" else None,
-            offload_config if offload is not None else None)
+        num_param_groups=len(param_groups), model=model)
+    return config.at_rung(*rung)

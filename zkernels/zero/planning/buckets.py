@@ -79,15 +79,13 @@ def bucket_capacities(bucket_bytes: Optional[int], num_params: int, reduce_dtype
 
 def bucket_capacity(bucket_bytes: int, reduce_dtype: torch.dtype, world_size: int,
                     align: int) -> int:
-    """Elements a bucket holds: ``bucket_bytes`` of reduce buffer (the unit one
-    reduce-scatter moves).
+    """Elements a bucket holds: ``bucket_bytes`` (an int: ``BucketConfig`` checked it) of
+    reduce buffer (the unit one reduce-scatter moves).
 
     Raises:
         ValueError: ``bucket_bytes`` cannot hold one aligned element per rank (each rank's
             shard would be empty).
     """
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool):
-        raise TypeError(f"bucket_bytes must be an int, got {type(bucket_bytes).__name__}")
     elem = torch.empty((), dtype=reduce_dtype).element_size()
     minimum = world_size * align * elem
     if bucket_bytes < minimum:

@@ -6,7 +6,7 @@ r = bytes of the gradient reduction (``reduce_dtype``, fp32 when None), g = byte
 gradient shard (``grad_shard_dtype``: fp32 when None, as ``ZeroOptimizer`` accumulates reduced
 gradients in fp32), AdamW with two fp32 states (8 bytes per parameter). With a ``param_dtype``
 narrower than fp32 a rank also holds an fp32 master copy (4 bytes); in pure fp32 the parameter
-is its own master (DESIGN.md's table). B = elements of the largest bucket
+is its own master (docs/design.md#pure-fp32). B = elements of the largest bucket
 (``bucket_bytes / r``, at most Ψ, at least the largest tensor of a given model; with
 ``bucket_bytes=None`` the optimizer's default, sized from Ψ by ``buckets.auto_bucket_bytes``),
 G = number of param groups, U = elements of stage 3's largest unit (a block; see
@@ -28,7 +28,8 @@ the same entries the optimizer and its gradient strategies are built from.
 quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are the reduce buffers at the step's peak; stages 1-2 hold
 them between steps too, stage 3 only while gradients are in flight (``held_buffers_bytes``:
-0, so between steps stage 3 holds its formula and nothing else, as FSDP2 does). They are two
+0, so after backward and between steps stage 3 holds its formula and nothing else, as FSDP2
+does). They are two
 bucket-sized reduce buffers
 (one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
 bucket may wait for another group's), never more than there are buckets (a model that fits in
@@ -95,33 +96,14 @@ from typing import Dict, Optional, Union
 import torch
 
 from .buckets import auto_bucket_bytes
-from .offload_config import (DEFAULT_NVME_BUFFER_BYTES, DEFAULT_NVME_PARAM_BUFFER_BYTES,
-                             DEFAULT_SUB_GROUP_NUMEL, IO_ALIGN, NUM_PARAM_BOUNCES,
-                             nvme_arena_bytes, nvme_sub_group_numel, param_bounce_bytes)
-from .policy import (NUM_REDUCE_BUFFERS, STAGES, check_reshard_after_forward, offload_policy,
-                     stage_policy)
+from .config import QuantizeConfig, ZeroConfig, parse_dtype
+from .offload_config import (IO_ALIGN, NUM_PARAM_BOUNCES, OffloadConfig, nvme_arena_bytes,
+                             nvme_sub_group_numel, param_bounce_bytes)
+from .policy import NUM_REDUCE_BUFFERS, STAGES, StagePolicy, check_reshard_after_forward
 from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
-
-_DTYPE_NAMES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
-
-
-def parse_dtype(value, name: str) -> Optional[torch.dtype]:
-    """``None``, a floating ``torch.dtype`` or one of fp32/bf16/fp16 (and long names) -> dtype."""
-    if value is None or isinstance(value, torch.dtype):
-        if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise ValueError(f"{name} must be a floating dtype, got {value}")
-        return value
-    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value.lower()]
-    raise ValueError(f"{name} must be None, a torch floating dtype or one of "
-                     f"{sorted(_DTYPE_NAMES)}, got {value!r}")
 
 
 def rung_name(stage: int, offload: Optional[str], offload_params: bool = False) -> str:
@@ -206,18 +188,19 @@ class MemoryEstimate:
     @property
     def gathered_peak_bytes(self) -> int:
         """Stage 3's gathered units at their peak (0 at the other stages)."""
-        return self.transient_bytes if stage_policy(self.stage).shards_params else 0
+        return self.transient_bytes if STAGES[self.stage].shards_params else 0
 
     @property
     def held_buffers_bytes(self) -> int:
-        """Reduce-buffer bytes held between steps: ``buffers_bytes`` at stages 0-2, 0 at
-        stage 3 (its buffers live only while gradients are in flight)."""
-        return self.buffers_bytes if stage_policy(self.stage).holds_reduce_buffers else 0
+        """Reduce-buffer bytes held between steps and after backward: ``buffers_bytes`` at
+        stages 0-2, 0 at stage 3 (its buffers live only while gradients are in flight)."""
+        return self.buffers_bytes if STAGES[self.stage].holds_reduce_buffers else 0
 
     @property
     def held_device_bytes(self) -> int:
         """Device bytes held between steps: the peak (``device_bytes``) less the transient
-        memory and the reduce buffers not held between steps."""
+        memory and the reduce buffers not held between steps. Stages 2-3 hold the same after
+        backward, before ``step()`` (stage 1 holds its reduced shards then too)."""
         return self.device_bytes - self.transient_bytes - \
             (self.buffers_bytes - self.held_buffers_bytes)
 
@@ -300,249 +283,310 @@ def _largest_tensor_numel(model) -> int:
         if isinstance(model, torch.nn.Module) else 0
 
 
+_OFFLOAD_KNOBS = ("sub_group_numel", "nvme_buffer_bytes", "nvme_param_buffer_bytes",
+                  "nvme_master")
+
+
+def estimate_config(stage=None, config: Optional[ZeroConfig] = None, **kwargs) -> ZeroConfig:
+    """The :class:`ZeroConfig` an estimate reads: ``config`` as given, or one built from
+    ``ZeroOptimizer``'s keyword names (``ZeroConfig.from_kwargs``), plus the estimator's own
+    spellings: ``secondary_size=R`` for ``reshard_after_forward=R`` and the
+    :class:`OffloadConfig` knobs (``sub_group_numel``, ``nvme_buffer_bytes``,
+    ``nvme_param_buffer_bytes``, ``nvme_master``) as flat keywords.
+
+    Raises:
+        TypeError: ``config`` together with a stage or config keywords, or neither.
+    """
+    if config is not None:
+        if kwargs or stage is not None:
+            given = sorted(kwargs) + (["stage"] if stage is not None else [])
+            raise TypeError(f"pass config= or the keywords it holds, not both (got config= "
+                            f"and {', '.join(given)})")
+        return config
+    if stage is None:
+        raise TypeError("estimate_memory needs stage= (0, 1, 2 or 3) or config=")
+    knobs = {k: kwargs.pop(k) for k in _OFFLOAD_KNOBS if k in kwargs}
+    secondary = kwargs.pop("secondary_size", None)
+    if secondary is not None:
+        kwargs["reshard_after_forward"] = secondary
+    if knobs and kwargs.get("offload") is not None:
+        kwargs["offload_config"] = OffloadConfig(**knobs)
+    return ZeroConfig.from_kwargs(stage=stage, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """What an estimate is computed from: the config's rung and the model's sizes (elements
+    and bytes per element; see [Note: memory model] for the letters)."""
+
+    policy: StagePolicy
+    cfg: ZeroConfig
+    p: int                  # compute copy
+    r: int                  # gradient reduction
+    g: int                  # kept gradient shard
+    mixed: bool             # an fp32 master beside a narrower compute copy
+    num_params: int         # Ψ, frozen included
+    n_psi: int              # T, the trainable ones
+    n_frozen: int           # F
+    frozen_whole: int       # bytes of the frozen parameters at stages 0-2
+    frozen_shard: int       # bytes of this rank's frozen shard at stage 3
+    big_n: int              # ranks sharing the states (hybrid: K)
+    groups: int             # N/K
+    shard: int              # T/K, padded
+    num_param_groups: int
+    bucket_numel: int       # B (stage 3 with a module: its largest unit)
+    num_buckets: int
+    gathered: int           # stage 3's elements gathered at once
+
+    @property
+    def offload(self) -> Optional[str]:
+        return self.cfg.offload.kind
+
+    @property
+    def offload_params(self) -> bool:
+        return self.cfg.offload.params
+
+
+def _counts(model, world_size: int, cfg: ZeroConfig, *, grad_shard_dtype, max_unit_numel,
+            gathered_numel, max_tensor_numel, num_param_groups, frozen_numel,
+            frozen_dtype) -> _Counts:
+    num_params = count_params(model)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(num_param_groups, bool) or not isinstance(num_param_groups, int) \
+            or num_param_groups < 1:
+        raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
+    policy = STAGES[cfg.stage]
+    pdt = cfg.precision.param_dtype or torch.float32
+    rdt = cfg.precision.reduce_dtype or torch.float32
+    gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
+    # Hybrid sharding: the formulas see the shard group's K ranks (stage 0 shards nothing).
+    groups = _num_groups(cfg.sharding.shard_size, world_size)
+    groups = 1 if cfg.stage == 0 else groups
+    big_n = world_size // groups
+    n_frozen, frozen_whole, frozen_sharded = _frozen_split(model, num_params, frozen_numel,
+                                                           frozen_dtype, pdt)
+    n_psi = num_params - n_frozen
+    bucket_bytes = cfg.buckets.bucket_bytes
+    if bucket_bytes is None:
+        bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
+    is_module = isinstance(model, torch.nn.Module)
+    # Stage 3 with a model: its units (unit_plan.py) say what is gathered at once (the root
+    # and two blocks: the prefetch bound) and size the reduce buffers (one unit each).
+    units3 = _stage3_units(model) if policy.shards_params and max_unit_numel is None \
+        and is_module else None
+    if max_unit_numel is None:
+        max_unit_numel = largest_unit_numel(model) if is_module else 0
+    if gathered_numel is None:
+        gathered_numel = units3[0] if units3 is not None else 2 * max_unit_numel
+    if max_tensor_numel is None:
+        max_tensor_numel = _largest_tensor_numel(model)
+    # The largest bucket: bucket_bytes of reduce dtype, a lone tensor larger than that, never
+    # more than the whole model. Buckets never mix groups: at least one per group.
+    bucket_numel = 0 if bucket_bytes == 0 else min(n_psi, max(bucket_bytes // rdt.itemsize,
+                                                              max_tensor_numel))
+    num_buckets = max(-(-n_psi // bucket_numel), num_param_groups) if bucket_numel \
+        else NUM_REDUCE_BUFFERS + num_param_groups
+    if units3 is not None:  # stage 3 reduces one unit (per group) at a time
+        bucket_numel, num_buckets = units3[1], max(units3[2], num_param_groups)
+    return _Counts(policy, cfg, pdt.itemsize, rdt.itemsize, gdt.itemsize, pdt != torch.float32,
+                   num_params, n_psi, n_frozen, frozen_whole, _div(frozen_sharded, big_n),
+                   big_n, groups, _div(n_psi, big_n), num_param_groups, bucket_numel,
+                   num_buckets, gathered_numel)
+
+
+def _states(c: _Counts) -> Dict[str, int]:
+    """params, grads, master and optimizer_states per rank, wherever they live."""
+    pol = c.policy
+    per = c.shard if pol.shards_optimizer else c.n_psi
+    # Pure fp32 offload: the device parameter can no longer be the master (the update runs
+    # elsewhere), so the host or disk holds an fp32 master shard of its own (with CPU
+    # offload_params the host master is the host parameter shard itself).
+    own_master = c.mixed or c.offload is not None and not (c.offload_params and
+                                                           c.offload == "cpu")
+    return dict(params=c.p * c.shard + c.frozen_shard if pol.shards_params
+                else c.p * c.n_psi + c.frozen_whole,
+                grads=c.g * c.shard if pol.shards_grads else c.p * c.n_psi,
+                master=MASTER_BYTES * per if own_master else 0,
+                optimizer_states=ADAM_STATE_BYTES * per)
+
+
+def _buffers(c: _Counts) -> int:
+    """Reduce-buffer bytes at the step's peak (see [Note: memory model]): the pool's buffers
+    of the largest bucket, where the stage reduces through a pool (data parallel only when
+    an explicit reduce dtype differs from the gradients', a comm hook casting each bucket)."""
+    prec = c.cfg.precision
+    pdt, rdt = prec.param_dtype or torch.float32, prec.reduce_dtype or torch.float32
+    pooled = c.policy.uses_reduce_pool(pdt, rdt) if c.cfg.stage else \
+        prec.reduce_dtype is not None and rdt != pdt
+    if not pooled:
+        return 0
+    return c.policy.num_reduce_buffers(c.num_buckets, c.num_param_groups) * c.r * c.bucket_numel
+
+
+def _transient(c: _Counts) -> int:
+    """Bytes that live only inside a step: stage 1's reduced shards, stage 3's gathered units
+    (and, with secondary shards, their chunks from forward to backward)."""
+    out = {"none": 0, "reduced_grad_shard": c.r * c.shard,
+           "gathered_units": c.p * c.gathered}[c.policy.transient]
+    secondary = c.cfg.sharding.secondary_size
+    if secondary is not None:
+        check_reshard_after_forward(secondary, c.big_n)
+        out += c.p * _div(_gathered_numel(c), secondary)
+    return out
+
+
+def _offload_split(c: _Counts, kinds: Dict[str, int]):
+    """``(device, host, disk)``: where each kind lives (see the offload paragraph of [Note:
+    memory model]); host ``bounces`` and ``staging`` are the offload strategy's buffers."""
+    device, host, disk = dict(kinds), {}, {}
+    opts, p = c.cfg.offload.options, c.p
+    unit_shard = _div(c.bucket_numel, c.big_n) if c.bucket_numel else c.shard  # the largest
+    if c.offload_params and c.offload == "nvme":
+        # Parameter files, read through two bounces of the largest unit shard within their
+        # budget (param_nvme.py; a parameter count without units: the whole shard).
+        disk["params"] = device.pop("params")
+        host["bounces"] = NUM_PARAM_BOUNCES * (   # + each one's alignment slack
+            param_bounce_bytes(opts.nvme_param_buffer_bytes, p * unit_shard) + IO_ALIGN)
+    elif c.offload_params:
+        host["params"] = device.pop("params")
+    if c.offload == "cpu":
+        for k in ("master", "optimizer_states", "grads"):
+            host[k] = device.pop(k)
+        # Two staging sub-groups of compute-dtype results on their way to the device (none
+        # when the update writes host parameter shards).
+        host["staging"] = 2 * p * min(opts.sub_group_numel, c.shard) \
+            if c.mixed and not c.offload_params else 0
+    elif c.offload == "nvme":
+        on_disk = ("master",) if opts.nvme_master else ()
+        for k in on_disk + ("optimizer_states",):
+            disk[k] = device.pop(k)
+        if not opts.nvme_master:
+            host["master"] = device.pop("master")
+        # The slot arena: sub-groups of the largest unit shard, capped by the budget (aligned
+        # to a parameter file's blocks too).
+        kinds_in_slot = len(on_disk) + 2
+        cb = p if c.mixed or (c.offload_params and not opts.nvme_master) else 0
+        host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
+            opts.nvme_buffer_bytes, kinds_in_slot, cb, unit_shard,
+            file_bytes=p if c.offload_params else 0), kinds_in_slot, cb)
+    return device, host, disk
+
+
+def _gathered_numel(c: _Counts) -> int:
+    """Elements each parameter all-gather moves over a step (stage 3: frozen ones too)."""
+    return c.n_psi + (c.n_frozen if c.policy.shards_params else 0)
+
+
+def _traffic(c: _Counts, disk: Dict[str, int]):
+    """``(comm, across groups, host<->device, disk I/O)`` bytes per step (see [Note: traffic
+    model])."""
+    pol, p, r, n_psi = c.policy, c.p, c.r, c.n_psi
+    rq, pq = quantized_element_bytes(c.cfg.quantization)
+    rq, pq = rq or r, pq or p
+    frac = (c.big_n - 1) / c.big_n
+    gathered = _gathered_numel(c)
+    if c.cfg.stage == 0:   # DDP all-reduces in reduce_dtype if given, else in the grads' dtype
+        comm = 2 * (r if c.cfg.precision.reduce_dtype is not None else p) * n_psi * frac
+    else:                  # one reduce-scatter, one or two all-gathers
+        comm = (rq * n_psi + pol.gathers_per_step * pq * gathered) * frac
+    secondary = c.cfg.sharding.secondary_size
+    if secondary is not None:  # the backward gather runs within R ranks, exact
+        comm -= gathered * (pq * frac - p * (secondary - 1) / secondary)
+    # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
+    across = 2 * r * c.shard * (c.groups - 1) / c.groups
+    h2d = 0 if c.offload is None else c.g * c.shard + (
+        pol.gathers_per_step * (p * c.shard + c.frozen_shard) if c.offload_params
+        else p * c.shard)
+    # NVMe: state read and written once per step; parameter files written by the update and
+    # read by every gather.
+    files = disk.get("params", 0)
+    disk_io = 0 if c.offload != "nvme" else 2 * (sum(disk.values()) - files) + \
+        (1 + pol.gathers_per_step) * files
+    return comm + across, across, h2d, disk_io
+
+
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
-                    stage: int, param_dtype=None, reduce_dtype=None,
-                    offload: Optional[str] = None, bucket_bytes: Optional[int] = None,
-                    max_unit_numel: Optional[int] = None, grad_shard_dtype=None,
-                    max_tensor_numel: Optional[int] = None,
-                    num_param_groups: int = 1,
-                    nvme_buffer_bytes: int = DEFAULT_NVME_BUFFER_BYTES,
-                    nvme_master: bool = True,
-                    nvme_param_buffer_bytes: int = DEFAULT_NVME_PARAM_BUFFER_BYTES,
-                    sub_group_numel: int = DEFAULT_SUB_GROUP_NUMEL,
-                    offload_params: bool = False, frozen_numel: Optional[int] = None,
-                    frozen_dtype=None, shard_size: Optional[int] = None,
-                    secondary_size: Optional[int] = None, quantize_weights: Optional[str] = None,
-                    quantize_grads: Optional[str] = None,
-                    quantize_block: int = 256) -> MemoryEstimate:
+                    stage=None, *, config: Optional[ZeroConfig] = None, grad_shard_dtype=None,
+                    max_unit_numel: Optional[int] = None, gathered_numel: Optional[int] = None,
+                    max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
+                    frozen_numel: Optional[int] = None, frozen_dtype=None,
+                    **config_kwargs) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW on one rung.
 
     Args:
         model_or_num_params: an ``nn.Module`` (its distinct parameters are counted, those with
             ``requires_grad=False`` as frozen) or Ψ (every parameter, frozen ones included).
         world_size: N, ranks sharing the states (>= 1).
-        stage: 0 (plain data parallel: DDP + AdamW), 1, 2 or 3.
-        param_dtype: compute dtype of the parameters (None: fp32, no master copy).
-        reduce_dtype: dtype gradients are reduced in (None: fp32; at stage 0, the
-            gradients' own dtype, as DDP reduces them).
-        offload: None, "cpu" or "nvme" (stages 2-3 only).
-        bucket_bytes: reduce bucket size (0: count no buffers, model states only; None, the
-            optimizer's default: sized from the model, see [Note: buckets sized from the
-            model] in ``buckets.py``).
+        stage: 0 (plain data parallel: DDP + AdamW), 1, 2 or 3; or give ``config``.
+        config: a :class:`~zkernels.zero.planning.config.ZeroConfig` with an explicit stage
+            (0-3), instead of ``stage`` and the keywords below.
+        **config_kwargs: ``ZeroOptimizer``'s keywords that build a config (``param_dtype``,
+            ``reduce_dtype``: None is fp32, at stage 0 the gradients' own dtype;
+            ``offload``, ``offload_params``, ``bucket_bytes``: 0 counts no buffers;
+            ``shard_size``; ``reshard_after_forward`` or ``secondary_size``: an int R;
+            ``quantize_weights``, ``quantize_grads``, ``quantize_block``), and the
+            ``OffloadConfig`` knobs flat (``nvme_buffer_bytes``, ``nvme_master``,
+            ``nvme_param_buffer_bytes``, ``sub_group_numel``); see :func:`estimate_config`.
+        grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
+            ``ZeroOptimizer`` keeps it; the ZeRO paper keeps it in fp16).
         max_unit_numel: parameters of the largest unit gathered at stage 3 (two are counted
             gathered at once); default, when a module is given: its stage-3 units
             (``unit_plan.py``), counted as ``ZeroOptimizer`` gathers them: the root unit plus
             two of the largest block, and one reduce buffer per unit instead of per bucket;
             else 0 (not counted).
-        grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
-            ``ZeroOptimizer`` keeps it; the ZeRO paper keeps it in fp16).
+        gathered_numel: stage 3's parameters gathered at once (the root unit plus two of the
+            largest block), for a parameter count whose layer sizes are known (``plan``
+            with a config.json); default: from the module's units, else 2 × max_unit_numel.
         max_tensor_numel: elements of the largest parameter (a tensor larger than a bucket
             gets a bucket of its own); default: from the model when a module is given, else 0.
         num_param_groups: optimizer param groups; from stage 2 on, each group beyond the first
             may keep one partly filled bucket waiting, so it adds one reduce buffer.
-        nvme_buffer_bytes, nvme_master, nvme_param_buffer_bytes, sub_group_numel: as in
-            :class:`~zkernels.zero.planning.offload_config.OffloadConfig` (the NVMe host budget, master
-            on disk, the parameter bounces' budget, the CPU offload sub-group).
-        offload_params: stage 3 with offload: the parameter shards in host RAM too (in files
-            with NVMe).
         frozen_numel: with a count Ψ, how many of them are frozen (default 0): e.g. a LoRA
             over a 7B base, ``estimate_memory(7e9 + 4e6, ..., frozen_numel=7e9)``; see
             [Note: frozen parameters in the estimate]. A module counts its own.
         frozen_dtype: with ``frozen_numel``, the frozen parameters' dtype (default fp32).
-        shard_size: hybrid sharding (``ZeroOptimizer(shard_size=K)``): the states are
-            sharded over groups of K ranks (K divides N) and replicated across the N/K
-            groups: every byte per rank is the formula with N replaced by K, the traffic
-            within the group too, plus an all-reduce of the gradient shard (Ψ/K elements in
-            the reduce dtype) across the N/K groups (stages 1-3; stage 0 shards nothing).
-        secondary_size: stage 3 with ``reshard_after_forward=R`` (an int): each unit's
-            backward gather runs within R ranks, p·Ψ·(R-1)/R instead of p·Ψ·(K-1)/K, and the
-            secondary chunks (p·Ψ/R at the end of forward) add to the transient bytes (see
-            [Note: secondary shards] in ``parameters/secondary.py``).
-        quantize_weights, quantize_grads, quantize_block: as ``ZeroOptimizer`` takes them
-            (stage 3 for weights, stages 1-3 for gradients): the traffic counts codes plus
-            scales (see [Note: traffic model]); memory is unchanged (the codes are transient
-            and small beside the buffers they mirror).
+
+    Hybrid sharding replaces N by K in every byte per rank and adds the cross-group
+    all-reduce; secondary shards add p·Ψ/R to the transient bytes; quantization changes the
+    traffic only.
 
     Returns:
         A :class:`MemoryEstimate`; see [Note: memory model] and [Note: traffic model].
     """
-    num_params = count_params(model_or_num_params)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    policy = stage_policy(stage)
-    off = offload_policy(offload)
-    if stage < off.min_stage:
-        allowed = " or ".join(str(s) for s in STAGES if s >= off.min_stage)
-        raise ValueError(f"offload={offload!r} needs stage {allowed}, got stage {stage}")
-    if not isinstance(offload_params, bool):
-        raise TypeError(f"offload_params must be a bool, got {type(offload_params).__name__}")
-    if offload_params and (not policy.shards_params or offload is None):
-        raise ValueError(f"offload_params=True needs stage 3 with offload='cpu' or 'nvme', "
-                         f"got stage={stage}, offload={offload!r}")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
-                                     not isinstance(bucket_bytes, int) or bucket_bytes < 0):
-        raise ValueError(f"bucket_bytes must be None or an int >= 0, got {bucket_bytes!r}")
-    pdt = parse_dtype(param_dtype, "param_dtype") or torch.float32
-    rdt = parse_dtype(reduce_dtype, "reduce_dtype") or torch.float32
-    gdt = parse_dtype(grad_shard_dtype, "grad_shard_dtype") or torch.float32
-    p, r, g = pdt.itemsize, rdt.itemsize, gdt.itemsize
-    # Everything below scales with the trainable parameters; frozen ones are added to params.
-    n_psi, big_n = num_params, world_size
-    # Hybrid sharding: the formulas below see the shard group's K ranks.
-    groups = _num_groups(shard_size, world_size) if stage != 0 else 1
-    if stage == 0:
-        _num_groups(shard_size, world_size)   # checked all the same
-    big_n = world_size // groups
-    n_frozen, frozen_whole, frozen_sharded = _frozen_split(
-        model_or_num_params, num_params, frozen_numel, frozen_dtype, pdt)
-    n_psi = num_params - n_frozen
-    if bucket_bytes is None:
-        bucket_bytes = auto_bucket_bytes(n_psi, rdt, policy.uses_reduce_pool(pdt, rdt))[1]
-    mixed = pdt != torch.float32
-
-    # Stage 3 with a model: its units (unit_plan.py) say what is gathered at once (the root
-    # and two blocks: the prefetch bound) and size the reduce buffers (one unit each).
-    units3 = None
-    if policy.shards_params and max_unit_numel is None \
-            and isinstance(model_or_num_params, torch.nn.Module):
-        units3 = _stage3_units(model_or_num_params)
-    if max_unit_numel is None:
-        max_unit_numel = largest_unit_numel(model_or_num_params) \
-            if isinstance(model_or_num_params, torch.nn.Module) else 0
-    shard = _div(n_psi, big_n)
-    # The largest bucket: bucket_bytes of reduce dtype, a lone tensor larger than that, never
-    # more than the whole model.
-    if max_tensor_numel is None:
-        max_tensor_numel = _largest_tensor_numel(model_or_num_params)
-    bucket_numel = 0 if bucket_bytes == 0 else min(n_psi, max(bucket_bytes // r,
-                                                              max_tensor_numel))
-    frozen_shard = _div(frozen_sharded, big_n)
-    if isinstance(num_param_groups, bool) or not isinstance(num_param_groups, int) \
-            or num_param_groups < 1:
-        raise ValueError(f"num_param_groups must be an int >= 1, got {num_param_groups!r}")
-    # Buckets never mix groups, so there are at least as many buckets as groups.
-    num_buckets = max(-(-n_psi // bucket_numel), num_param_groups) if bucket_numel \
-        else NUM_REDUCE_BUFFERS + num_param_groups
-    if units3 is not None:  # stage 3 reduces one unit (per group) at a time
-        bucket_numel, num_buckets = units3[1], max(units3[2], num_param_groups)
-    pool = policy.num_reduce_buffers(num_buckets, num_param_groups) * r * bucket_numel
-    if stage == 0:
-        kinds = dict(params=p * n_psi + frozen_whole, grads=p * n_psi,
-                     master=MASTER_BYTES * n_psi if mixed else 0,
-                     optimizer_states=ADAM_STATE_BYTES * n_psi, transient=0,
-                     # a reduction in another dtype casts each bucket into a buffer first
-                     buffers=pool if reduce_dtype is not None and rdt != pdt else 0)
-    else:
-        transient = {"none": 0, "reduced_grad_shard": r * shard,
-                     "gathered_units": p * (units3[0] if units3 is not None
-                                            else 2 * max_unit_numel)}[policy.transient]
-        kinds = dict(params=p * shard + frozen_shard if policy.shards_params
-                     else p * n_psi + frozen_whole,
-                     grads=g * shard if policy.shards_grads else p * n_psi,
-                     master=MASTER_BYTES * shard if mixed else 0,
-                     optimizer_states=ADAM_STATE_BYTES * shard,
-                     buffers=pool if policy.uses_reduce_pool(pdt, rdt) else 0,
-                     transient=transient)
-    if offload is not None and not mixed and not (offload_params and offload == "cpu"):
-        # Pure fp32 offload: the device parameter can no longer be the master (the update
-        # runs elsewhere), so the host or disk holds an fp32 master shard of its own (with
-        # CPU offload_params the host master is the host parameter shard itself).
-        kinds["master"] = MASTER_BYTES * shard
-    device = dict(kinds)
-    host, disk = {}, {}
-    unit_shard = _div(bucket_numel, big_n) if bucket_numel else shard  # the largest
-    if offload_params and offload == "nvme":
-        # Parameter files, read through two bounces of the largest unit shard within their
-        # budget (param_nvme.py; a parameter count without units: the whole shard).
-        disk["params"] = device.pop("params")
-        host["bounces"] = NUM_PARAM_BOUNCES * (   # + each one's alignment slack
-            param_bounce_bytes(nvme_param_buffer_bytes, p * unit_shard) + IO_ALIGN)
-    elif offload_params:
-        host["params"] = device.pop("params")
-    if offload == "cpu":
-        for k in ("master", "optimizer_states", "grads"):
-            host[k] = device.pop(k)
-        # Two staging sub-groups of compute-dtype results on their way to the device (none
-        # when the update writes host parameter shards).
-        host["staging"] = 2 * p * min(sub_group_numel, shard) if mixed and not offload_params \
-            else 0
-    elif offload == "nvme":
-        on_disk = ("master",) if nvme_master else ()
-        for k in on_disk + ("optimizer_states",):
-            disk[k] = device.pop(k)
-        if not nvme_master:
-            host["master"] = device.pop("master")
-        # The slot arena: sub-groups of the largest unit shard, capped by the budget (aligned
-        # to a parameter file's blocks too).
-        kinds_in_slot = len(on_disk) + 2
-        cb = p if mixed or (offload_params and not nvme_master) else 0
-        host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
-            nvme_buffer_bytes, kinds_in_slot, cb, unit_shard,
-            file_bytes=p if offload_params else 0), kinds_in_slot, cb)
-
-    rq, pq = quantized_element_bytes(stage, quantize_weights, quantize_grads, quantize_block)
-    rq, pq = rq or r, pq or p
-    frac = (big_n - 1) / big_n
-    if stage == 0:      # DDP all-reduces in reduce_dtype if given, else in the grads' dtype
-        comm = 2 * (r if reduce_dtype is not None else p) * n_psi * frac
-    else:               # one reduce-scatter, one or two all-gathers (stage 3: frozen too)
-        gathered = n_psi + (n_frozen if policy.shards_params else 0)
-        comm = (rq * n_psi + policy.gathers_per_step * pq * gathered) * frac
-    if secondary_size is not None:
-        check_reshard_after_forward(secondary_size, big_n, policy.shards_params)
-        # the backward gather runs within R ranks, exact (quantized.py's Note)
-        comm -= gathered * (pq * frac - p * (secondary_size - 1) / secondary_size)
-        kinds["transient"] += p * _div(gathered, secondary_size)
-        device["transient"] = kinds["transient"]
-    # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
-    across = 2 * r * shard * (groups - 1) / groups
-    comm += across
-    h2d = 0 if offload is None else g * shard + \
-        (policy.gathers_per_step * (p * shard + frozen_shard) if offload_params
-         else p * shard)
-    # NVMe: state read and written once per step; parameter files written by the update and
-    # read by every gather.
-    disk_io = 0 if offload != "nvme" else 2 * (sum(disk.values()) - disk.get("params", 0)) + \
-        (1 + policy.gathers_per_step) * disk.get("params", 0)
+    cfg = estimate_config(stage, config, **config_kwargs)
+    if cfg.stage == "auto":
+        raise ValueError("estimate_memory needs an explicit stage (0, 1, 2 or 3), got 'auto' "
+                         "(the ladder picks one: zkernels.zero.planning.ladder.choose_rung)")
+    c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
+                max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
+                max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
+                frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
+    kinds = dict(_states(c), buffers=_buffers(c), transient=_transient(c))
+    device, host, disk = _offload_split(c, kinds)
+    comm, across, h2d, disk_io = _traffic(c, disk)
+    q = cfg.quantization
     return MemoryEstimate(
-        stage=stage, offload=offload, num_params=num_params, world_size=world_size,
+        stage=cfg.stage, offload=c.offload, num_params=c.num_params, world_size=world_size,
         params_bytes=kinds["params"], grads_bytes=kinds["grads"], master_bytes=kinds["master"],
         optimizer_states_bytes=kinds["optimizer_states"], buffers_bytes=kinds["buffers"],
         transient_bytes=kinds["transient"], device_bytes=sum(device.values()),
         host_bytes=sum(host.values()), disk_bytes=sum(disk.values()),
         comm_bytes=int(round(comm)), host_device_bytes=h2d, disk_io_bytes=disk_io,
-        offload_params=offload_params, frozen_numel=n_frozen,
+        offload_params=c.offload_params, frozen_numel=c.n_frozen,
         by_location={"device": device, "host": host, "disk": disk},
-        shard_size=None if shard_size is None else big_n,
+        shard_size=None if cfg.sharding.shard_size is None else c.big_n,
         comm_across_groups_bytes=int(round(across)),
-        quantize_weights=quantize_weights, quantize_grads=quantize_grads)
+        quantize_weights=q.weights, quantize_grads=q.grads)
 
 
-def quantized_element_bytes(stage: int, quantize_weights, quantize_grads,
-                            quantize_block: int = 256):
+def quantized_element_bytes(quantization: QuantizeConfig):
     """``(gradient bytes per element or None, gathered-weight bytes per element or None)``
-    sent by the quantized collectives: ``bits/8 + 4/quantize_block`` (None: not quantized).
-
-    Raises:
-        ValueError: an unknown format, a bad block, weights below stage 3 or anything at
-            stage 0 (the message names the option).
-    """
-    from ...comm.quantized import GRAD_FORMATS, WEIGHT_FORMATS, _bits, check_block_size
-    g = None if quantize_grads is None else _bits(quantize_grads, GRAD_FORMATS,
-                                                  "quantize_grads")
-    w = None if quantize_weights is None else _bits(quantize_weights, WEIGHT_FORMATS,
-                                                    "quantize_weights")
-    if g is None and w is None:
-        return None, None
-    check_block_size(quantize_block, "quantize_block")
-    if stage == 0:
-        raise ValueError("quantize_grads / quantize_weights apply to ZeRO stages 1-3, not to "
-                         "stage 0 (data parallel)")
-    if w is not None and not stage_policy(stage).shards_params:
-        raise ValueError(f"quantize_weights={quantize_weights!r} applies to stage 3, got "
-                         f"stage {stage}")
-    per_scale = 4 / quantize_block
-    return (None if g is None else g / 8 + per_scale), (None if w is None else w / 8 + per_scale)
+    sent by the quantized collectives: ``bits/8 + 4/block`` (None: not quantized)."""
+    from ...comm.quantized import GRAD_FORMATS, WEIGHT_FORMATS
+    per_scale = 4 / quantization.block
+    return tuple(None if fmt is None else formats[fmt] / 8 + per_scale for fmt, formats in
+                 ((quantization.grads, GRAD_FORMATS), (quantization.weights, WEIGHT_FORMATS)))
 
 
 def comm_seconds(comm_bytes: int, link_gbps: float) -> float:

@@ -8,10 +8,13 @@ next rung: it costs host-to-device copies at each gather, not disk bandwidth.
 """
 from __future__ import annotations
 
+import inspect
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
-from .estimate import MemoryEstimate, count_params, estimate_memory
-from .policy import RUNGS, stage_policy
+from .config import QuantizeConfig, ZeroConfig
+from .estimate import MemoryEstimate, count_params, estimate_config, estimate_memory
+from .policy import RUNGS, STAGES
 
 __all__ = ["RUNGS", "NoRungFitsError", "choose_rung", "ladder_rows", "quantized_choices"]
 
@@ -38,7 +41,7 @@ def ladder_rows(rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
     """
     return [(s, o, op) for s, o in rungs
             for op in ((False, True) if offload_params is None else (offload_params,))
-            if not op or (o is not None and stage_policy(s).shards_params)]
+            if not op or (o is not None and STAGES[s].shards_params)]
 
 
 def quantized_choices(stage: int) -> List[Tuple[Optional[str], Optional[str]]]:
@@ -50,21 +53,33 @@ def quantized_choices(stage: int) -> List[Tuple[Optional[str], Optional[str]]]:
     if stage == 0:
         return []
     out: List[Tuple[Optional[str], Optional[str]]] = [(None, "int8"), (None, "int4")]
-    if stage_policy(stage).shards_params:
+    if STAGES[stage].shards_params:
         out += [("int8", None), ("int8", "int4")]
     return out
 
 
-def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom: float = 0.10,
-                param_dtype=None, reduce_dtype=None, grad_shard_dtype=None,
-                bucket_bytes: Optional[int] = None, max_unit_numel: Optional[int] = None,
-                max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
+# estimate_memory's keywords that describe the model rather than the run (they pass through).
+MODEL_KWARGS = tuple(n for n, p in inspect.signature(estimate_memory).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY and n != "config")
+
+
+def rung_config(base: ZeroConfig, stage: int, offload: Optional[str],
+                offload_params: bool) -> ZeroConfig:
+    """``base`` on one rung, for its estimate: the memory decision ignores quantization (it
+    changes no byte held) and, below stage 3, ``reshard_after_forward`` (nothing to
+    reshard)."""
+    sharding = base.sharding if STAGES[stage].shards_params else \
+        replace(base.sharding, reshard_after_forward=True)
+    return replace(base, sharding=sharding, quantization=QuantizeConfig()).at_rung(
+        stage, offload, offload_params)
+
+
+def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
+                config: Optional[ZeroConfig] = None, headroom: float = 0.10,
                 host_budget_bytes: Optional[int] = None,
                 disk_budget_bytes: Optional[int] = None,
                 rungs: Tuple[Tuple[int, Optional[str]], ...] = RUNGS,
-                offload_params: Optional[bool] = None,
-                frozen_numel: Optional[int] = None,
-                shard_size: Optional[int] = None,
+                offload_params: Optional[bool] = None, **kwargs,
                 ) -> Tuple[Tuple[int, Optional[str]], MemoryEstimate, str]:
     """Lowest rung whose device bytes per rank fit ``budget_bytes * (1 - headroom)``.
 
@@ -75,15 +90,17 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
     Args:
         num_params: Ψ (or an nn.Module). world_size: N ranks.
         budget_bytes: device memory available to one rank for model states and buffers.
+        config: the run's :class:`ZeroConfig` (its stage and offload kind are replaced by
+            each rung's); or give its keywords in ``kwargs``.
         headroom: fraction of ``budget_bytes`` kept free, in [0, 1).
-        param_dtype, reduce_dtype, grad_shard_dtype, bucket_bytes, max_unit_numel,
-            max_tensor_numel, num_param_groups, frozen_numel: as in :func:`estimate_memory`.
         host_budget_bytes, disk_budget_bytes: when given, offload rungs must also fit there.
         rungs: ``(stage, offload)`` pairs to try, lowest first.
         offload_params: None (a stage-3 offload rung is tried without, then with the
             parameter shards in host RAM), True (only with: rungs that cannot take it are
             skipped) or False (never).
-        shard_size: hybrid sharding's K, as in :func:`estimate_memory`.
+        **kwargs: :func:`estimate_memory`'s keywords: the config's (``param_dtype``,
+            ``shard_size``, ...; without ``config``) and the model's (``frozen_numel``,
+            ``frozen_dtype``, ``max_tensor_numel``, ``num_param_groups``, ...).
 
     Returns:
         ``((stage, offload), estimate, reason)``: the rung, its estimate (its
@@ -93,6 +110,9 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
     Raises:
         NoRungFitsError: no rung fits; the message says what the last rung needs.
     """
+    model_kw = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
+    base = estimate_config("auto", **kwargs) if config is None else \
+        estimate_config(None, config, **kwargs)    # raises on keywords beside a config
     if not isinstance(budget_bytes, (int, float)) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a number >= 0, got {budget_bytes!r}")
     if not 0 <= headroom < 1:
@@ -111,13 +131,8 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *, headroom
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "
                          f"offload")
     for stage, offload, op in tries:
-        est = estimate_memory(model_or_num, world_size, stage, param_dtype=param_dtype,
-                              reduce_dtype=reduce_dtype, grad_shard_dtype=grad_shard_dtype,
-                              offload=offload,
-                              bucket_bytes=bucket_bytes, max_unit_numel=max_unit_numel,
-                              max_tensor_numel=max_tensor_numel,
-                              num_param_groups=num_param_groups, offload_params=op,
-                              frozen_numel=frozen_numel, shard_size=shard_size)
+        est = estimate_memory(model_or_num, world_size,
+                              config=rung_config(base, stage, offload, op), **model_kw)
         misses = []
         if est.device_bytes > usable:
             misses.append(f"{_gb(est.device_bytes)} on the device")

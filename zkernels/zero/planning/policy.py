@@ -4,12 +4,12 @@ buffers it needs. The optimizer, ``stage="auto"``, the ladder, ``python -m zkern
 
 [Note: the stage registry]
 A stage is a frozen :class:`StagePolicy` in ``STAGES``: what it shards (optimizer states,
-gradients, parameters), the transient memory of its step and whether ``ZeroOptimizer``
-implements it. Offload kinds are :class:`OffloadPolicy` entries in ``OFFLOADS``. The ladder's
-rungs (``RUNGS``) are (stage, offload) pairs, lowest first. To make a stage or an offload kind
-available, flip its ``implemented=`` here (and register its strategies: the gradient strategy in
-``grad_reducers.make_grad_reducer``, the parameter policy in ``units.py``, the update placement in
-``state/engine.py``); ``resolve_stage``, ``stage="auto"`` and ``plan`` follow. The reduce-buffer rule
+gradients, parameters) and the transient memory of its step. Offload kinds are
+:class:`OffloadPolicy` entries in ``OFFLOADS``. The ladder's rungs (``RUNGS``) are (stage,
+offload) pairs, lowest first. A new stage or kind registers here and its strategies where they
+live (the gradient strategy in ``grad_reducers.make_grad_reducer``, the parameter policy in
+``units.py``, the update placement in ``state/engine.py``); what a run asks for is a
+``ZeroConfig`` (``config.py``), checked against these entries there. The reduce-buffer rule
 (:func:`num_reduce_buffers`) is shared by the gradient strategies and the estimator so that
 ``estimate_memory`` and ``stats()`` count the same buffers.
 """
@@ -36,7 +36,6 @@ class StagePolicy:
             (otherwise every rank keeps the full compute copy).
         transient: memory that lives only inside a step: "none", "reduced_grad_shard" (stage 1's
             reduced shards during ``step()``) or "gathered_units" (stage 3's gathered units).
-        implemented: ``ZeroOptimizer(stage=...)`` runs it in this version.
     """
 
     stage: int
@@ -44,7 +43,6 @@ class StagePolicy:
     shards_grads: bool
     shards_params: bool
     transient: str
-    implemented: bool
 
     @property
     def name(self) -> str:
@@ -101,12 +99,10 @@ class OffloadPolicy:
             parameter shard off the device with ``offload_params=True``: into host RAM with
             "cpu" (``param_offload.py``), into files with "nvme" (``param_nvme.py``).
         min_stage: the lowest stage it combines with.
-        implemented: ``ZeroOptimizer(offload=kind)`` runs it in this version.
     """
 
     kind: Optional[str]
     min_stage: int
-    implemented: bool
 
     @property
     def name(self) -> str:
@@ -115,19 +111,19 @@ class OffloadPolicy:
 
 STAGES: Dict[int, StagePolicy] = {
     0: StagePolicy(0, shards_optimizer=False, shards_grads=False, shards_params=False,
-                   transient="none", implemented=False),   # DDP: the baseline, not ours
+                   transient="none"),   # DDP: the baseline
     1: StagePolicy(1, shards_optimizer=True, shards_grads=False, shards_params=False,
-                   transient="reduced_grad_shard", implemented=True),
+                   transient="reduced_grad_shard"),
     2: StagePolicy(2, shards_optimizer=True, shards_grads=True, shards_params=False,
-                   transient="none", implemented=True),
+                   transient="none"),
     3: StagePolicy(3, shards_optimizer=True, shards_grads=True, shards_params=True,
-                   transient="gathered_units", implemented=True),
+                   transient="gathered_units"),
 }
 
 OFFLOADS: Dict[Optional[str], OffloadPolicy] = {
-    None: OffloadPolicy(None, min_stage=0, implemented=True),
-    "cpu": OffloadPolicy("cpu", min_stage=2, implemented=True),
-    "nvme": OffloadPolicy("nvme", min_stage=2, implemented=True),
+    None: OffloadPolicy(None, min_stage=0),
+    "cpu": OffloadPolicy("cpu", min_stage=2),
+    "nvme": OffloadPolicy("nvme", min_stage=2),
 }
 
 # The ladder, lowest first: (stage, offload kind). Offload comes after stage 3 (host copies
@@ -139,103 +135,19 @@ RUNGS: Tuple[Tuple[int, Optional[str]], ...] = ((1, None), (2, None), (3, None),
                                                 (2, "nvme"), (3, "nvme"))
 
 
-def implemented_stages() -> Tuple[int, ...]:
-    """Stages ``ZeroOptimizer`` runs in this version, ascending."""
-    return tuple(s for s, p in sorted(STAGES.items()) if p.implemented)
-
-
-def rung_implemented(stage: int, offload: Optional[str]) -> bool:
-    """Whether ``ZeroOptimizer(stage=stage, offload=offload)`` runs in this version."""
-    return STAGES[stage].implemented and OFFLOADS[offload].implemented
-
-
-def stage_policy(stage) -> StagePolicy:
-    """The policy of a known stage (0-3), implemented or not.
+def check_reshard_after_forward(value, shard_size: int):
+    """``reshard_after_forward`` (type and stage checked by ``ZeroConfig``) once the shard
+    group's K is known: a bool, or an int R strictly between 1 and K that divides K.
 
     Raises:
-        ValueError: not one of ``STAGES``.
+        ValueError: an int that is not such a divisor.
     """
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be one of {tuple(STAGES)}, got {stage!r}")
-    return STAGES[stage]
-
-
-def offload_policy(offload) -> OffloadPolicy:
-    """The policy of a known offload kind (None, "cpu", "nvme").
-
-    Raises:
-        ValueError: not one of ``OFFLOADS``.
-    """
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    return OFFLOADS[offload]
-
-
-def check_reshard_after_forward(value, shard_size: int, stage_shards_params: bool):
-    """``reshard_after_forward`` as a bool or an int R (1 < R < K, R divides K).
-
-    Raises:
-        TypeError: neither a bool nor an int.
-        ValueError: an int at a stage that keeps parameters whole, or not a divisor of K
-            strictly between 1 and K.
-    """
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be a bool or an int (ranks of the "
-                        f"secondary shard group), got {type(value).__name__}")
-    if not stage_shards_params:
-        raise ValueError(f"reshard_after_forward={value} applies only to stage=3")
-    if not (1 < value < shard_size and shard_size % value == 0):
+    if not isinstance(value, bool) and not (1 < value < shard_size and shard_size % value == 0):
         raise ValueError(f"reshard_after_forward={value} must divide the shard group's "
                          f"{shard_size} ranks and lie strictly between 1 and {shard_size} (a "
                          f"smaller group to reshard to after forward, as FSDP2 asks; True or "
                          f"False otherwise)")
     return value
-
-
-def resolve_stage(stage) -> Optional[int]:
-    """An explicit ZeRO stage, one the registry marks implemented; None for ``"auto"``
-    (resolved by the constructor once the world size is known: ``auto.py``).
-
-    Raises:
-        ValueError: not an implemented stage (the message says when a known stage is not
-            available in this version).
-    """
-    if isinstance(stage, str) and stage == "auto":
-        return None
-    implemented = implemented_stages()
-    if isinstance(stage, bool) or stage not in implemented:
-        known = (not isinstance(stage, bool) and isinstance(stage, int) and stage in STAGES
-                 and stage > 0)
-        extra = f" (stage {stage} is not available in this version)" if known else ""
-        raise ValueError(f"stage must be one of {implemented} or 'auto', got {stage!r}{extra}")
-    return int(stage)
-
-
-def check_stage_arguments(stage: Optional[int], *, memory_budget_bytes, units,
-                          reshard_after_forward, overlap_param_gather) -> None:
-    """The options that depend on the stage asked for (None: ``"auto"``), before the model
-    and the ranks are looked at.
-
-    Raises:
-        TypeError: ``reshard_after_forward`` neither a bool nor an int;
-            ``overlap_param_gather`` not a bool.
-        ValueError: ``memory_budget_bytes`` without ``stage="auto"``; ``units=`` or
-            ``reshard_after_forward=`` at stages 1-2.
-    """
-    if memory_budget_bytes is not None and stage is not None:
-        raise ValueError(f"memory_budget_bytes applies only to stage='auto', got "
-                         f"stage={stage!r}")
-    if not isinstance(reshard_after_forward, (bool, int)):
-        raise TypeError(f"reshard_after_forward must be a bool or an int, got "
-                        f"{type(reshard_after_forward).__name__}")
-    if stage in (1, 2) and (units is not None or not reshard_after_forward):
-        raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
-                         f"stages that shard parameters), got stage={stage}")
-    if not isinstance(overlap_param_gather, bool):
-        raise TypeError(f"overlap_param_gather must be a bool, got "
-                        f"{type(overlap_param_gather).__name__}")
 
 
 def is_compiled(model) -> bool:
@@ -253,12 +165,15 @@ def check_parameter_schedule(policy: StagePolicy, reshard_after_forward, shard_s
     as :func:`check_reshard_after_forward` returns it.
 
     Raises:
+        TypeError: ``overlap_param_gather`` not a bool.
         ValueError: an int ``reshard_after_forward`` with ``offload_params``; stage 3 freeing
             units after forward in a ``torch.compile``'d model; ``overlap_param_gather`` at
             stage 3.
     """
-    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, shard_size,
-                                                        policy.shards_params)
+    if not isinstance(overlap_param_gather, bool):
+        raise TypeError(f"overlap_param_gather must be a bool, got "
+                        f"{type(overlap_param_gather).__name__}")
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, shard_size)
     if not isinstance(reshard_after_forward, bool) and offload_params:
         raise ValueError(f"reshard_after_forward={reshard_after_forward} keeps a device "
                          f"copy for backward; it does not combine with offload_params=True")

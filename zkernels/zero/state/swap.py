@@ -81,6 +81,34 @@ def _memoryview(t: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def check_writable(offload_dir) -> None:
+    """Make sure files can be created under ``offload_dir`` before any work: a real write (a
+    probe folder with one file in it, as :func:`make_run_folder` and the swap files will do,
+    removed at once), since a folder can exist and refuse files (``/proc``, ``/sys``, a
+    read-only mount; as root, permission bits say nothing). A missing ``offload_dir`` is
+    probed in its parent, where :func:`make_run_folder` will create it.
+
+    Raises:
+        OffloadIOError: naming ``offload_dir`` and the OS error.
+    """
+    path = os.fspath(offload_dir)
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        probe = tempfile.mkdtemp(prefix=".zkernels-write-probe-", dir=where)
+        try:
+            with open(os.path.join(probe, "probe"), "wb") as f:
+                f.write(b"\0" * IO_ALIGN)
+        finally:
+            try:
+                os.remove(os.path.join(probe, "probe"))
+            except FileNotFoundError:
+                pass
+            os.rmdir(probe)
+    except OSError as exc:
+        raise OffloadIOError(f"offload_dir={path!r} is not writable: cannot create files "
+                             f"there ({exc})") from exc
+
+
 def make_run_folder(offload_dir, rank: int) -> str:
     """A new folder of this run's rank under ``offload_dir``.
 

@@ -1,0 +1,313 @@
+"""``ZeroConfig``: one frozen description of a ZeRO run, validated once, here.
+
+[Note: one config]
+``ZeroOptimizer``, ``estimate_memory``, the ladder (``plan``, ``stage="auto"``) and the Trainer
+integration all read a :class:`ZeroConfig`: its parts say how parameters are sharded
+(:class:`ShardingConfig`: stage, hybrid shard size, reshard after forward), in which dtypes
+(:class:`PrecisionConfig`), where the fp32 work lives (:class:`OffloadSpec`, its knobs an
+:class:`~zkernels.zero.planning.offload_config.OffloadConfig`), how collectives are compressed
+(:class:`QuantizeConfig`) and how gradients are bucketed (:class:`BucketConfig`), as FSDP2's
+``MixedPrecisionPolicy`` and ``OffloadPolicy`` are frozen dataclasses. Each part checks its own
+fields; :class:`ZeroConfig` checks how they combine. What needs the ranks or the model (a
+shard size dividing the world, ``reshard_after_forward=R`` dividing it, the offload folder on
+disk, the comm engine's support for quantization) is checked by the optimizer once it knows
+them. The constructor's keywords (and any other flat source: a JSON ``zero_config``, later a
+DeepSpeed ``zero_optimization`` block) become a config through :meth:`ZeroConfig.from_kwargs`,
+the one path from names to parts.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional, Union
+
+import torch
+
+from .offload_config import OffloadConfig
+from .policy import OFFLOADS, STAGES, StagePolicy
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(value, name: str) -> Optional[torch.dtype]:
+    """None, fp32/bf16/fp16 as a ``torch.dtype`` or a name ("bf16", ...) -> the dtype."""
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    if value is None or value in set(_DTYPES.values()):
+        return value
+    raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                     f"got {value!r} (names are accepted too: {', '.join(sorted(_DTYPES))})")
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """What is sharded and over how many ranks.
+
+    Attributes:
+        stage: 1, 2, 3 or "auto": the lowest rung whose estimate fits the device (``auto.py``;
+            logs its choice at INFO): an ``offload`` kind limits the rungs to that kind; left
+            None, CPU offload is offered on a GPU, NVMe too with an ``offload_dir``. 0 is data
+            parallel, the estimator's baseline (``ZeroOptimizer`` refuses it).
+        shard_size: hybrid sharding (FSDP2's HSDP): shard over groups of K consecutive ranks
+            (K divides N) and replicate across the N/K groups, each reduced gradient shard
+            all-reduced across them; bytes per rank are the formula with N -> K ([Note:
+            hybrid sharding is a group shape] in ``zkernels/comm/hybrid.py``). None: all N.
+        reshard_after_forward: stage 3: free each unit after forward and gather it again for
+            backward (True: 3Ψ per step) or keep it to backward (False: 2Ψ); an int R (FSDP2's
+            integer, ZeRO++'s hpZ; 1 < R < K, R divides K) keeps a chunk over R ranks, so the
+            backward gather runs within them for pΨ/R more memory ([Note: secondary shards]).
+    """
+
+    stage: Union[int, str] = 1
+    shard_size: Optional[int] = None
+    reshard_after_forward: Union[bool, int] = True
+
+    def __post_init__(self) -> None:
+        s = self.stage
+        if not (s == "auto" and isinstance(s, str)) and (isinstance(s, bool) or
+                                                         s not in STAGES):
+            raise ValueError(f"stage must be one of (1, 2, 3) or 'auto' (0: data parallel, "
+                             f"the estimator's baseline), got {s!r}")
+        k = self.shard_size
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise TypeError(f"shard_size must be an int (ranks per shard group) or None, got "
+                            f"{type(k).__name__}")
+        if k is not None and k < 1:
+            raise ValueError(f"shard_size must be >= 1, got {k}")
+        if not isinstance(self.reshard_after_forward, (bool, int)):
+            raise TypeError(f"reshard_after_forward must be a bool or an int (ranks of the "
+                            f"secondary shard group), got "
+                            f"{type(self.reshard_after_forward).__name__}")
+
+    @property
+    def policy(self) -> Optional[StagePolicy]:
+        """The stage's registry entry (None for "auto")."""
+        return None if self.stage == "auto" else STAGES[self.stage]
+
+    @property
+    def secondary_size(self) -> Optional[int]:
+        """R of an int ``reshard_after_forward`` (None for a bool)."""
+        r = self.reshard_after_forward
+        return None if isinstance(r, bool) else r
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Dtypes of the compute copy and of the gradient reduction (names are accepted and
+    stored as ``torch.dtype``).
+
+    Attributes:
+        param_dtype: None (pure fp32: the parameter is its own master) or bf16 / fp16 (an
+            fp32 master shard beside it).
+        reduce_dtype: None (fp32; for the estimator's data parallel row, the gradients' own
+            dtype, as DDP reduces them) or a dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):   # frozen: normalized in place, once
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), name))
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """Where the fp32 work lives (the registry's ``OFFLOADS`` says what each kind moves).
+
+    Attributes:
+        kind: None (the device), "cpu" (fp32 master, moments and gradient shard in host RAM,
+            the step on the CPU) or "nvme" (moments and master in files under ``dir``,
+            streamed through a fixed host budget); stages 2-3 (``state/engine.py``).
+        dir: "nvme": an existing folder (checked on disk by the optimizer; the estimator
+            needs none); the run's files go in a folder of their own inside, removed by
+            ``close()``. With ``stage="auto"`` a folder offers the NVMe rungs.
+        params: stage 3: the parameter shards off the device between uses, brought in ahead
+            of each all-gather (host RAM with "cpu", files with "nvme"). With "auto", True
+            limits the rungs to stage 3 with offload; False lets the ladder still take it
+            where a stage-3 offload rung does not fit without it.
+        config: an :class:`OffloadConfig` (pinning, sub-groups, NVMe budgets); None: defaults.
+    """
+
+    kind: Optional[str] = None
+    dir: Optional[Union[str, os.PathLike]] = None
+    params: bool = False
+    config: Optional[OffloadConfig] = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and not (isinstance(self.kind, str) and
+                                          self.kind in OFFLOADS):
+            raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {self.kind!r}")
+        if self.config is not None and not isinstance(self.config, OffloadConfig):
+            raise TypeError(f"offload_config must be a zkernels.zero.OffloadConfig or None, "
+                            f"got {type(self.config).__name__}")
+        if self.dir is not None and not isinstance(self.dir, (str, os.PathLike)):
+            raise TypeError(f"offload_dir must be a path, got {type(self.dir).__name__}")
+        if not isinstance(self.params, bool):
+            raise TypeError(f"offload_params must be a bool, got {type(self.params).__name__}")
+
+    @property
+    def options(self) -> OffloadConfig:
+        """The knobs in force (``OffloadConfig()`` when none were given)."""
+        return self.config if self.config is not None else OffloadConfig()
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """ZeRO++'s compressed collectives (see ``zkernels/comm/quantized.py``).
+
+    Attributes:
+        weights: None or "int8": stage 3's parameter all-gathers (qwZ) move int8 blocks and
+            fp32 scales; master and shards stay exact.
+        grads: None, "int8" or "int4": each gradient reduce-scatter (qgZ, stages 1-3) is an
+            all-to-all of codes, dequantize-summed in fp32; hybrid's cross-group all-reduce
+            stays exact.
+        block: elements per fp32 scale, a power of two in [2, 8192].
+    """
+
+    weights: Optional[str] = None
+    grads: Optional[str] = None
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        from ...comm.quantized import GRAD_FORMATS, WEIGHT_FORMATS, _bits, check_block_size
+        if self.grads is not None:
+            _bits(self.grads, GRAD_FORMATS, "quantize_grads")
+        if self.weights is not None:
+            _bits(self.weights, WEIGHT_FORMATS, "quantize_weights")
+        check_block_size(self.block, "quantize_block")
+
+    @property
+    def active(self) -> bool:
+        return self.weights is not None or self.grads is not None
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """Gradient buckets.
+
+    Attributes:
+        bucket_bytes: reduce-buffer bytes per bucket (a larger parameter gets its own;
+            stages 1-2, stage 3 reduces one unit at a time); None: sized from the model
+            ([Note: buckets sized from the model] in ``buckets.py``); 0 (estimator only):
+            count no buffers.
+    """
+
+    bucket_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        b = self.bucket_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int)):
+            raise TypeError(f"bucket_bytes must be an int, got {type(b).__name__}")
+        if b is not None and b < 0:
+            raise ValueError(f"bucket_bytes must be None or an int >= 0, got {b!r}")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """One ZeRO run: its parts (see [Note: one config]), checked together at construction
+    (TypeError / ValueError naming the argument: a part of the wrong type, or parts that do
+    not combine, e.g. offload below stage 2, quantized weights below stage 3)."""
+
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadSpec = field(default_factory=OffloadSpec)
+    quantization: QuantizeConfig = field(default_factory=QuantizeConfig)
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), f.default_factory):
+                raise TypeError(f"ZeroConfig.{f.name} must be a {f.default_factory.__name__}, "
+                                f"got {type(getattr(self, f.name)).__name__}")
+        off, stage, auto = self.offload, self.stage, self.stage == "auto"
+        if off.kind is None and off.config is not None and not auto:
+            raise ValueError("offload_config applies only with offload='cpu' or 'nvme'")
+        if off.kind == "cpu" and off.config is not None and off.config.resume_dir:
+            raise ValueError("OffloadConfig.resume_dir applies only to offload='nvme'")
+        if off.kind != "nvme" and off.dir is not None and not (auto and off.kind is None):
+            raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
+                             f"{off.kind!r}, offload_dir={off.dir!r})")
+        if auto:
+            return
+        policy = self.sharding.policy
+        reshard = self.sharding.reshard_after_forward
+        if not policy.shards_params and reshard is not True:
+            what = "reshard_after_forward=False and units= apply" if reshard is False else \
+                f"reshard_after_forward={reshard} applies"
+            raise ValueError(f"{what} only to stage=3 (the stage that shards parameters), got "
+                             f"stage={stage}")
+        min_stage = OFFLOADS[off.kind].min_stage
+        if stage < min_stage:
+            allowed = " or ".join(str(s) for s in STAGES if s >= min_stage)
+            raise ValueError(f"offload={off.kind!r} needs stage {allowed}, got stage {stage}: "
+                             f"stage {stage} keeps full gradients on the device until step(), "
+                             f"so there is no gradient shard to stream to the host during "
+                             f"backward")
+        if off.params and not policy.shards_params:
+            raise ValueError(f"offload_params=True applies only to stage=3, got stage="
+                             f"{stage}: stages 1-2 keep the full parameters on the device "
+                             f"(every rank computes with all of them), so there is no "
+                             f"parameter shard to keep in host RAM")
+        if off.params and off.kind is None:
+            raise ValueError("offload_params=True needs offload='cpu' or 'nvme': the "
+                             "parameter shards go to host RAM beside the offloaded optimizer "
+                             "state (pass offload='cpu' too)")
+        q = self.quantization
+        if q.active and stage == 0:
+            raise ValueError("quantize_grads / quantize_weights apply to ZeRO stages 1-3, not "
+                             "to stage 0 (data parallel)")
+        if q.weights is not None and not policy.shards_params:
+            raise ValueError(f"quantize_weights={q.weights!r} applies to stage 3 (the stage "
+                             f"that gathers parameters before use); stage {stage} keeps them "
+                             f"whole and its post-update all-gather exact")
+
+    @property
+    def stage(self) -> Union[int, str]:
+        return self.sharding.stage
+
+    @classmethod
+    def from_kwargs(cls, *, stage=1, param_dtype=None, reduce_dtype=None, offload=None,
+                    offload_dir=None, offload_config=None, offload_params=False,
+                    bucket_bytes=None, shard_size=None, reshard_after_forward=True,
+                    quantize_weights=None, quantize_grads=None,
+                    quantize_block=256) -> "ZeroConfig":
+        """The config of ``ZeroOptimizer``'s keyword arguments of the same names (the one
+        path from flat names to parts: the constructor, a JSON ``zero_config``, a DeepSpeed
+        ``zero_optimization`` reader)."""
+        return cls(sharding=ShardingConfig(stage, shard_size, reshard_after_forward),
+                   precision=PrecisionConfig(param_dtype, reduce_dtype),
+                   offload=OffloadSpec(offload, offload_dir, offload_params, offload_config),
+                   quantization=QuantizeConfig(quantize_weights, quantize_grads,
+                                               quantize_block),
+                   buckets=BucketConfig(bucket_bytes))
+
+    def at_rung(self, stage: int, offload: Optional[str], offload_params: bool) -> "ZeroConfig":
+        """This config on one rung of the ladder (``stage="auto"``'s choice, a ``plan`` row):
+        the NVMe folder kept only for an NVMe rung, the offload knobs only for an offload
+        rung."""
+        off = OffloadSpec(offload, self.offload.dir if offload == "nvme" else None,
+                          offload_params, self.offload.config if offload else None)
+        return replace(self, sharding=replace(self.sharding, stage=stage), offload=off)
+
+
+# The constructor's keywords that build a ZeroConfig, with their defaults.
+CONFIG_KWARGS = {name: p.default for name, p in
+                 inspect.signature(ZeroConfig.from_kwargs).parameters.items()}
+
+
+def resolve_stage(stage) -> Optional[int]:
+    """The ZeRO stage ``ZeroOptimizer`` runs (1, 2 or 3), or None for ``"auto"`` (resolved
+    once the world size is known: ``auto.py``).
+
+    Raises:
+        ValueError: not 1, 2, 3 or "auto" (0, data parallel, is only the estimator's).
+    """
+    ShardingConfig(stage)
+    if stage == 0:
+        raise ValueError("stage must be one of (1, 2, 3) or 'auto', got 0 (stage 0, data "
+                         "parallel, is the estimator's baseline, not a ZeroOptimizer stage)")
+    return None if stage == "auto" else int(stage)
