@@ -11,7 +11,7 @@ from zkernels.layout import FlatLayout
 from zkernels.zero.planning import policy
 from zkernels.zero.planning.estimate import estimate_memory
 from zkernels.zero.optimizer import resolve_stage
-from zkernels.zero.parameters.units import ReplicatedParams, build_replicated_unit, param_names
+from zkernels.zero.parameters.units import ReplicatedParams, build_flat_unit, param_names
 from zkernels.zero.state.engine import UpdateEngine
 
 
@@ -111,8 +111,8 @@ def test_shard_ranges_map_back_to_parameter_names(world_size):
         model = make_model()
         params = list(model.parameters())
         layout = FlatLayout.build([p.numel() for p in params], world_size, align=8)
-        unit, initial = build_replicated_unit(0, 0, params, param_names(model), layout, rank,
-                                              torch.bfloat16, ops)
+        unit, initial = build_flat_unit(0, 0, params, param_names(model), layout, rank,
+                                        torch.bfloat16, ops)
         st = UpdateEngine("device", ops=ops).init_state(unit, initial)
         assert st.shard_range == layout.shard_range(rank) and st.unit is unit
         for name, start_in_param, start_in_shard, n in unit.param_slices_in_shard():

@@ -19,7 +19,7 @@ from ..planning.buckets import align_numel, bucket_capacities, plan_buckets
 from ..planning.policy import StagePolicy
 from .groups import frozen_params
 from .stage3 import GatherUnit, build_units
-from .units import FlatParamUnit, build_replicated_unit, param_names
+from .units import FlatParamUnit, build_flat_unit, param_names
 
 
 def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Sequence[dict],
@@ -60,8 +60,7 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     flat = []
     for i, (gi, ps, lay) in enumerate(plan_buckets(ordered, capacity, world_size, align,
                                                    first_capacity)):
-        unit, initial_master = build_replicated_unit(i, gi, ps, names, lay, rank, param_dtype,
-                                                     ops)
+        unit, initial_master = build_flat_unit(i, gi, ps, names, lay, rank, param_dtype, ops)
         engine.init_state(unit, initial_master)
         flat.append(unit)
         del initial_master  # the full fp32 copy goes before the next unit is built

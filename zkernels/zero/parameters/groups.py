@@ -98,19 +98,10 @@ def _check_devices_and_dtypes(params: Sequence[torch.Tensor], names: Dict[int, s
 
 
 def frozen_params(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
-    """Stage 3: the model's frozen parameters (``requires_grad=False``, tied ones once), which
-    it shards with their unit (see [Note: frozen parameters at stage 3] in ``units.py``).
-
-    Args:
-        model: the module being trained.
-        device: the trainable parameters' device.
-
-    Returns:
-        the frozen parameters in ``model.parameters()`` order.
-
-    Raises:
-        ValueError: a frozen parameter on another device than the trainable ones, or on the
-            'meta' device.
+    """Stage 3: the model's frozen parameters (``requires_grad=False``, tied ones once, in
+    ``model.parameters()`` order), which it shards with their unit (see [Note: frozen
+    parameters at stage 3] in ``units.py``). A ValueError names one on the 'meta' device or on
+    another device than the trainable parameters' ``device``.
     """
     names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
     out = [p for p in model.parameters() if not p.requires_grad]

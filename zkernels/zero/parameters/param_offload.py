@@ -89,7 +89,7 @@ class HostShardedParams(ShardedParams):
     def held(self) -> List[torch.Tensor]:
         """Device parameter storage held: the full buffer while gathered, else nothing (the
         shard is host memory: the store reports it)."""
-        return [self._full] if self._gathered else []
+        return [self._full] if self.full is not None else []
 
 
 class HostParamStore:

@@ -30,7 +30,7 @@ from typing import Dict, Sequence, Tuple
 import torch.nn as nn
 
 from ...comm.base import Handle
-from .units import FlatParamUnit
+from .units import FlatParamUnit, remove_hooks
 
 
 class ParamGatherWaiter:
@@ -55,7 +55,7 @@ class ParamGatherWaiter:
             handles.append(mod.register_state_dict_pre_hook(_Wait(this, idx)))
             handles.append(mod.register_load_state_dict_pre_hook(_Wait(this, idx)))
         # The hooks hold the waiter weakly and go with it (a dropped optimizer leaves none).
-        weakref.finalize(self, _remove_all, handles)
+        weakref.finalize(self, remove_hooks, handles)
 
     def add(self, unit_index: int, handle: Handle) -> None:
         """``unit_index``'s gather is in flight (a previous one is waited for first)."""
@@ -88,8 +88,3 @@ class _Wait:
         waiter = self._waiter()
         if waiter is not None and waiter._pending:
             waiter.wait(self._idx)
-
-
-def _remove_all(handles) -> None:
-    for h in handles:
-        h.remove()

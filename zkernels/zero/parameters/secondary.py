@@ -46,26 +46,23 @@ class SecondaryShard:
         self._buf = torch.empty(n, dtype=dtype, device=device)
         self._nbytes = self._buf.untyped_storage().nbytes()
         self._buf.untyped_storage().resize_(0)
-        self.valid = False
 
     def keep(self, full: torch.Tensor) -> None:
-        """Copy this rank's chunk of the gathered ``full`` buffer ([padded_numel])."""
-        if not self.valid:
+        """Copy this rank's chunk of the gathered ``full`` buffer ([padded_numel]), unless
+        kept already (``full`` was gathered from it: the same values)."""
+        if not self.held():
             self._buf.untyped_storage().resize_(self._nbytes)
             self._buf.copy_(full[self._slice])
-            self.valid = True
 
     def gather_into(self, full: torch.Tensor, tag: Optional[str]) -> Handle:
         """All-gather the group's chunks into ``full`` (allocated). Collective (R ranks)."""
         return self.comm.all_gather(full, self._buf, tag=tag)
 
     def drop(self) -> None:
-        if self.valid:
-            self._buf.untyped_storage().resize_(0)
-            self.valid = False
+        self._buf.untyped_storage().resize_(0)
 
-    def held(self) -> List[torch.Tensor]:
-        return [self._buf] if self.valid else []
+    def held(self) -> List[torch.Tensor]:  # its storage says whether it is kept
+        return [self._buf] if self._buf.untyped_storage().nbytes() else []
 
 
 def secondary_comm(comm, reshard_to: int, device, backend: str, timeout, meter):

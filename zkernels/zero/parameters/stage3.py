@@ -29,10 +29,10 @@ pins, the end of backward).
   parameters any more (a node that saved a parameter computes that parameter's gradient), so
   the unit frees itself. The end-of-backward callback frees every unit still gathered (unused
   parameters, ``no_sync``).
-- Activation checkpointing re-runs forwards inside backward: while a backward runs, forward
-  hooks gather but never free and register nothing (reentrant checkpointing recomputes under
-  ``enable_grad`` and then runs a nested backward: the gradient count frees the unit).
-- ``gathered()`` pins units: hooks neither gather nor free a pinned unit again.
+- Activation checkpointing re-runs forwards inside backward: there forward hooks gather but
+  never free and register nothing (reentrant checkpointing's nested backward: the gradient
+  count frees the unit). ``gathered()`` pins units: hooks neither gather nor free them again.
+- Each unit's phase of the step is an explicit state: [Note: unit states] (``unit_state.py``).
 - Frozen parameters ([Note: frozen parameters at stage 3] in ``units.py``) ride in their
   unit's gathers, but they break the rule above that frees a unit once its gradients are in:
   a node that saved a frozen parameter computes no gradient for it, only for its other input
@@ -76,31 +76,39 @@ from ...comm.base import CollectiveError, Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
 from ..planning.unit_plan import ROOT_NAME, plan_units
-from .units import (FlatParamUnit, build_frozen_unit, build_sharded_unit, frozen_compute_dtype,
+from .unit_state import TrainingState, move
+from .units import (FlatParamUnit, build_flat_unit, build_frozen_unit, frozen_compute_dtype,
                     hook_grads, remove_hooks)
 
 
 class GatherUnit:
     """One stage-3 unit: a module and its FlatParamUnits (one per param group, and its frozen
-    ones). It owns its step ([Note: stage-3 gather schedule]): gathers, frees, and hooks its
-    own parameters; the schedule decides when."""
+    ones). It owns its step ([Note: stage-3 gather schedule]): gathers, frees, hooks its own
+    parameters, and moves through its ``state`` ([Note: unit states] in ``unit_state.py``);
+    the schedule decides when."""
 
     def __init__(self, name: str, module: nn.Module, flats: Sequence[FlatParamUnit]) -> None:
         self.name = name
         self.module = module
         self.flats = list(flats)
+        for i, f in enumerate(self.flats):  # for the errors of [Note: unit states]
+            f.gather.name = f"unit {name!r} (flat {i})"
         self.is_root = name == ROOT_NAME
         self.nbytes = sum(f.layout.padded_numel * f.gather.compute_shard.element_size()
                           for f in self.flats)
         # Trainable parameters (their gradients are counted); frozen ones are gathered only.
         self.param_ids = {id(p) for f in self.flats if not f.frozen for p in f.params}
         self.frozen_ids = {id(p) for f in self.flats if f.frozen for p in f.params}
-        self.input_hooks = 0        # frozen: input-gradient hooks registered, not yet fired
+        self.state = TrainingState.IDLE
+        self.keep_after_forward = False  # reshard_after_forward=False (set by the schedule)
+        self.depth = 0              # its forwards running (a module may call itself)
         self.pins = 0               # gathered() contexts holding it
-        self.active = 0             # forwards running (a module may call itself)
-        self.keep_for_backward = False
-        self.accumulated: set = set()
+        self.input_hooks = 0        # frozen: input-gradient hooks registered, not yet fired
+        self.accumulated: set = set()  # ids of the parameters whose gradients are in
         self._bucket_of: dict = {}  # id(param) -> its flat's gradient bucket
+
+    def move(self, new: TrainingState) -> None:
+        self.state = move(f"unit {self.name!r}", self.state, new)
 
     @property
     def allocated(self) -> bool:
@@ -108,9 +116,10 @@ class GatherUnit:
         return any(f.gather.full is not None for f in self.flats)
 
     @property
-    def to_gather(self) -> int:
-        """Flats whose full buffer a gather would allocate now."""
-        return sum(f.gather.full is None for f in self.flats)
+    def kept(self) -> bool:
+        """Gathered from its forward to its backward, outside the prefetch bound."""
+        return self.keep_after_forward and self.state in (TrainingState.POST_FORWARD,
+                                                          TrainingState.PRE_BACKWARD)
 
     @property
     def grads_pending(self) -> bool:
@@ -141,8 +150,16 @@ class GatherUnit:
         if self.pins == 0:
             for f in self.flats:
                 f.gather.free()
-                f.gather.drop_secondary()
-        self.keep_for_backward = False
+
+    def begin_forward(self) -> None:  # outside backward; a repeated call keeps POST_FORWARD
+        self.move(self.state if self.state is TrainingState.POST_FORWARD
+                  else TrainingState.FORWARD)
+
+    def end_forward(self, autograd: bool) -> None:  # autograd: a backward will need it
+        if autograd:
+            self.move(TrainingState.POST_FORWARD)
+        elif self.state is TrainingState.FORWARD and self.depth == 0:
+            self.move(TrainingState.IDLE)
 
     def install_hooks(self, buckets: Sequence) -> None:
         """Hook each trainable parameter (its gradient goes to its flat's bucket, among
@@ -163,8 +180,7 @@ class GatherUnit:
         if bucket is not None:
             bucket.on_grad(p)  # pack, and launch once the flat's gradients are all in
         self.accumulated.add(id(p))
-        if not self.needs_backward and self.active == 0:
-            self.free()
+        self._maybe_done()
 
     def watch_inputs(self, args, kwargs) -> None:
         """A unit holding frozen parameters: count its forward's inputs' gradients (see
@@ -183,13 +199,18 @@ class GatherUnit:
         if self.input_hooks == 0:  # a hook of a backward already closed
             return
         self.input_hooks -= 1
-        if not self.needs_backward and self.active == 0:
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if not self.needs_backward and self.depth == 0:
+            self.move(TrainingState.POST_BACKWARD)
             self.free()
 
     def end_backward(self) -> None:
+        """Reset (FORWARD where its forward still runs: a backward inside a forward)."""
         self.accumulated.clear()
-        self.keep_for_backward = False
         self.input_hooks = 0
+        self.state = TrainingState.FORWARD if self.depth else TrainingState.IDLE
 
 
 class _Order:
@@ -285,6 +306,7 @@ class GatherSchedule:
 
         handles = [self.root.module.register_state_dict_pre_hook(state_dict_check)]
         for u in self.units:
+            u.keep_after_forward = not self.reshard_after_forward and bool(u.flats)
             handles.append(u.module.register_forward_pre_hook(pre(u)))
             handles.append(u.module.register_forward_hook(post(u), always_call=True))
             u.install_hooks(grad_buckets)
@@ -294,7 +316,7 @@ class GatherSchedule:
 
     def live_bytes(self, transient_only: bool = False) -> int:
         return sum(u.nbytes for u in self.units
-                   if u.allocated and not (transient_only and u.keep_for_backward))
+                   if u.allocated and not (transient_only and u.kept))
 
     def _name_at(self, index: int) -> str:
         return "step()" if index == len(self.units) else repr(self.units[index].name)
@@ -334,7 +356,7 @@ class GatherSchedule:
                 self._check_same_point(len(self.units), device)
 
     def _start(self, u: GatherUnit) -> List[Handle]:
-        fresh = u.to_gather
+        fresh = sum(f.gather.full is None for f in u.flats)  # flats a gather allocates now
         if fresh and self.check_paths:
             self._check_same_point(self._index[id(u)], u.flats[0].device)
         self.gathers += fresh
@@ -353,7 +375,7 @@ class GatherSchedule:
 
     def free_all(self) -> None:
         for u in self.units:
-            if u.allocated and u.active == 0:
+            if u.allocated and u.depth == 0:
                 u.free()
 
     # -- hooks ------------------------------------------------------------------------------
@@ -363,19 +385,18 @@ class GatherSchedule:
             # A backward that raised never ran its end-of-backward callback: close it now
             # (its gradients wait for step() or zero_grad(), as before).
             self._end_backward(completed=False)
-        if self._in_backward:  # a recompute (activation checkpointing): gather, never free
-            self.gather(u)
-            u.active += 1
-            return
-        if u.is_root and u.active == 0:
-            self._fwd.begin()
-        nxt = self._fwd.observe(u)
+        nxt = None  # in backward: a recompute (activation checkpointing), gathered, never freed
+        if not self._in_backward:
+            if u.is_root and u.depth == 0:
+                self._fwd.begin()
+            nxt = self._fwd.observe(u)
+            u.begin_forward()
         self.gather(u)
-        u.active += 1
+        u.depth += 1
         self._prefetch(nxt)
 
     def _post_forward(self, u: GatherUnit, out) -> None:
-        u.active -= 1
+        u.depth -= 1
         if self._in_backward:
             return
         tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
@@ -383,18 +404,17 @@ class GatherSchedule:
             this = weakref.ref(self)
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda g: this() and this()._pre_backward(u), mode="any")
-            if not self.reshard_after_forward and u.flats:
-                u.keep_for_backward = True
-        if u.active == 0 and not u.keep_for_backward:
+        u.end_forward(bool(tensors))
+        if u.depth == 0 and not u.kept:
             if self.reshard_to is not None and tensors and u.pins == 0:
                 for f in u.flats:   # backward gathers from the secondary group
                     f.gather.reshard()
             else:
                 u.free()
-        if u.is_root and u.active == 0:
+        if u.is_root and u.depth == 0:
             self._fwd.end()
             for v in self.units:  # prefetched but not run: nothing stays gathered
-                if v.allocated and v.active == 0 and not v.keep_for_backward:
+                if v.allocated and v.depth == 0 and not v.kept:
                     v.free()
 
     def _pre_backward(self, u: GatherUnit) -> None:
@@ -407,6 +427,7 @@ class GatherSchedule:
             else:
                 self._bwd.begin()
         nxt = self._bwd.observe(u)
+        u.move(TrainingState.PRE_BACKWARD)
         if u.flats and (u.frozen_ids or u.grads_pending):
             self.gather(u)
         if nxt is not None and nxt.needs_backward:
@@ -458,8 +479,7 @@ class GatherSchedule:
         finally:
             for u in units:
                 u.pins -= 1
-                if u.pins == 0 and u.active == 0 and not u.keep_for_backward \
-                        and not self._in_backward:
+                if u.pins == 0 and u.depth == 0 and not u.kept and not self._in_backward:
                     u.free()
 
     def close_step(self) -> dict:
@@ -492,49 +512,32 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
         which are not in ``flat_units``.
     """
     specs = plan_units(model, units, [p for p in model.parameters() if id(p) in group_of])
-    flats_of = {}
+    flats_of: dict = {id(s.module): [] for s in specs}
+    frozen: List[FlatParamUnit] = []  # one per unit and dtype the shards keep, module order
+    for spec in specs:
+        by_dtype: dict = {}
+        for p in spec.frozen:
+            by_dtype.setdefault(frozen_compute_dtype(p, compute_dtype), []).append(p)
+        for dtype, ps in by_dtype.items():
+            layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
+            frozen.append(build_frozen_unit(len(frozen), ps, names, layout, rank, dtype,
+                                            shard_update.sharded_params))
+            flats_of[id(spec.module)].append(frozen[-1])
     flat_units: List[FlatParamUnit] = []
-    frozen_of = build_frozen_flats(specs, names, world_size, rank, align, compute_dtype,
-                                   shard_update.sharded_params)
     for spec in specs[:-1][::-1] + specs[-1:]:
         mine = []
         for gi in sorted({group_of[id(p)] for p in spec.params}):
             ps = [p for p in spec.params if group_of[id(p)] == gi]
             layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
-            unit, initial = build_sharded_unit(len(flat_units), gi, ps, names, layout, rank,
-                                               compute_dtype, ops,
-                                               make_gather=shard_update.sharded_params)
+            unit, initial = build_flat_unit(len(flat_units), gi, ps, names, layout, rank,
+                                            compute_dtype, ops, shard_update.sharded_params)
             shard_update.init_state(unit, initial)
             del initial
             flat_units.append(unit)
             mine.append(unit)
-        flats_of[id(spec.module)] = mine + frozen_of[id(spec.module)]
+        flats_of[id(spec.module)][:0] = mine
     gather_units = [GatherUnit(s.name, s.module, flats_of[id(s.module)]) for s in specs]
     return flat_units, gather_units
-
-
-def build_frozen_flats(specs, names: dict, world_size: int, rank: int, align: int,
-                       param_dtype: torch.dtype, make_gather) -> dict:
-    """The frozen flat units of every unit (one per dtype the shards keep, see
-    [Note: frozen parameters at stage 3]), indexed in module order.
-
-    Returns:
-        ``id(spec.module) -> [FlatParamUnit]`` (an empty list for a unit without frozen
-        parameters).
-    """
-    out, index = {}, 0
-    for spec in specs:
-        mine = []
-        by_dtype: dict = {}
-        for p in spec.frozen:
-            by_dtype.setdefault(frozen_compute_dtype(p, param_dtype), []).append(p)
-        for dtype, ps in by_dtype.items():
-            layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
-            mine.append(build_frozen_unit(index, ps, names, layout, rank, dtype,
-                                          make_gather=make_gather))
-            index += 1
-        out[id(spec.module)] = mine
-    return out
 
 
 def _with_unit(exc: Exception, message: str) -> Exception:

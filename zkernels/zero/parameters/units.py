@@ -41,6 +41,9 @@ import torch.nn as nn
 from ...comm.base import Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
+from .unit_state import ShardedState, move
+
+_ALLOCATED = (ShardedState.UNSHARDING, ShardedState.UNSHARDED)
 
 
 class _Done:
@@ -51,16 +54,10 @@ class _Done:
 class GatherPolicy(Protocol):
     """Where a unit's compute copy lives and how it is (re)built. Implemented by
     :class:`ReplicatedParams` (stages 1-2); stage 3's sharded policy implements the same.
+    ``is_gathered``: whether ``full`` holds the current parameters."""
 
-    Attributes:
-        compute_shard: [shard_numel] compute dtype, this rank's slice: the update writes it.
-        full: [padded_numel] compute dtype, the whole buffer the parameters are views of, or
-            None while not gathered.
-        is_gathered: whether ``full`` holds the current parameters.
-    """
-
-    compute_shard: torch.Tensor
-    full: Optional[torch.Tensor]
+    compute_shard: torch.Tensor  # [shard_numel] compute dtype, this rank's: the update writes it
+    full: Optional[torch.Tensor]  # [padded_numel], the parameters are views of it; or None
     shard_on_host: bool  # compute_shard is host memory (the update writes it there)
     # The shard is in a file (compute_shard is a meta tensor; values through read_values /
     # load_values / write_shard: param_nvme.py).
@@ -118,20 +115,21 @@ class ReplicatedParams:
 
 
 class _Gathering:
-    """The handle of a gather in flight: waiting completes it once."""
+    """The handle of a gather in flight: waiting completes it once (UNSHARDING -> UNSHARDED)."""
 
     def __init__(self, owner: "ShardedParams", handle: Handle) -> None:
         self._owner, self._handle = owner, handle
 
     def wait(self) -> None:
-        if self._owner._pending is self:
+        if self._owner._gathering is self:
             self._handle.wait()
-            self._owner._pending = None
+            self._owner._gathering = None
+            self._owner._move(ShardedState.UNSHARDED)
 
 
 class ShardedParams:
     """Stage 3's policy: only the compute shard is persistent; the full buffer exists between
-    :meth:`ensure_gathered` and :meth:`free`.
+    :meth:`ensure_gathered` and :meth:`free` (its ``state``: [Note: unit states]).
 
     While gathered the parameters are views of one full tensor whose *storage* is released on
     ``free`` and re-allocated on ``ensure_gathered`` (as FSDP1 does), so views that autograd
@@ -153,6 +151,7 @@ class ShardedParams:
 
     shard_on_host = False
     shard_on_disk = False
+    name = "a sharded flat"  # its GatherUnit's name
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
                  compute_shard: torch.Tensor, device: Optional[torch.device] = None) -> None:
@@ -168,15 +167,18 @@ class ShardedParams:
         self._views = [self._full[o:o + p.numel()].view(p.shape)
                        for p, o in zip(params, layout.offsets)]
         self._empty = torch.empty(0, dtype=compute_shard.dtype, device=self.device)
-        self._pending: Optional[_Gathering] = None
-        self._gathered = True  # storage allocated (values valid once any gather finished)
+        self._gathering: Optional[_Gathering] = None  # the all-gather in flight (UNSHARDING)
+        self.state = ShardedState.UNSHARDED  # built allocated, freed below
         # reshard_after_forward=R: the chunk kept from forward to backward (secondary.py)
         self.secondary = None
         self.free()
 
+    def _move(self, new: ShardedState) -> None:
+        self.state = move(self.name, self.state, new)
+
     @property
     def full(self) -> Optional[torch.Tensor]:
-        return self._full if self._gathered else None
+        return self._full if self.state in _ALLOCATED else None
 
     @property
     def shapes(self) -> List[torch.Size]:
@@ -186,37 +188,32 @@ class ShardedParams:
     @property
     def is_gathered(self) -> bool:
         """The full buffer is allocated and no gather into it is in flight."""
-        return self._gathered and self._pending is None
+        return self.state is ShardedState.UNSHARDED
 
     def ensure_gathered(self, comm: Comm, tag: Optional[str] = None) -> Handle:
-        """Allocate the full buffer and start the all-gather of every rank's shard into it
-        (a gather already in flight or done is not repeated). Collective."""
-        if self._pending is not None:
-            return self._pending
-        if self._gathered:
-            return _Done()
+        """Allocate the full buffer and start the all-gather of every rank's shard (after
+        ``reshard``, the secondary group's chunks) into it, unless started. Collective."""
+        if self.state in _ALLOCATED:
+            return self._gathering or _Done()
         self._full.untyped_storage().resize_(self._nbytes)
         for p, v in zip(self._params, self._views):
             p.data = v
-        self._gathered = True
-        if self.secondary is not None and self.secondary.valid:  # within the smaller group
-            self._pending = _Gathering(self, self.secondary.gather_into(self._full, tag))
-        else:
-            self._pending = _Gathering(self, self._issue_gather(comm, tag))
-        return self._pending
+        chunk = self.state is ShardedState.SHARDED_POST_FORWARD  # within the smaller group
+        self._move(ShardedState.UNSHARDING)
+        self._gathering = _Gathering(self, self.secondary.gather_into(self._full, tag) if chunk
+                                     else self._issue_gather(comm, tag))
+        return self._gathering
 
     def reshard(self) -> None:
-        """After forward with ``reshard_after_forward=R``: keep this rank's chunk over the
-        secondary group, then free (see [Note: secondary shards] in ``secondary.py``)."""
-        if self.secondary is not None and self._gathered:
-            if self._pending is not None:
-                self._pending.wait()
+        """After forward with ``reshard_after_forward=R``: keep this rank's secondary chunk
+        ([Note: secondary shards]), free the full buffer; without one (frozen) :meth:`free`."""
+        if self.secondary is None:
+            self.free()
+        elif self.state in _ALLOCATED:
+            if self._gathering is not None:
+                self._gathering.wait()
             self.secondary.keep(self._full)
-        self.free()
-
-    def drop_secondary(self) -> None:
-        if self.secondary is not None:
-            self.secondary.drop()
+            self._release(ShardedState.SHARDED_POST_FORWARD)
 
     def _issue_gather(self, comm: Comm, tag: Optional[str]) -> Handle:
         """Start the all-gather of the shards into the (allocated) full buffer; a policy whose
@@ -224,26 +221,29 @@ class ShardedParams:
         return comm.all_gather(self._full, self.compute_shard, tag=tag)
 
     def free(self) -> None:
-        """Release the full buffer's storage (waits for a gather in flight first)."""
-        if self._pending is not None:
-            self._pending.wait()
+        """Release the full buffer (after a gather in flight) and a secondary chunk."""
+        self._release(ShardedState.SHARDED)
+        if self.secondary is not None:
+            self.secondary.drop()
+
+    def _release(self, state: ShardedState) -> None:
+        if self._gathering is not None:
+            self._gathering.wait()
         for p in self._params:
             p.data = self._empty
         self._full.untyped_storage().resize_(0)
-        self._gathered = False
+        self._move(state)
 
     def publish(self, comm: Comm) -> Handle:
         """The shard changed: a full copy still held is stale, so it is freed; the next
         ``ensure_gathered`` reads the new shards."""
-        if self._gathered:
-            self.free()
-        self.drop_secondary()
+        self.free()
         return _Done()
 
     def held(self) -> List[torch.Tensor]:
         """Parameter storage held (for ``stats()``): the shard, the full buffer while
         gathered, and a secondary chunk while kept."""
-        return [self.compute_shard] + ([self._full] if self._gathered else []) + \
+        return [self.compute_shard] + ([self._full] if self.full is not None else []) + \
             (self.secondary.held() if self.secondary is not None else [])
 
 
@@ -354,69 +354,49 @@ def remove_hooks(handles) -> None:
         h.remove()
 
 
-def build_replicated_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
-                          names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
-                          rank: int, compute_dtype: torch.dtype,
-                          ops: OpSet) -> Tuple[FlatParamUnit, torch.Tensor]:
-    """Copy ``params`` into a new flat compute buffer and make them views of it.
+def build_flat_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
+                    names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
+                    rank: int, compute_dtype: torch.dtype, ops: OpSet,
+                    make_gather=None) -> Tuple[FlatParamUnit, torch.Tensor]:
+    """Copy ``params`` into a new flat buffer: stages 1-2 (``make_gather`` None) keep the full
+    compute buffer, the parameters views of it (:class:`ReplicatedParams`); stage 3 keeps this
+    rank's compute shard only, in the gather policy ``make_gather(params, layout, rank,
+    compute_shard)`` (the update strategy's ``sharded_params`` places it), built freed.
 
     Returns:
-        ``(unit, initial_master)``: ``initial_master`` is this rank's shard of the original
-        fp32 values ([shard_numel] fp32, taken before any cast, so a low-precision compute
-        dtype loses nothing in the master copy); in pure fp32 it is the unit's compute shard
-        itself. The update strategy turns it into the unit's ShardState.
+        ``(unit, initial_master)``: this rank's shard of the original fp32 values (taken
+        before any cast; in pure fp32 the unit's compute shard itself), which the update
+        strategy turns into the unit's ShardState.
     """
-    device = params[0].device
     lo, hi = layout.shard_range(rank)
-    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=params[0].device)
     with torch.no_grad():
         ops.flatten([p.detach().contiguous() for p in params], out=fp32,
                     offsets=layout.offsets)
-    initial = fp32[lo:hi]
-    compute = fp32 if compute_dtype == torch.float32 else ops.cast(fp32, compute_dtype)
-    views = ops.unflatten(compute, [p.shape for p in params], offsets=layout.offsets)
-    for p, v in zip(params, views):
-        p.data = v
-    unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
-                         tuple(names[id(p)][1] for p in params), list(params), layout, rank,
-                         compute_dtype, ReplicatedParams(compute, slice(lo, hi)))
-    return unit, initial
-
-
-def build_sharded_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
-                       names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
-                       rank: int, compute_dtype: torch.dtype,
-                       ops: OpSet, make_gather=None) -> Tuple[FlatParamUnit, torch.Tensor]:
-    """Stage 3: keep only this rank's shard of ``params`` (compute dtype) and make them views
-    of a full buffer that exists only while gathered (:class:`ShardedParams`, built freed).
-
-    Returns:
-        ``(unit, initial_master)`` as :func:`build_replicated_unit`: this rank's fp32 shard of
-        the original values (in pure fp32 the unit's compute shard itself). The full fp32 copy
-        made here is released before the function returns.
-
-    Args:
-        make_gather: ``(params, layout, rank, compute_shard) -> gather policy``: the update
-            strategy's ``sharded_params`` (it decides where the persistent shard lives);
-            default :class:`ShardedParams` on the parameters' device.
-    """
-    device = params[0].device
-    lo, hi = layout.shard_range(rank)
-    fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        ops.flatten([p.detach().contiguous() for p in params], out=fp32,
-                    offsets=layout.offsets)
+    if make_gather is None:
+        initial = fp32[lo:hi]
+        compute = fp32 if compute_dtype == torch.float32 else ops.cast(fp32, compute_dtype)
+        for p, v in zip(params, ops.unflatten(compute, [p.shape for p in params],
+                                              offsets=layout.offsets)):
+            p.data = v
+        return _flat_unit(index, group_index, params, names, layout, rank, compute_dtype,
+                          ReplicatedParams(compute, slice(lo, hi))), initial
     initial = fp32[lo:hi].clone()
     del fp32
     compute = initial if compute_dtype == torch.float32 else ops.cast(initial, compute_dtype)
-    gather = ShardedParams(params, layout, compute) if make_gather is None else \
-        make_gather(params, layout, rank, compute)
+    gather = make_gather(params, layout, rank, compute)
     if compute_dtype == torch.float32 and not gather.shard_on_disk:
         initial = gather.compute_shard  # the master starts as the (possibly moved) shard
-    unit = FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
+    return _flat_unit(index, group_index, params, names, layout, rank, compute_dtype,
+                      gather), initial
+
+
+def _flat_unit(index, group_index, params, names, layout, rank, dtype, gather,
+               frozen=False) -> FlatParamUnit:
+    return FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
-                         compute_dtype, gather, shapes=tuple(gather.shapes))
-    return unit, initial
+                         dtype, gather, frozen=frozen, shapes=tuple(getattr(gather, "shapes",
+                                                                            ())))
 
 
 # [Note: frozen parameters at stage 3]
@@ -444,22 +424,11 @@ def frozen_compute_dtype(param: torch.Tensor, param_dtype: torch.dtype) -> torch
 
 def build_frozen_unit(index: int, params: Sequence[torch.Tensor],
                       names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
-                      rank: int, dtype: torch.dtype, make_gather=None) -> FlatParamUnit:
-    """Stage 3: keep only this rank's ``dtype`` shard of the frozen ``params`` (see
-    [Note: frozen parameters at stage 3]); they become views of a full buffer that exists only
-    while gathered (the gather policy is built freed).
-
-    Args:
-        index: position among the optimizer's frozen flat units.
-        params: frozen parameters, in layout order.
-        names: ``param_names(model)``.
-        layout: their layout.
-        rank: this rank.
-        dtype: the shard's dtype (:func:`frozen_compute_dtype` of every parameter).
-        make_gather: as in :func:`build_sharded_unit`.
-
-    Returns:
-        the frozen :class:`FlatParamUnit` (``group_index`` -1).
+                      rank: int, dtype: torch.dtype, make_gather) -> FlatParamUnit:
+    """Stage 3: keep only this rank's ``dtype`` shard (:func:`frozen_compute_dtype`) of the
+    frozen ``params`` (layout order; see [Note: frozen parameters at stage 3]), built freed by
+    ``make_gather`` as in :func:`build_flat_unit`; ``index`` among the optimizer's frozen flat
+    units, ``group_index`` -1.
     """
     device = params[0].device
     lo, hi = layout.shard_range(rank)
@@ -469,8 +438,5 @@ def build_frozen_unit(index: int, params: Sequence[torch.Tensor],
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
                 shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
-    gather = ShardedParams(params, layout, shard) if make_gather is None else \
-        make_gather(params, layout, rank, shard)
-    return FlatParamUnit(index, -1, tuple(names[id(p)][0] for p in params),
-                         tuple(names[id(p)][1] for p in params), list(params), layout, rank,
-                         dtype, gather, frozen=True, shapes=tuple(gather.shapes))
+    return _flat_unit(index, -1, params, names, layout, rank, dtype,
+                      make_gather(params, layout, rank, shard), frozen=True)
