@@ -183,7 +183,8 @@ def load_one(rank, ws, kind, stage, folder, strict=True):
                   "unexpected": res.unexpected_keys})
 
 
-@pytest.mark.parametrize("kind,stage", [("gpt2", 3), ("llama", 2)])
+@pytest.mark.parametrize("kind,stage", [("gpt2", 3),
+                                        pytest.param("llama", 2, marks=pytest.mark.slow)])
 def test_save_pretrained_loads_with_from_pretrained_and_at_another_world_size(
         tmp_path, kind, stage):
     folder = str(tmp_path / "out")
