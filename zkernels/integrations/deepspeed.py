@@ -794,7 +794,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     loader = None
     if training_data is not None:
         from torch.utils.data import DataLoader, DistributedSampler
-        world = opt.comm.world_size
+        # Every rank draws its own micro-batches, hybrid sharding included (the shard group
+        # is smaller than the data-parallel world).
+        world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
         loader = DataLoader(training_data, batch_size=extras["train_micro_batch_size_per_gpu"],
