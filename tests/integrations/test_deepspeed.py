@@ -194,6 +194,24 @@ def test_initialize_one_rank_loader_and_refused_optimizer():
                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def _loader_split(rank, world):
+    from zkernels.integrations import deepspeed as ds
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.arange(8.0)[:, None])
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 2, "mics_shard_size": 1}}          # hybrid: shard groups of one rank
+    engine, opt, loader, _ = ds.initialize(model=torch.nn.Linear(1, 1), config=cfg,
+                                           training_data=data)
+    return opt.comm.world_size, sorted(int(x) for (b,) in loader for x in b.flatten())
+
+
+def test_initialize_loader_splits_over_the_world_not_the_shard_group():
+    # With shard_size=1 each rank's comm holds one rank; the data must still be split in two.
+    (g0, seen0), (g1, seen1) = run_ranks(_loader_split, 2, timeout=120)
+    assert g0 == g1 == 1
+    assert len(seen0) == len(seen1) == 4 and sorted(seen0 + seen1) == list(range(8))
+
+
 def test_every_key_has_a_disposition():
     assert all(d in ("mapped", "always", "sizing", "refused") and why
                for d, _, why in KEYS.values())
