@@ -244,8 +244,12 @@ CASES = [
      ValueError, r"several devices"),
     ("parameters_on_meta_only", lambda: ZeroOptimizer(nn.Linear(3, 2, device="meta")),
      ValueError, r"meta"),
-    ("parameters_not_fp32", lambda: ZeroOptimizer(lin().to(torch.bfloat16)), ValueError,
-     r"dtype torch.bfloat16"),
+    ("parameters_mixed_dtypes",
+     lambda: ZeroOptimizer(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2).bfloat16())),
+     ValueError, r"several dtypes: '0.weight' is torch.float32 but '1.weight' is "
+                 r"torch.bfloat16.*param_dtype"),
+    ("parameters_fp64", lambda: ZeroOptimizer(lin().double()), ValueError,
+     r"has dtype torch.float64; ZeroOptimizer takes float32, bfloat16 or float16"),
     *[(f"stage_{s}", zero(stage=s), ValueError, r"stage") for s in (0, 4, "Auto", "1", True,
                                                                         None)],
     *[(f"resolve_stage_{s}", lambda s=s: resolve_stage(s), ValueError, r"stage")

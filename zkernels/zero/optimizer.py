@@ -13,6 +13,7 @@ goes through one :class:`~zkernels.ops.OpSet` chosen at construction (``ops_back
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -29,7 +30,7 @@ from .gradients.grad_reducers import make_grad_reducer
 from .gradients.nonfinite import NonFiniteGradientError, check_policy
 from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
 from .parameters.build import build_parameter_side
-from .parameters.groups import build_param_groups
+from .parameters.groups import build_param_groups, resolve_param_dtype
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
@@ -38,6 +39,14 @@ from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .state.placement import check_offload_dir, make_engine
+
+
+def _with_param_dtype(cfg: ZeroConfig, param_dtype: Optional[torch.dtype]) -> ZeroConfig:
+    """``cfg`` with its compute dtype resolved from the model (unchanged when it is)."""
+    if param_dtype == cfg.precision.param_dtype:
+        return cfg
+    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision,
+                                                                  param_dtype=param_dtype))
 
 
 def _config_of(config: Optional[ZeroConfig], kwargs: dict) -> ZeroConfig:
@@ -83,6 +92,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         quantize_grads, quantize_block: the run's :class:`~zkernels.ZeroConfig`
             (``ZeroConfig.from_kwargs`` builds it from these; each is documented on its part,
             ``zkernels/zero/planning/config.py``). Default: stage 1, pure fp32, no offload.
+            A model whose trainable parameters are all bf16 (or all fp16) computes in that
+            dtype when ``param_dtype`` is None, with fp32 master shards widened unit by unit
+            (see [Note: low-precision models] in ``parameters/groups.py``).
         config: a ZeroConfig instead of those keywords (not both).
         lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
@@ -165,6 +177,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_offload_dir(cfg.offload)                                  # state/placement.py
         groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
                                               weight_decay)             # parameters/groups.py
+        # A bf16 / fp16 model computes in its own dtype ([Note: low-precision models]).
+        cfg = _with_param_dtype(cfg, resolve_param_dtype(
+            [p for g in groups for p in g["params"]],
+            {id(p): n for n, p in model.named_parameters()},
+            cfg.precision.param_dtype))                                 # parameters/groups.py
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)         # gradients/clip.py
         self.precision = MixedPrecision.build(cfg.precision.param_dtype,
                                               cfg.precision.reduce_dtype)  # gradients/precision

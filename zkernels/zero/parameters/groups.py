@@ -27,7 +27,7 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
     Raises:
         ValueError: no trainable parameters; a group naming a tensor that is not a parameter
             of ``model`` or naming one twice; a trainable parameter in no group; parameters
-            on several devices; a parameter that is not float32.
+            on several devices (dtypes are :func:`resolve_param_dtype`'s).
         TypeError: a malformed ``param_groups``.
     """
     if not isinstance(model, nn.Module):
@@ -59,7 +59,7 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
         raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to "
                          f"a group or set requires_grad=False (an unsynchronized parameter "
                          f"would silently diverge across ranks)")
-    _check_devices_and_dtypes(trainable, names)
+    _check_devices(trainable, names)
     return out
 
 
@@ -81,20 +81,63 @@ def _user_groups(param_groups: Sequence[dict], names: Dict[int, str]) -> List[di
     return groups
 
 
-def _check_devices_and_dtypes(params: Sequence[torch.Tensor], names: Dict[int, str]) -> None:
+def _check_devices(params: Sequence[torch.Tensor], names: Dict[int, str]) -> None:
     device = params[0].device
     for p in params:
         if p.device != device:
             raise ValueError(f"model parameters are on several devices: {names[id(params[0])]!r}"
                              f" is on {device} but {names[id(p)]!r} is on {p.device}; "
                              f"ZeroOptimizer needs every trainable parameter on one device")
-        if p.dtype != torch.float32:
-            raise ValueError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; ZeroOptimizer "
-                             f"takes float32 parameters (they become the master copy) and "
-                             f"makes the low-precision compute copy itself: use param_dtype")
     if device.type == "meta":
         raise ValueError("model parameters are on the 'meta' device (no storage): materialize "
                          "them (e.g. model.to_empty(device=...)) before building the optimizer")
+
+
+# [Note: low-precision models]
+# A model whose trainable parameters are all bf16 (or all fp16), as
+# ``from_pretrained(..., torch_dtype=torch.bfloat16)`` gives, trains with that dtype as its
+# compute dtype: ``param_dtype=None`` means the model's own dtype (FSDP2 also keeps the original
+# dtype as the compute dtype), so it is as if ``param_dtype`` had been given. An explicit
+# ``param_dtype`` is honoured as for an fp32 model. The fp32 master of each unit is made by
+# widening that unit's values as the unit is built (``build_flat_unit`` flattens them into the
+# unit's fp32 buffer), one unit at a time: no full fp32 copy of the model ever exists. The
+# widened values are exactly the bf16 ones, so a bf16 model trains bit for bit as its
+# ``model.float()`` copy does with ``param_dtype=torch.bfloat16``. fp16 goes with the dynamic
+# loss scaler, as ``param_dtype=torch.float16`` does. Mixed dtypes among the trainable
+# parameters (some fp32, some bf16) have no single compute dtype and are refused by name
+# unless ``param_dtype`` says which; other dtypes (float64) are refused. Frozen parameters are
+# not consulted (stage 3 keeps them per ``frozen_compute_dtype`` in ``units.py``, whose
+# ``param_dtype`` is then the resolved one; stages 1-2 leave them untouched).
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_ACCEPTED = (torch.float32,) + LOW_PRECISION
+
+
+def resolve_param_dtype(params: Sequence[torch.Tensor], names: Dict[int, str],
+                        param_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The compute dtype for trainable ``params`` (see [Note: low-precision models]):
+    ``param_dtype`` where given, else the parameters' dtype when they are all bf16 or all
+    fp16, else None (fp32).
+
+    Raises:
+        ValueError: a parameter that is not fp32, bf16 or fp16; with ``param_dtype`` None,
+            trainable parameters of several dtypes (both named).
+    """
+    for p in params:
+        if p.dtype not in _ACCEPTED:
+            raise ValueError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; ZeroOptimizer "
+                             f"takes float32, bfloat16 or float16 parameters")
+    if param_dtype is not None:
+        return param_dtype
+    first = params[0]
+    for p in params:
+        if p.dtype != first.dtype:
+            raise ValueError(f"trainable parameters have several dtypes: {names[id(first)]!r} "
+                             f"is {first.dtype} but {names[id(p)]!r} is {p.dtype}; a "
+                             f"low-precision model needs one dtype for every trainable "
+                             f"parameter, or pass param_dtype (the compute dtype; each unit's "
+                             f"fp32 master is widened from its values)")
+    return first.dtype if first.dtype in LOW_PRECISION else None
 
 
 def frozen_params(model: nn.Module, device: torch.device) -> List[torch.Tensor]:

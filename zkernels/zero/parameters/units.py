@@ -364,15 +364,22 @@ def build_flat_unit(index: int, group_index: int, params: Sequence[torch.Tensor]
     compute_shard)`` (the update strategy's ``sharded_params`` places it), built freed.
 
     Returns:
-        ``(unit, initial_master)``: this rank's shard of the original fp32 values (taken
-        before any cast; in pure fp32 the unit's compute shard itself), which the update
+        ``(unit, initial_master)``: this rank's shard of the original values in fp32 (taken
+        before any cast, low-precision ones widened; in pure fp32 the unit's compute shard
+        itself), which the update
         strategy turns into the unit's ShardState.
     """
     lo, hi = layout.shard_range(rank)
     fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=params[0].device)
+    # bf16 / fp16 values widen exactly into the unit's fp32 buffer ([Note: low-precision
+    # models] in groups.py); a unit of mixed dtypes (an explicit param_dtype allows them)
+    # widens tensor by tensor, since one flatten call takes one dtype.
+    values = [p.detach().contiguous() for p in params]
+    if len({v.dtype for v in values}) > 1:
+        values = [v.float() for v in values]
     with torch.no_grad():
-        ops.flatten([p.detach().contiguous() for p in params], out=fp32,
-                    offsets=layout.offsets)
+        ops.flatten(values, out=fp32, offsets=layout.offsets)
+    del values
     if make_gather is None:
         initial = fp32[lo:hi]
         compute = fp32 if compute_dtype == torch.float32 else ops.cast(fp32, compute_dtype)

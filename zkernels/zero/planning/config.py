@@ -100,8 +100,10 @@ class PrecisionConfig:
     stored as ``torch.dtype``).
 
     Attributes:
-        param_dtype: None (pure fp32: the parameter is its own master) or bf16 / fp16 (an
-            fp32 master shard beside it).
+        param_dtype: None (pure fp32: the parameter is its own master; for a model whose
+            trainable parameters are all bf16 or all fp16, that dtype, see [Note:
+            low-precision models] in ``parameters/groups.py``) or bf16 / fp16 (an fp32
+            master shard beside it).
         reduce_dtype: None (fp32; for the estimator's data parallel row, the gradients' own
             dtype, as DDP reduces them) or a dtype.
     """

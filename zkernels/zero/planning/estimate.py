@@ -90,7 +90,7 @@ the read and write of master and states.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Union
 
 import torch
@@ -506,6 +506,19 @@ def _traffic(c: _Counts, disk: Dict[str, int]):
     return comm + across, across, h2d, disk_io
 
 
+def _model_param_dtype(model, cfg: ZeroConfig) -> ZeroConfig:
+    """``cfg`` with ``param_dtype`` None read as a ZeRO stage reads it for a module whose
+    trainable parameters are all bf16 or all fp16: that dtype ([Note: low-precision models]
+    in ``parameters/groups.py``). Stage 0, a count Ψ, mixed dtypes: ``cfg`` unchanged."""
+    if not isinstance(model, torch.nn.Module) or cfg.stage == 0 or \
+            cfg.precision.param_dtype is not None:
+        return cfg
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.bfloat16, torch.float16):
+        return cfg
+    return replace(cfg, precision=replace(cfg.precision, param_dtype=dtypes.pop()))
+
+
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
                     stage=None, *, config: Optional[ZeroConfig] = None, grad_shard_dtype=None,
                     max_unit_numel: Optional[int] = None, gathered_numel: Optional[int] = None,
@@ -558,6 +571,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     if cfg.stage == "auto":
         raise ValueError("estimate_memory needs an explicit stage (0, 1, 2 or 3), got 'auto' "
                          "(the ladder picks one: zkernels.zero.planning.ladder.choose_rung)")
+    cfg = _model_param_dtype(model_or_num_params, cfg)
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
