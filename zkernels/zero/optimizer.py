@@ -13,7 +13,6 @@ goes through one :class:`~zkernels.ops.OpSet` chosen at construction (``ops_back
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -39,14 +38,6 @@ from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .state.placement import check_offload_dir, make_engine
-
-
-def _with_param_dtype(cfg: ZeroConfig, param_dtype: Optional[torch.dtype]) -> ZeroConfig:
-    """``cfg`` with its compute dtype resolved from the model (unchanged when it is)."""
-    if param_dtype == cfg.precision.param_dtype:
-        return cfg
-    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision,
-                                                                  param_dtype=param_dtype))
 
 
 def _config_of(config: Optional[ZeroConfig], kwargs: dict) -> ZeroConfig:
@@ -178,7 +169,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
                                               weight_decay)             # parameters/groups.py
         # A bf16 / fp16 model computes in its own dtype ([Note: low-precision models]).
-        cfg = _with_param_dtype(cfg, resolve_param_dtype(
+        cfg = cfg.with_param_dtype(resolve_param_dtype(
             [p for g in groups for p in g["params"]],
             {id(p): n for n, p in model.named_parameters()},
             cfg.precision.param_dtype))                                 # parameters/groups.py

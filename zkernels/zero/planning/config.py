@@ -295,6 +295,13 @@ class ZeroConfig:
                           offload_params, self.offload.config if offload else None)
         return replace(self, sharding=replace(self.sharding, stage=stage), offload=off)
 
+    def with_param_dtype(self, param_dtype: Optional[torch.dtype]) -> "ZeroConfig":
+        """This config computing in ``param_dtype`` (a bf16/fp16 model's own dtype: [Note:
+        low-precision models] in ``parameters/groups.py``); itself when it already does."""
+        if param_dtype == self.precision.param_dtype:
+            return self
+        return replace(self, precision=replace(self.precision, param_dtype=param_dtype))
+
 
 # The constructor's keywords that build a ZeroConfig, with their defaults.
 CONFIG_KWARGS = {name: p.default for name, p in

@@ -90,7 +90,7 @@ the read and write of master and states.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Union
 
 import torch
@@ -516,7 +516,7 @@ def _model_param_dtype(model, cfg: ZeroConfig) -> ZeroConfig:
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.bfloat16, torch.float16):
         return cfg
-    return replace(cfg, precision=replace(cfg.precision, param_dtype=dtypes.pop()))
+    return cfg.with_param_dtype(dtypes.pop())
 
 
 def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], world_size: int,
