@@ -11,6 +11,7 @@ optimizer step is left out of the time.
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 import torch.distributed as dist

@@ -3,7 +3,6 @@ parameter units (names, views, tied parameters), shard states (ranges map back t
 names) and the ops chosen once at construction."""
 import pytest
 import torch
-import torch.nn as nn
 
 import zkernels as zk
 from tests.zero._harness import make_batches, make_model
