@@ -41,8 +41,8 @@ class OpSet:
     Build with :func:`for_device`. Attributes: ``device_type`` ("cpu", "cuda"), ``backends``
     (op name -> backend name, read-only). Methods: the ops of ``zkernels.ops`` with the same
     arguments and checks (``flatten``, ``unflatten``, ``bucket_pack``, ``bucket_unpack``,
-    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``adamw_step_lowbit``, ``sum_squares``, ``quantize``,
-    ``dequantize``, ``dequantize_sum``).
+    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``adamw_step_lowbit``, ``sum_squares``,
+    ``quantize``, ``dequantize``, ``dequantize_sum``).
     """
 
     def __init__(self, device_type: str, backends: Mapping[str, str],
