@@ -5,11 +5,13 @@ Importing this module needs triton; on CPU tensors the kernels need ``TRITON_INT
 set before the first import (``triton.jit`` reads it when it decorates).
 """
 from .adamw import adamw_step, sum_squares
+from .adamw_lowbit import adamw_step_lowbit
 from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
 from .quant import dequantize, dequantize_sum, quantize
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-           "unscale_and_check_", "adamw_step", "sum_squares", "quantize", "dequantize",
+           "unscale_and_check_", "adamw_step", "adamw_step_lowbit", "sum_squares", "quantize",
+           "dequantize",
            "dequantize_sum"]

@@ -3,6 +3,7 @@ Triton (CUDA tensors), the C++ extension (CPU tensors, where built) or the refer
 ``for_device`` builds an :class:`OpSet` whose backend is chosen once (``opset.py``)."""
 from ._backend import available, choose
 from .adamw import adamw_step, sum_squares
+from .adamw_lowbit import adamw_step_lowbit
 from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
@@ -10,5 +11,6 @@ from .opset import OpSet, for_device
 from .quant import dequantize, dequantize_sum, quantize
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-           "unscale_and_check_", "adamw_step", "sum_squares", "quantize", "dequantize",
+           "unscale_and_check_", "adamw_step", "adamw_step_lowbit", "sum_squares", "quantize",
+           "dequantize",
            "dequantize_sum", "available", "choose", "OpSet", "for_device"]

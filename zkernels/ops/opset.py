@@ -19,6 +19,7 @@ import torch
 
 from . import _fast
 from .adamw import _adamw_step, _sum_squares
+from .adamw_lowbit import _adamw_step_lowbit
 from .bucket import _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
@@ -30,7 +31,8 @@ _FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
              "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
-       "adamw_step", "sum_squares", "quantize", "dequantize", "dequantize_sum")
+       "adamw_step", "adamw_step_lowbit", "sum_squares", "quantize", "dequantize",
+       "dequantize_sum")
 
 
 class OpSet:
@@ -39,8 +41,8 @@ class OpSet:
     Build with :func:`for_device`. Attributes: ``device_type`` ("cpu", "cuda"), ``backends``
     (op name -> backend name, read-only). Methods: the ops of ``zkernels.ops`` with the same
     arguments and checks (``flatten``, ``unflatten``, ``bucket_pack``, ``bucket_unpack``,
-    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``sum_squares``, ``quantize``,
-    ``dequantize``, ``dequantize_sum``).
+    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``adamw_step_lowbit``, ``sum_squares``,
+    ``quantize``, ``dequantize``, ``dequantize_sum``).
     """
 
     def __init__(self, device_type: str, backends: Mapping[str, str],
@@ -94,6 +96,11 @@ class OpSet:
 
     def adamw_step(self, param, grad, exp_avg, exp_avg_sq, **kw):
         return _adamw_step(self._resolve, param, grad, exp_avg, exp_avg_sq, **kw)
+
+    def adamw_step_lowbit(self, param, grad, exp_avg, exp_avg_sq, exp_avg_scales=None,
+                          exp_avg_sq_scales=None, **kw):
+        return _adamw_step_lowbit(self._resolve, param, grad, exp_avg, exp_avg_sq,
+                                  exp_avg_scales, exp_avg_sq_scales, **kw)
 
     def sum_squares(self, tensors):
         if not tensors:  # the public op's empty answer, on this OpSet's device

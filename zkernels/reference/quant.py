@@ -127,8 +127,19 @@ def quantize(x: torch.Tensor, *, bits: int = 8, block_size: int = 256,
         scales = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
     if n == 0:
         return out, scales
-    qmax = QMAX[bits]
-    blocks = _blocks(x.reshape(-1).to(torch.float32), block_size)
+    codes, scale = block_codes(x.reshape(-1).to(torch.float32), block_size, QMAX[bits])
+    out.view(-1).copy_(_pack(codes, bits))
+    scales.view(-1).copy_(scale)
+    return out, scales
+
+
+def block_codes(flat: torch.Tensor, block_size: int,
+                qmax: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int32 codes (``flat.numel()``) and fp32 scales (one per block) of the fp32 1-D ``flat``,
+    with the arithmetic of [Note: blockwise quantization semantics] for any ``qmax``
+    (codes in [-qmax, qmax]; in [0, qmax] when ``flat`` holds no negative value)."""
+    n = flat.numel()
+    blocks = _blocks(flat, block_size)
     top = (blocks.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)
     amax = top.view(torch.float32)
     ok = (top > 0) & (top < _INF_BITS)
@@ -137,9 +148,7 @@ def quantize(x: torch.Tensor, *, bits: int = 8, block_size: int = 256,
     divisor = torch.where(ok, amax, torch.ones_like(amax))
     codes = torch.round((blocks / divisor[:, None]) * qmax)   # round half to even
     codes = torch.where(ok[:, None], codes, torch.zeros_like(codes)).to(torch.int32)
-    out.view(-1).copy_(_pack(codes.reshape(-1)[:n], bits))
-    scales.view(-1).copy_(scale)
-    return out, scales
+    return codes.reshape(-1)[:n], scale
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, *, bits: int = 8, block_size: int = 256,
