@@ -1,0 +1,83 @@
+"""An element-wise ``torch.optim`` class run on this rank's shard of one unit.
+
+[Note: torch.optim on pieces]
+See [Note: optimizer rules] in ``planning/optimizer_spec.py``. Each parameter overlapping
+this rank's shard contributes one *piece*: a 1-D view of the unit's fp32 master shard
+(``unit.param_slices_in_shard()``), which is the parameter the class's instance steps. At
+each step the gradient shard is divided by the step's ``grad_scale`` (1/N, loss scale,
+clipping: one temporary of the shard's size, so the shard a later backward may add to is
+left as torch leaves ``.grad``), each piece's ``.grad`` is the matching view, and the
+instance's one group takes the ZeroOptimizer group's current hyperparameters (a scheduler's
+lr applies at the next step, as with torch). The class creates its state lazily at its first
+step; after every step each element-wise state tensor (one value per element of the piece)
+is moved into one flat [shard_numel] fp32 buffer per state key, so the state is sharded with
+the master and counted by ``stats()``; 0-dim state (``step``, ASGD's ``eta``/``mu``) stays
+per piece. Classes update their state in place, so after the first step no copy is made
+(a class that replaced a tensor would be copied back, still correct). ``foreach`` is left to
+the class's own default (torch picks it on CUDA tensors) unless the user sets it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..planning.optimizer_spec import OptimizerSpec
+
+
+class TorchShardRule:
+    """A ``torch.optim`` instance over one unit's pieces (see [Note: torch.optim on pieces]).
+
+    Args:
+        spec: the group's :class:`OptimizerSpec` (a torch class).
+        master: [shard_numel] fp32 master shard (where the state lives: device or host).
+        slices: ``(start in the shard, length)`` of each piece.
+
+    Attributes:
+        flat: state key -> [shard_numel] fp32 buffer (after the first step).
+    """
+
+    def __init__(self, spec: OptimizerSpec, master: torch.Tensor,
+                 slices: List[Tuple[int, int]]) -> None:
+        self.spec, self.master, self.slices = spec, master, slices
+        self.pieces = [master[s:s + n] for s, n in slices]
+        self.flat: Dict[str, torch.Tensor] = {}
+        self.inner: Optional[torch.optim.Optimizer] = None   # built at the first step
+
+    def _hparams(self, group: dict) -> dict:
+        return {k: group[k] for k in self.spec.defaults if k in group}
+
+    def step(self, grad: torch.Tensor, group: dict, grad_scale) -> None:
+        """One step of the class on the pieces from ``grad`` ([shard_numel], to be divided
+        by ``grad_scale``)."""
+        if not self.pieces:
+            return
+        if self.inner is None:
+            self.inner = self.spec.cls(self.pieces, **self._hparams(group))
+        g = grad if grad_scale is None else grad / grad_scale
+        self.inner.param_groups[0].update(self._hparams(group))
+        for p, (s, n) in zip(self.pieces, self.slices):
+            p.grad = g[s:s + n]
+        try:
+            self.inner.step()
+        finally:
+            for p in self.pieces:
+                p.grad = None
+        self._flatten()
+
+    def _flatten(self) -> None:
+        for p, (s, n) in zip(self.pieces, self.slices):
+            st = self.inner.state[p]
+            for k, t in st.items():
+                if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() != n:
+                    continue
+                if k not in self.flat:
+                    self.flat[k] = torch.zeros_like(self.master)
+                view = self.flat[k][s:s + n]
+                if t.data_ptr() != view.data_ptr():
+                    view.copy_(t.reshape(-1))
+                    st[k] = view.view_as(t)
+
+    def held(self) -> List[torch.Tensor]:
+        """The flat state buffers (for ``stats()``)."""
+        return list(self.flat.values())
