@@ -320,7 +320,14 @@ class UpdateEngine:
         rec.step += 1
         if rec.rule is not None:   # a torch.optim class on the pieces
             rec.rule.step(grad, group, self._host_scale if self.on_host else grad_scale)
-            self._write_compute(unit, rec.master)
+            shard = unit.compute_shard
+            if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
+                # the device's shard from the host master: one counted copy up, as AdamW's
+                src = rec.master if shard.dtype == torch.float32 else \
+                    self.host_ops.cast(rec.master.contiguous(), shard.dtype)
+                self.copier.to_device(shard, src).wait()
+            else:
+                self._write_compute(unit, rec.master)
             self._update_s += time.perf_counter() - t0
             return
         hp = adamw_hparams(group, rec.step, self._host_scale if self.on_host else grad_scale)
