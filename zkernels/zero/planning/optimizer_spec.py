@@ -145,3 +145,10 @@ def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
     defaults = {k: v for k, v in probe.defaults.items()}
     return OptimizerSpec(cls.__name__, cls, defaults)
 
+
+
+def fused_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:
+    """Whether ``optimizer`` (as ``estimate_memory`` takes it) is the fused AdamW."""
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer.fused
+    return resolve_optimizer(optimizer, dict(optimizer_kwargs or {})).fused
