@@ -18,6 +18,7 @@ the class's own default (torch picks it on CUDA tensors) unless the user sets it
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -53,7 +54,11 @@ class TorchShardRule:
         if not self.pieces:
             return
         if self.inner is None:
-            self.inner = self.spec.cls(self.pieces, **self._hparams(group))
+            # (keywords its constructor takes: AdamW's defaults carry one it does not)
+            sig = inspect.signature(self.spec.cls.__init__).parameters
+            takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.values())
+            self.inner = self.spec.cls(self.pieces, **{
+                k: v for k, v in self._hparams(group).items() if takes_all or k in sig})
         g = grad if grad_scale is None else grad / grad_scale
         self.inner.param_groups[0].update(self._hparams(group))
         for p, (s, n) in zip(self.pieces, self.slices):

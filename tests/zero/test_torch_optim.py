@@ -1,0 +1,194 @@
+"""ZeroOptimizer(optimizer=<torch.optim class>) in one process (issue 26): every element-wise
+class against itself on the whole model, per-group optimizers, the memory it holds and the
+estimate's, the refusals by name. Multi-rank parity rows: tests/zero/_battery.py (optim=)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zkernels as zk
+from tests.conftest import tol
+from zkernels.zero.planning.optimizer_spec import ELEMENTWISE, resolve_optimizer
+
+HPARAMS = {
+    torch.optim.SGD: dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    torch.optim.Adam: dict(lr=1e-2, amsgrad=True),
+    torch.optim.AdamW: dict(lr=1e-2, weight_decay=0.1),
+    torch.optim.Adamax: dict(lr=1e-2),
+    torch.optim.NAdam: dict(lr=1e-2),
+    torch.optim.RAdam: dict(lr=1e-2),
+    torch.optim.RMSprop: dict(lr=1e-2, momentum=0.5, centered=True),
+    torch.optim.Adagrad: dict(lr=0.05),
+    torch.optim.Adadelta: dict(lr=1.0),
+    torch.optim.Rprop: dict(lr=1e-2),
+    torch.optim.ASGD: dict(lr=1e-2, t0=1.0),
+}
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 5))
+
+
+def _train(model, opt, steps=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(6, 12, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def _worst(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_every_class_is_tested():
+    assert set(HPARAMS) == set(ELEMENTWISE)
+
+
+@pytest.mark.parametrize("cls", list(HPARAMS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_class_on_shards_matches_the_class(cls, stage):
+    """Four steps on one rank (the shard is the whole unit, several parameters per unit)
+    against the class over the model's parameters: fp32 round-off only (the same ops on the
+    same values, the gradient divided by a 1/N of 1)."""
+    ours, ref = _model(), _model()
+    opt = zk.ZeroOptimizer(ours, stage=stage, optimizer=cls, **HPARAMS[cls])
+    _train(ours, opt)
+    _train(ref, cls(ref.parameters(), **HPARAMS[cls]))
+    with opt.gathered():
+        for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **tol(torch.float32), msg=n)
+        moved = _worst(ours, _model())
+    assert moved > 1e-4, "the optimizer did not train"
+
+
+def test_sgd_name_and_lr_default_is_the_class():
+    ours, ref = _model(), _model()
+    opt = zk.ZeroOptimizer(ours, stage=2, optimizer="sgd", momentum=0.9, nesterov=True)
+    assert opt.param_groups[0]["lr"] == torch.optim.SGD([torch.zeros(1)]).defaults["lr"]
+    _train(ours, opt)
+    _train(ref, torch.optim.SGD(ref.parameters(), momentum=0.9, nesterov=True))
+    assert _worst(ours, ref) <= 1e-6
+
+
+def test_per_group_optimizer_and_scheduler():
+    """Group 0 SGD with momentum, group 1 the fused AdamW; a LambdaLR on both sides."""
+    ours, ref = _model(), _model()
+    groups = lambda m: [{"params": list(m[0].parameters()), "optimizer": torch.optim.SGD,  # noqa
+                         "lr": 0.05, "momentum": 0.9}, {"params": list(m[2].parameters())}]
+    opt = zk.ZeroOptimizer(ours, stage=2, lr=1e-2, param_groups=groups(ours))
+    assert [s.name for s in opt.optimizer_specs] == ["SGD", "adamw"]
+    assert "optimizer" not in opt.param_groups[0] and opt.param_groups[0]["momentum"] == 0.9
+    ref_g = groups(ref)
+    sgd = torch.optim.SGD(ref_g[0]["params"], lr=0.05, momentum=0.9)
+    adamw = torch.optim.AdamW(ref_g[1]["params"], lr=1e-2, weight_decay=0.0)
+    lam = lambda s: 1.0 / (1 + s)  # noqa: E731
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in (opt, sgd, adamw)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(6, 12, generator=g)
+        for m, os_ in ((ours, (opt,)), (ref, (sgd, adamw))):
+            for o in os_:
+                o.zero_grad()
+            m(x).pow(2).mean().backward()
+            for o in os_:
+                o.step()
+        for s in scheds:
+            s.step()
+    assert _worst(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("cls, kw, per_elem", [
+    (torch.optim.SGD, dict(momentum=0.9), 4), (torch.optim.SGD, {}, 0),
+    (torch.optim.Adam, {}, 8), (torch.optim.Adagrad, {}, 4),
+    (torch.optim.RMSprop, dict(momentum=0.5, centered=True), 12)], ids=str)
+def test_state_bytes_measured_and_estimated(cls, kw, per_elem):
+    """stats() measures the class's state (flattened with the master shard) and
+    estimate_memory predicts it from the class and its hyperparameters."""
+    model = _model()
+    opt = zk.ZeroOptimizer(model, stage=2, optimizer=cls, **kw)
+    _train(model, opt, steps=1)
+    shard = sum(u.layout.shard_numel for u in opt.units)
+    assert opt.stats()["memory_bytes"]["optimizer_states"] == per_elem * shard
+    est = zk.estimate_memory(model, 1, 2, optimizer=cls, optimizer_kwargs=kw)
+    assert est.optimizer_states_bytes == per_elem * sum(p.numel() for p in model.parameters())
+    assert zk.estimate_memory(10 ** 6, 4, 1, optimizer="adamw").optimizer_states_bytes == \
+        8 * 10 ** 6 // 4
+
+
+def test_state_is_the_flat_buffer():
+    """After a step the class's state tensors are views of the flat shard buffer (so a
+    checkpoint and stats() read what the class updates)."""
+    model = _model()
+    opt = zk.ZeroOptimizer(model, stage=1, optimizer=torch.optim.SGD, lr=0.1, momentum=0.9)
+    _train(model, opt, steps=2)
+    rule = opt.shard_update.states[0].rule
+    flat = rule.flat["momentum_buffer"]
+    for p, (s, n) in zip(rule.pieces, rule.slices):
+        buf = rule.inner.state[p]["momentum_buffer"]
+        assert buf.data_ptr() == flat[s:s + n].data_ptr()
+    assert flat.abs().sum() > 0
+
+
+def test_declared_elementwise_class():
+    class MySGD(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="MySGD is not known to be element-wise.*elementwise=True"):
+        zk.ZeroOptimizer(_model(), optimizer=MySGD, lr=0.1)
+    ours, ref = _model(), _model()
+    opt = zk.ZeroOptimizer(ours, stage=2, optimizer=MySGD, elementwise=True, lr=0.1)
+    _train(ours, opt)
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    assert _worst(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("optimizer, kw, err, match", [
+    (torch.optim.LBFGS, {}, ValueError, "LBFGS is refused: its step.. re-evaluates a closure"),
+    (torch.optim.SparseAdam, {}, ValueError, "SparseAdam is refused: it takes sparse"),
+    ("lion", {}, ValueError, "optimizer='lion' needs the fused Lion op"),
+    ("muon", {}, ValueError, "optimizer='muon' is not a known name"),
+    (42, {}, TypeError, "optimizer must be a name"),
+    ("adamw", {"momentum": 0.9}, TypeError, "optimizer='adamw' takes lr, betas.*momentum"),
+    (torch.optim.SGD, {"momentum": -1.0}, ValueError, "momentum"),
+    (torch.optim.SGD, {"betas": (0.9, 0.99)}, TypeError, "betas"),
+], ids=str)
+def test_refused_by_name(optimizer, kw, err, match):
+    with pytest.raises(err, match=match):
+        zk.ZeroOptimizer(_model(), stage=2, optimizer=optimizer, **kw)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
+def test_muon_refused_by_name():
+    with pytest.raises(ValueError, match="Muon is refused: Newton-Schulz"):
+        resolve_optimizer(torch.optim.Muon, {})
+
+
+def test_group_optimizer_refused_names_the_group():
+    m = _model()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: optimizer=torch.optim.LBFGS"):
+        zk.ZeroOptimizer(m, param_groups=[{"params": list(m[0].parameters())},
+                                          {"params": list(m[2].parameters()),
+                                           "optimizer": torch.optim.LBFGS}])
+
+
+def test_nvme_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="offload='nvme' runs the fused AdamW only.*SGD"):
+        zk.ZeroOptimizer(_model(), stage=2, optimizer="sgd", offload="nvme",
+                         offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="offload='nvme' runs the fused AdamW only"):
+        zk.estimate_memory(10 ** 6, 2, 2, optimizer="sgd", offload="nvme")
+
+
+def test_plan_takes_the_optimizer(capsys):
+    from zkernels.plan import main
+    assert main(["--params", "1e9", "--world-size", "8", "--optimizer", "sgd",
+                 "--momentum", "0.9", "--param-dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 sgd" in out and "nvme" not in out
+    stage2 = next(line for line in out.splitlines() if line.strip().startswith("stage 2 "))
+    assert stage2.split()[5] == "0.5"   # optim column: 4 B x 1e9 / 8 ranks, in GB
+    assert main(["--params", "1e9", "--world-size", "8", "--optimizer", "lbfgs"]) == 2
