@@ -192,3 +192,74 @@ def test_plan_takes_the_optimizer(capsys):
     stage2 = next(line for line in out.splitlines() if line.strip().startswith("stage 2 "))
     assert stage2.split()[5] == "0.5"   # optim column: 4 B x 1e9 / 8 ranks, in GB
     assert main(["--params", "1e9", "--world-size", "8", "--optimizer", "lbfgs"]) == 2
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_dict_follows_the_class_format_and_round_trips(stage):
+    """opt.state_dict() with a torch class: per parameter index the class's own keys (as
+    torch.optim.SGD's state_dict has them, here the whole parameter: one rank), the groups'
+    hyperparameters; loading it into a fresh optimizer continues bit for bit; loading it
+    into another optimizer is refused by name, as is the AdamW format into SGD."""
+    kw = dict(lr=0.05, momentum=0.9)
+    ours, ref = _model(), _model()
+    opt = zk.ZeroOptimizer(ours, stage=stage, optimizer=torch.optim.SGD, **kw)
+    torch_opt = torch.optim.SGD(ref.parameters(), **kw)
+    _train(ours, opt, steps=2)
+    _train(ref, torch_opt, steps=2)
+    sd, tsd = opt.state_dict(), torch_opt.state_dict()
+    assert sorted(sd["state"]) == sorted(tsd["state"])
+    for i, st in tsd["state"].items():
+        assert set(sd["state"][i]) >= set(st)
+        torch.testing.assert_close(sd["state"][i]["momentum_buffer"],
+                                   st["momentum_buffer"].reshape(-1), **tol(torch.float32))
+    assert {k: v for k, v in sd["param_groups"][0].items() if k in tsd["param_groups"][0]} \
+        == tsd["param_groups"][0]
+    # resume: a fresh optimizer loading sd continues as the original does
+    again = _model(seed=5)
+    opt2 = zk.ZeroOptimizer(again, stage=stage, optimizer=torch.optim.SGD, **kw)
+    opt2.load_state_dict(sd)
+    _train(ours, opt, steps=2, seed=7)
+    _train(again, opt2, steps=2, seed=7)
+    with opt.gathered(), opt2.gathered():
+        for p, q in zip(ours.parameters(), again.parameters()):
+            assert torch.equal(p, q)
+    # the momentum buffer is restored, not zero: a run without it differs
+    fresh = _model(seed=5)
+    opt3 = zk.ZeroOptimizer(fresh, stage=stage, optimizer=torch.optim.SGD, **kw)
+    sd3 = {**sd, "state": {i: {k: (torch.zeros_like(v) if k == "momentum_buffer" else v)
+                               for k, v in st.items()} for i, st in sd["state"].items()}}
+    opt3.load_state_dict(sd3)
+    _train(fresh, opt3, steps=2, seed=7)
+    with opt.gathered(), opt3.gathered():
+        assert _worst(ours, fresh) > 1e-6
+    other = zk.ZeroOptimizer(_model(), stage=stage, optimizer=torch.optim.Adagrad)
+    with pytest.raises(ValueError, match=r"holds SGD state for param_groups\[0\] but this "
+                                         r"optimizer runs Adagrad"):
+        other.load_state_dict(sd)
+    adamw = zk.ZeroOptimizer(_model(), stage=stage)
+    with pytest.raises(ValueError, match=r"holds adamw state .* runs SGD"):
+        opt2.load_state_dict(adamw.state_dict())
+
+
+def test_default_adamw_state_dict_format_unchanged():
+    """The fused AdamW's state_dict keeps its keys (per unit: step, master, moments) and
+    "zero" gains nothing: today's checkpoints stay byte-identical."""
+    model = _model()
+    opt = zk.ZeroOptimizer(model, stage=2)
+    _train(model, opt, steps=1)
+    sd = opt.state_dict()
+    assert sorted(sd["state"][0]) == ["exp_avg", "exp_avg_sq", "master", "step"]
+    assert sorted(sd["zero"]) == ["buckets", "loss_scaler", "num_steps", "overflow_skips",
+                                  "param_dtype", "rank", "stage", "world_size"]
+    assert sorted(sd["param_groups"][0]) == ["betas", "eps", "lr", "params", "weight_decay"]
+
+
+def test_checkpoint_package_refuses_a_torch_class_by_name(tmp_path):
+    """zkernels.checkpoint's files hold the fused AdamW's fields; a torch class's run is
+    refused by name (not saved without its state)."""
+    from zkernels import checkpoint
+    model = _model()
+    opt = zk.ZeroOptimizer(model, stage=2, optimizer="sgd", momentum=0.9)
+    _train(model, opt, steps=1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] runs torch.optim.SGD"):
+        checkpoint.save(opt, str(tmp_path / "ck"))

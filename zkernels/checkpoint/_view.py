@@ -151,6 +151,12 @@ class OptimizerView:
         if not isinstance(opt.module, torch.nn.Module):
             raise TypeError("opt has no module: zkernels.checkpoint needs the ZeroOptimizer "
                             "the model was built with (opt.module)")
+        others = [(i, n) for i, n in enumerate(opt.optimizer_names) if n != "adamw"]
+        if others:   # (the files hold AdamW's fields: FIELDS)
+            i, name = others[0]
+            raise ValueError(f"zkernels.checkpoint saves the fused AdamW's state, but "
+                             f"param_groups[{i}] runs torch.optim.{name}: save that run with "
+                             f"opt.state_dict() (same world size) instead")
         self.opt = opt
         self.module = opt.module
         # overlap_param_gather: the last step's all-gathers write the full buffers (of which

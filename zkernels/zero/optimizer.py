@@ -471,6 +471,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
         self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq)
 
+    @property
+    def optimizer_names(self):
+        """Each param group's optimizer: "adamw" (the fused AdamW) or the torch class name."""
+        return [s.name for s in self.optimizer_specs]
+
+    def read_rule_state(self, unit):
+        """A torch class's unit: ``(step, master, [state dict per piece])``, the pieces in
+        ``unit.param_slices_in_shard()`` order; the fused AdamW's: its moments as pieces."""
+        if self.optimizer_specs[unit.group_index].fused:
+            step, (master, m, v) = self.read_state(unit)
+            return step, master, [{"exp_avg": m[s:s + n], "exp_avg_sq": v[s:s + n]}
+                                  for _, _, s, n in unit.param_slices_in_shard()]
+        return self.shard_update.rule_state(unit.index)
+
+    def write_rule_state(self, unit, step: int, master: torch.Tensor, states) -> None:
+        """Restore what :meth:`read_rule_state` gave and rebuild the compute shard."""
+        if self.optimizer_specs[unit.group_index].fused:
+            _, (_, m, v) = self.read_state(unit)
+            m, v = m.clone(), v.clone()
+            for (_, _, s, n), st in zip(unit.param_slices_in_shard(), states):
+                m[s:s + n] = st["exp_avg"]
+                v[s:s + n] = st["exp_avg_sq"]
+            self.write_state(unit, step, master, m, v)
+            return
+        self.shard_update.load_rule_state(unit, step, master, states,
+                                          self.param_groups[unit.group_index])
+
     def publish(self, units) -> None:
         """Every rank's parameters follow these units' shards (collective, unmetered)."""
         for h in [u.gather.publish(self.checkpoint_comm) for u in units]:

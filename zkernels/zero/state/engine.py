@@ -515,6 +515,20 @@ class UpdateEngine:
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)
 
+    def rule_state(self, unit_index: int):
+        """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
+        rec = self.states[unit_index]
+        return rec.step, rec.master, rec.rule.piece_states()
+
+    def load_rule_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
+                        states, group: dict) -> None:
+        """Overwrite a torch class's unit state and rebuild its compute shard."""
+        rec = self.states[unit.index]
+        rec.step = int(step)
+        rec.master.copy_(master)
+        rec.rule.load(states, group)
+        self._write_compute(unit, rec.master)
+
     # -- accounting and lifetime --------------------------------------------------------
 
     def _held_at(self, where: str) -> Dict[str, List[torch.Tensor]]:

@@ -54,11 +54,7 @@ class TorchShardRule:
         if not self.pieces:
             return
         if self.inner is None:
-            # (keywords its constructor takes: AdamW's defaults carry one it does not)
-            sig = inspect.signature(self.spec.cls.__init__).parameters
-            takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.values())
-            self.inner = self.spec.cls(self.pieces, **{
-                k: v for k, v in self._hparams(group).items() if takes_all or k in sig})
+            self._build(group)
         g = grad if grad_scale is None else grad / grad_scale
         self.inner.param_groups[0].update(self._hparams(group))
         for p, (s, n) in zip(self.pieces, self.slices):
@@ -82,6 +78,42 @@ class TorchShardRule:
                 if t.data_ptr() != view.data_ptr():
                     view.copy_(t.reshape(-1))
                     st[k] = view.view_as(t)
+
+    def _build(self, group: dict) -> None:
+        # (keywords its constructor takes: AdamW's defaults carry one it does not)
+        sig = inspect.signature(self.spec.cls.__init__).parameters
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.values())
+        self.inner = self.spec.cls(self.pieces, **{
+            k: v for k, v in self._hparams(group).items() if takes_all or k in sig})
+
+    def piece_states(self) -> List[Dict[str, torch.Tensor]]:
+        """Each piece's state as the class keeps it (empty before the first step)."""
+        if self.inner is None:
+            return [{} for _ in self.pieces]
+        return [dict(self.inner.state[p]) for p in self.pieces]
+
+    def load(self, states: List[Dict[str, torch.Tensor]], group: dict) -> None:
+        """Set each piece's state (element-wise tensors into the flat buffers, 0-dim ones
+        copied), as :meth:`piece_states` gave them."""
+        if not self.pieces:
+            return
+        if self.inner is None:
+            self._build(group)
+        for p, (s, n), st in zip(self.pieces, self.slices, states):
+            new = {}
+            for k, t in st.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    if t.numel() != n:
+                        raise ValueError(f"state {k!r} has {t.numel()} elements, the piece "
+                                         f"{n}")
+                    if k not in self.flat:
+                        self.flat[k] = torch.zeros_like(self.master)
+                    view = self.flat[k][s:s + n]
+                    view.copy_(t.reshape(-1))
+                    new[k] = view
+                else:
+                    new[k] = t.clone() if isinstance(t, torch.Tensor) else t
+            self.inner.state[p] = new
 
     def held(self) -> List[torch.Tensor]:
         """The flat state buffers (for ``stats()``)."""
