@@ -253,13 +253,3 @@ def test_default_adamw_state_dict_format_unchanged():
                                   "param_dtype", "rank", "stage", "world_size"]
     assert sorted(sd["param_groups"][0]) == ["betas", "eps", "lr", "params", "weight_decay"]
 
-
-def test_checkpoint_package_refuses_a_torch_class_by_name(tmp_path):
-    """zkernels.checkpoint's files hold the fused AdamW's fields; a torch class's run is
-    refused by name (not saved without its state)."""
-    from zkernels import checkpoint
-    model = _model()
-    opt = zk.ZeroOptimizer(model, stage=2, optimizer="sgd", momentum=0.9)
-    _train(model, opt, steps=1)
-    with pytest.raises(ValueError, match=r"param_groups\[0\] runs torch.optim.SGD"):
-        checkpoint.save(opt, str(tmp_path / "ck"))
