@@ -406,6 +406,7 @@ ROWS = [
     (R(2, steps=4, optim="adagrad", clip=0.05), ("parity",), TORCH_OPTIM),
     (R(3, steps=4, optim="rmsprop", micro=2), ("parity",), TORCH_OPTIM),
     (R(2, offload="cpu", steps=4, optim="sgd_momentum"), ("parity",), OFFLOAD_FULL),
+    (R(3, shard_size=2, steps=3, optim="adam"), ("parity",), HYBRID),
     (R(2, steps=2, optim="sgd_momentum"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
 ]
 

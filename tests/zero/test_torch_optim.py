@@ -253,3 +253,55 @@ def test_default_adamw_state_dict_format_unchanged():
                                   "param_dtype", "rank", "stage", "world_size"]
     assert sorted(sd["param_groups"][0]) == ["betas", "eps", "lr", "params", "weight_decay"]
 
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_compute_copy_from_the_fp32_master(stage):
+    """param_dtype=bf16: the class steps the fp32 masters with the widened bf16 gradients,
+    the compute copy is the master rounded; against that recipe in one process (SGD with
+    momentum on fp32 masters), the compute parameters within tol(bfloat16)."""
+    kw = dict(lr=0.05, momentum=0.9)
+    ours = _model()
+    master = _model()
+    compute = copy.deepcopy(master).to(torch.bfloat16)
+    opt = zk.ZeroOptimizer(ours, stage=stage, param_dtype=torch.bfloat16,
+                           optimizer=torch.optim.SGD, **kw)
+    ref = torch.optim.SGD(master.parameters(), **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(6, 12, generator=g).to(torch.bfloat16)
+        opt.zero_grad()
+        ours(x).float().pow(2).mean().backward()
+        opt.step()
+        compute.zero_grad()
+        compute(x).float().pow(2).mean().backward()
+        for q, c in zip(master.parameters(), compute.parameters()):
+            q.grad = c.grad.float()
+        ref.step()
+        with torch.no_grad():
+            for q, c in zip(master.parameters(), compute.parameters()):
+                c.copy_(q)
+    with opt.gathered():
+        for p, c in zip(ours.parameters(), compute.parameters()):
+            assert p.dtype == torch.bfloat16
+            torch.testing.assert_close(p, c, **tol(torch.bfloat16))
+
+
+def test_fp16_overflow_skips_the_class_step():
+    """fp16 loss scaling: a step with an inf gradient changes neither the parameters nor
+    the class's state, and halves the scale."""
+    model = _model()
+    opt = zk.ZeroOptimizer(model, stage=2, param_dtype=torch.float16, optimizer="sgd",
+                           lr=0.05, momentum=0.9)
+    x = torch.randn(6, 12).half()
+    opt.backward(model(x).float().pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+    buf = opt.shard_update.states[0].rule.flat["momentum_buffer"].clone()
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = opt.stats()["loss_scale"]
+    opt.backward(model(x).float().pow(2).mean() * float("inf"))
+    opt.step()
+    assert opt.step_was_skipped and opt.stats()["loss_scale"] == scale / 2
+    assert torch.equal(opt.shard_update.states[0].rule.flat["momentum_buffer"], buf)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

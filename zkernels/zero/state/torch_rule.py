@@ -4,9 +4,9 @@
 See [Note: optimizer rules] in ``planning/optimizer_spec.py``. Each parameter overlapping
 this rank's shard contributes one *piece*: a 1-D view of the unit's fp32 master shard
 (``unit.param_slices_in_shard()``), which is the parameter the class's instance steps. At
-each step the gradient shard is divided by the step's ``grad_scale`` (1/N, loss scale,
-clipping: one temporary of the shard's size, so the shard a later backward may add to is
-left as torch leaves ``.grad``), each piece's ``.grad`` is the matching view, and the
+each step the gradient shard is copied to fp32 and divided by the step's ``grad_scale`` (1/N,
+loss scale, clipping: one temporary of the shard's size, so the shard a later backward may
+add to is left as torch leaves ``.grad``), each piece's ``.grad`` is the matching view, and the
 instance's one group takes the ZeroOptimizer group's current hyperparameters (a scheduler's
 lr applies at the next step, as with torch). The class creates its state lazily at its first
 step; after every step each element-wise state tensor (one value per element of the piece)
@@ -55,7 +55,11 @@ class TorchShardRule:
             return
         if self.inner is None:
             self._build(group)
-        g = grad if grad_scale is None else grad / grad_scale
+        # A new fp32 tensor (a bf16 shard widened, stage 1's reduce dtype): the class may
+        # write its gradients in place (foreach with maximize), the shard stays as it was.
+        g = grad.float() if grad.dtype != torch.float32 else grad.clone()
+        if grad_scale is not None:
+            g.div_(grad_scale)
         self.inner.param_groups[0].update(self._hparams(group))
         for p, (s, n) in zip(self.pieces, self.slices):
             p.grad = g[s:s + n]
