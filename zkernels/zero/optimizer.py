@@ -68,8 +68,8 @@ def _ops_for(device: torch.device, ops_backend: Optional[str]):
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """AdamW with optimizer states (stage 1), gradients (stage 2) and parameters (stage 3)
-    sharded across ranks.
+    """AdamW (or an element-wise ``torch.optim`` class: ``optimizer=``) with optimizer states
+    (stage 1), gradients (stage 2) and parameters (stage 3) sharded across ranks.
 
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
