@@ -40,6 +40,7 @@ from typing import List, NamedTuple, Optional
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
 from .hf_params import count_hf_config, gathered_from_hf_config, params_from_hf_config
 from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
+from .zero.planning.optimizer_spec import fused_optimizer
 from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
@@ -80,7 +81,8 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  device_bytes: Optional[int], headroom: float, host_bytes: Optional[int] = None,
                  disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
                  frozen_dtype=None, shard_size: Optional[int] = None,
-                 link_gbps: Optional[float] = None, gathered_numel: Optional[int] = None):
+                 link_gbps: Optional[float] = None, gathered_numel: Optional[int] = None,
+                 optimizer="adamw", optimizer_kwargs: Optional[dict] = None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
     ``link_gbps``: also rows for the quantized collectives (see [Note: when compressed
     communication pays]), after the ladder's.
@@ -88,15 +90,19 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     own), see [Note: frozen parameters in the estimate] in ``zero/planning/estimate.py``.
     ``shard_size``: hybrid sharding's K (the rungs shard over K ranks, data parallel
     nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
-    once (its transient column; a module counts its own units)."""
+    once (its transient column; a module counts its own units). ``optimizer``,
+    ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element; a
+    torch class has no NVMe rungs: NVMe offload runs the fused AdamW only)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
-              shard_size=shard_size, gathered_numel=gathered_numel)
+              shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,
+              optimizer_kwargs=optimizer_kwargs)
+    nvme = fused_optimizer(optimizer, optimizer_kwargs)
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
     rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
-             for s, o, op in ladder_rows()]
+             for s, o, op in ladder_rows() if nvme or o != "nvme"]
     choice = None
     if device_bytes is not None:
         try:
@@ -318,6 +324,11 @@ def parse_args(argv):
                     "(quantize_weights / quantize_grads) as choices, with the time they save")
     ap.add_argument("--unit", default="GB", choices=["GB", "GiB", "MB", "MiB", "KB", "KiB",
                                                      "B"])
+    ap.add_argument("--optimizer", default="adamw", help="adamw (default: the fused AdamW, "
+                    "8 B/param of state) or a torch.optim element-wise class by name (sgd, "
+                    "adam, adagrad, rmsprop, ...): its state bytes per parameter")
+    ap.add_argument("--momentum", type=float, default=None, help="the optimizer's momentum "
+                    "(sgd, rmsprop): SGD keeps a 4 B/param buffer only with momentum")
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
                     help="also write the rows as JSON to this file (its folder must exist)")
     args = ap.parse_args(argv)
@@ -352,7 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             headroom=args.headroom, host_bytes=args.host_memory, disk_bytes=args.disk,
             frozen_numel=frozen,
             frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None,
-            shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered)
+            shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered,
+            optimizer=args.optimizer, optimizer_kwargs=(
+                {} if args.momentum is None else {"momentum": args.momentum}))
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
@@ -363,7 +376,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"states, whole at data parallel and stages 1-2, sharded at stage 3)" \
         if e0.frozen_numel else ""
     print(f"{e0.num_params:,} params{split}, {args.world_size} ranks, params {p}, grads reduced in "
-          f"{r} on every rung and sharded in {g}, fp32 AdamW"
+          f"{r} on every rung and sharded in {g}, fp32 {args.optimizer}"
           f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
           f"step only (stage 1's reduced shards, stage 3's gathered units: the root and two "

@@ -90,16 +90,18 @@ def rung_name(cfg: dict) -> str:
                     + (["params"] if cfg.get("offload_params") else []))
 
 
-def trainer_parity(rank: int, ws: int, rungs, tmp: str):
+def trainer_parity(rank: int, ws: int, rungs, tmp: str, args_kw=None):
     """ZeroTrainer at each rung (a ``zero_config``) == Trainer with DDP + AdamW: the logged
     loss and gradient norm of every step, then every parameter after the last step, within
-    tol(float32). Returns ``{"ddp": losses, rung_name: losses}`` for the parent."""
+    tol(float32). Returns ``{"ddp": losses, rung_name: losses}`` for the parent.
+    ``args_kw``: TrainingArguments keywords of both sides (``optim="sgd"``, ...)."""
+    args_kw = dict(args_kw or {})
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer
 
     from zkernels.integrations.transformers import ZeroTrainer, full_state_dict
     _distributed_env(rank, ws)
-    ref = Trainer(model=make_hf("llama"), args=training_args(os.path.join(tmp, "ddp")),
+    ref = Trainer(model=make_hf("llama"), args=training_args(os.path.join(tmp, "ddp"), **args_kw),
                   train_dataset=dataset())
     ref.train()
     assert isinstance(ref.model_wrapped, DistributedDataParallel), type(ref.model_wrapped)
@@ -113,7 +115,7 @@ def trainer_parity(rank: int, ws: int, rungs, tmp: str):
     for cfg in rungs:
         stage = name = rung_name(cfg)
         trainer = ZeroTrainer(model=make_hf("llama"),
-                              args=training_args(os.path.join(tmp, name)),
+                              args=training_args(os.path.join(tmp, name), **args_kw),
                               train_dataset=dataset(), zero_config=dict(cfg, bucket_bytes=BUCKET))
         trainer.train()
         assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)

@@ -32,6 +32,19 @@ def test_zero_trainer_matches_trainer_with_ddp(tmp_path):
     assert len(out["ddp"]) == STEPS and out["ddp"][STEPS] != out["ddp"][1]
 
 
+@pytest.mark.timeout(600)
+def test_zero_trainer_honours_optim(tmp_path):
+    """TrainingArguments.optim="sgd" (momentum and nesterov from optim_args, as Trainer reads
+    them): ZeroTrainer runs torch.optim.SGD on the shards and matches Trainer with DDP + SGD
+    step for step (the class, its keywords and the groups' weight decay are Trainer's)."""
+    from tests.integrations._trainer_checks import trainer_parity
+    per_rank = run_ranks(trainer_parity, 2, [{"stage": 2}], str(tmp_path),
+                         {"optim": "sgd", "optim_args": "momentum=0.9,nesterov=true",
+                          "learning_rate": 0.05}, timeout=540.0)
+    out = per_rank[0]
+    assert len(out["ddp"]) == STEPS and out["ddp"][STEPS] != out["ddp"][1]
+
+
 @pytest.mark.slow  # two Trainer runs and a resume (other world sizes: tests/checkpoint)
 @pytest.mark.timeout(600)
 def test_resume_at_another_world_size(tmp_path):
@@ -68,10 +81,17 @@ def test_zero_config_errors(tmp_path):
     assert cfg["offload_config"].pin_memory is False
 
     from transformers import TrainingArguments
-    args = TrainingArguments(output_dir=str(tmp_path), optim="sgd", report_to=[],
+    args = TrainingArguments(output_dir=str(tmp_path), optim="adafactor", report_to=[],
                              use_cpu=True)
-    with pytest.raises(ValueError, match="optim.*'sgd'"):
+    with pytest.raises(ValueError, match="optim.*'adafactor'"):
         optimizer_kwargs(args, {})
+    # sgd, adagrad, rmsprop: the torch class on the shards, optim_args as its keywords
+    args = TrainingArguments(output_dir=str(tmp_path), optim="sgd", report_to=[],
+                             use_cpu=True, learning_rate=0.1,
+                             optim_args="momentum=0.9,nesterov=true")
+    kw = optimizer_kwargs(args, {})
+    assert kw["optimizer"] is torch.optim.SGD and kw["lr"] == 0.1
+    assert kw["momentum"] == 0.9 and kw["nesterov"] is True and "betas" not in kw
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
                              max_grad_norm=0.0, learning_rate=5e-4, weight_decay=0.01)
     kw = optimizer_kwargs(args, {"stage": 2})

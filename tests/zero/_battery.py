@@ -53,6 +53,16 @@ NVME_PARAMS_BUDGET = 3 * 2048 * 18 + 2 * 4096 + 1000
 NVME_PARAM_BOUNCES = 4 * 4096
 CPU_SUB = 700   # elements per CPU AdamW sub-group: not a divisor of any shard
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Element-wise torch.optim rows (issue 26): the class and its hyperparameters, the same on
+# both sides; the oracle is the class itself on the whole model.
+OPTIMS = {
+    "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1,
+                                           weight_decay=WD)),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "adam": (torch.optim.Adam, dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, eps=1e-10)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=LR, momentum=0.5, centered=True)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Row:
     sched: bool = False                        # a LambdaLR on both sides
     order: Tuple[int, ...] = (0, 1)            # the blocks' order (a block may run twice)
     ckpt: Optional[str] = None                 # activation checkpointing of each block
+    optim: str = "adamw"                       # a key of OPTIMS (torch.optim classes)
 
     @property
     def id(self) -> str:
@@ -88,7 +99,8 @@ class Row:
         if self.stage == 3 and self.reshard is not True:
             parts.append(f"reshard{self.reshard}")
         defaults = Row(self.stage)
-        for f in ("steps", "micro", "clip", "groups", "frozen", "sched", "order", "ckpt"):
+        for f in ("steps", "micro", "clip", "groups", "frozen", "sched", "order", "ckpt",
+                  "optim"):
             v = getattr(self, f)
             if v != getattr(defaults, f):
                 text = "".join(map(str, v)) if f == "order" else v
@@ -103,6 +115,10 @@ class Row:
         """The ZeroOptimizer keywords of this rung (``folder``: the NVMe files' folder)."""
         kw = dict(stage=self.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                   param_dtype=self.param_dtype, max_grad_norm=self.clip)
+        if self.optim != "adamw":
+            cls, hp = OPTIMS[self.optim]
+            kw = dict(stage=self.stage, param_dtype=self.param_dtype,
+                      max_grad_norm=self.clip, optimizer=cls, **hp)
         if self.stage != 3:
             kw["bucket_bytes"] = SMALL_BUCKET
         else:
@@ -197,7 +213,11 @@ class Reference:
             self.compute = clone_model(model).to(torch.bfloat16)
             self.by_id = {id(p): q for p, q in zip(model.parameters(), self.ref.parameters())}
         params = split_groups(self.ref, WD) if row.groups else _trainable(self.ref)
-        self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        if row.optim == "adamw":
+            self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        else:
+            cls, hp = OPTIMS[row.optim]
+            self.opt = cls(params, **hp)
         self.clipped = 0
 
     def step(self, batch):
@@ -284,6 +304,10 @@ class Reference:
 
 
 FAULTS = ("wrong_mean", "skip_micro", "one_element")
+# A torch.optim row's fault: each piece's gradient shifted by one element inside the shard
+# (a wrong shard mapping: element i updated with element i+1's gradient).
+MAPPING_FAULT = "wrong_mapping"
+
 
 
 def check_transfer_times(st: dict, wall_s: float) -> None:
@@ -313,6 +337,7 @@ FULL = {1: True, 2: False, 4: True}
 OFFLOAD = {2: False, 1: True}             # offload: 1 rank in the full suite
 OFFLOAD_FULL = {2: True}   # a variant of a quick row: the full suite only (quick suite's time)
 HYBRID = {4: False}    # rows that need 4 ranks (2 groups of 2): run in test_hybrid.py's spawn
+TORCH_OPTIM = {2: False, 4: True}
 
 R = Row
 # (row, checks, {world size: slow?}).
@@ -374,6 +399,15 @@ ROWS = [
     (R(2, offload="cpu", shard_size=2, steps=3), ("parity",), HYBRID),
     # reshard_after_forward=R: the backward gathers within groups of 2 of the 4 ranks
     (R(3, reshard=2, steps=3), ("parity",), HYBRID),
+    # element-wise torch.optim classes on the shards (issue 26), against the class itself
+    (R(2, steps=4, optim="sgd_momentum"), ("parity",), TORCH_OPTIM),
+    (R(1, steps=4, optim="sgd_nesterov"), ("parity",), TORCH_OPTIM),
+    (R(3, steps=4, optim="adam"), ("parity",), TORCH_OPTIM),
+    (R(2, steps=4, optim="adagrad", clip=0.05), ("parity",), TORCH_OPTIM),
+    (R(3, steps=4, optim="rmsprop", micro=2), ("parity",), TORCH_OPTIM),
+    (R(2, offload="cpu", steps=4, optim="sgd_momentum"), ("parity",), OFFLOAD_FULL),
+    (R(3, shard_size=2, steps=3, optim="adam"), ("parity",), HYBRID),
+    (R(2, steps=2, optim="sgd_momentum"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
 ]
 
 

@@ -37,6 +37,17 @@ the full tensor by the code that does it for trainable ones. A load reads a rank
 pieces from whichever form the checkpoint holds: such pieces, a whole tensor saved at
 stages 1-2 (kind "frozen"), or a then-trainable parameter's master; a frozen-pieces
 parameter loaded at stages 1-2 fills the whole tensor (``load._load_model_tensors``).
+
+[Note: a torch class's pieces]
+A group running a ``torch.optim`` class (issue 26) saves, per piece, the field "master" and
+one field per element-wise state key of its class (``momentum_buffer``, ``sum``, ...: the
+keys ``read_rule_state`` gives), and the piece's 0-dim state (``step``, NAdam's
+``mu_product``, ...) as numbers under "scalars"; the manifest names each group's optimizer
+("optimizer", only where it is not the fused AdamW, whose checkpoints stay as they were).
+Loading reads the saved fields into zeroed flat buffers of the unit's shard at any world
+size, gives every piece its parameter's saved scalars (the pieces of a parameter agree) and
+hands the unit back with ``write_rule_state``. One optimizer's checkpoint into another is
+refused by name (``load.check_compatible``).
 """
 from __future__ import annotations
 
@@ -108,6 +119,8 @@ class ShardPiece:
         tensors: ``{field: [end - start] fp32 tensor}`` for each of ``FIELDS``; writable views
             of the optimizer's own storage (valid until the next piece is requested).
         step: AdamW steps applied to these elements.
+        scalars: a torch class's 0-dim state of the piece (``step``, ...) by key (the loader
+            fills it); empty for the fused AdamW.
     """
 
     name: str
@@ -115,6 +128,7 @@ class ShardPiece:
     end: int
     step: int
     tensors: Dict[str, torch.Tensor]
+    scalars: Dict[str, float] = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +166,9 @@ class OptimizerView:
             raise TypeError("opt has no module: zkernels.checkpoint needs the ZeroOptimizer "
                             "the model was built with (opt.module)")
         self.opt = opt
+        # Each group's optimizer ([Note: a torch class's pieces]).
+        self.optimizers: List[str] = list(opt.optimizer_names)
+        self._rule: Dict[int, tuple] = {}   # unit index -> (step, master, flat, scalars)
         self.module = opt.module
         # overlap_param_gather: the last step's all-gathers write the full buffers (of which
         # the fp32 masters are views) until waited for; save and load read and write them.
@@ -200,14 +217,59 @@ class OptimizerView:
                 "param_dtype": str(self.opt.param_dtype).replace("torch.", ""),
                 "offload": self.opt.offload}
 
-    def piece_ranges(self) -> List[Tuple[str, int, int, int]]:
-        """``(name, start, end, step)`` of every piece :meth:`pieces` yields, in that order,
-        without touching the tensors (the saver lays out its file from this first)."""
-        return [(name, a, a + n, self._steps.get(u.index, self.opt.state_step(u)))
-                for u in self.opt.units for name, a, _, n in u.param_slices_in_shard()]
-
-    def pieces(self) -> Iterator[ShardPiece]:
+    def piece_ranges(self) -> List[Tuple[str, int, int, int, Tuple[str, ...]]]:
+        """``(name, start, end, step, fields)`` of every piece :meth:`pieces` yields, in that
+        order (the saver lays out its file from this first)."""
+        out = []
         for u in self.opt.units:
+            fields = FIELDS if self._fused(u) else ("master",) + tuple(self._rule_of(u)[2])
+            out += [(name, a, a + n, self._steps.get(u.index, self.opt.state_step(u)), fields)
+                    for name, a, _, n in u.param_slices_in_shard()]
+        return out
+
+    def _fused(self, unit) -> bool:
+        return self.optimizers[unit.group_index] == "adamw"
+
+    def _rule_of(self, unit, fields: Optional[Dict[str, Tuple[str, ...]]] = None):
+        """A torch class's unit, staged: ``(step, master, {key: [shard_numel] flat}, [per
+        piece scalars])`` (see [Note: a torch class's pieces]); loading (``fields``: each
+        parameter's saved fields) flat buffers of zeros for the saved keys."""
+        if unit.index not in self._rule:
+            step, master, states = self.opt.read_rule_state(unit)
+            flat: Dict[str, torch.Tensor] = {}
+            scalars = []
+            slices = list(unit.param_slices_in_shard())
+            if fields is not None:
+                keys = {f for name, _, _, _ in slices for f in fields.get(name, ())} - \
+                    {"master"}
+                flat = {k: torch.zeros_like(master) for k in sorted(keys)}
+                scalars = [{} for _ in slices]
+            else:
+                for (_, _, s, n), st in zip(slices, states):
+                    sc = {}
+                    for k, t in st.items():
+                        if isinstance(t, torch.Tensor) and t.dim() > 0:
+                            flat.setdefault(k, torch.zeros_like(master))[s:s + n] = \
+                                t.reshape(-1)
+                        else:
+                            sc[k] = float(t)
+                    scalars.append(sc)
+            self._rule[unit.index] = (step, master, flat, scalars)
+        return self._rule[unit.index]
+
+    def pieces(self, fields: Optional[Dict[str, Tuple[str, ...]]] = None
+               ) -> Iterator[ShardPiece]:
+        """Every piece of this rank; ``fields`` (loading): each parameter's saved fields, for
+        a torch class's units (its state keys come from the checkpoint)."""
+        for u in self.opt.units:
+            if not self._fused(u):
+                step, master, flat, scalars = self._rule_of(u, fields)
+                step = self._steps.get(u.index, step)
+                for (name, a, s, n), sc in zip(u.param_slices_in_shard(), scalars):
+                    yield ShardPiece(name, a, a + n, step,
+                                     {"master": master[s:s + n],
+                                      **{k: t[s:s + n] for k, t in flat.items()}}, sc)
+                continue
             step, tensors = self._state(u)
             fields = dict(zip(FIELDS, tensors))
             for name, a, s, n in u.param_slices_in_shard():
@@ -286,9 +348,17 @@ class OptimizerView:
         unit's compute shard from its master (rounded to param_dtype; its own tensors are
         passed, so nothing is copied twice), then the gather policy publish it (collective)."""
         for u in self.opt.units:
+            if not self._fused(u):
+                step, master, flat, scalars = self._rule_of(u)
+                states = [{**{k: t[s:s + n] for k, t in flat.items()},
+                           **{k: torch.tensor(v) for k, v in sc.items()}}
+                          for (_, _, s, n), sc in zip(u.param_slices_in_shard(), scalars)]
+                self.opt.write_rule_state(u, self._steps.get(u.index, step), master, states)
+                continue
             step, tensors = self._state(u)
             self.opt.write_state(u, step, *tensors)
         self._staged.clear()
+        self._rule.clear()
         self._steps.clear()
         # Frozen units too: their shards were written, so a stale gathered copy goes.
         self.opt.publish(list(self.opt.units) + self.frozen_units)

@@ -66,9 +66,14 @@ def load(opt, path: str) -> Any:
     extra = groups = None
     try:
         with CheckpointFiles(folder, m) as files, torch.no_grad():
-            for piece in view.pieces():
-                for f in FIELDS:
+            saved = {n: tuple(p["pieces"][0].get("fields", FIELDS))
+                     for n, p in m["params"].items() if p["pieces"]}
+            for piece in view.pieces(fields=saved):
+                for f in piece.tensors:
                     files.read_param(piece.name, f, piece.start, piece.end, piece.tensors[f])
+                if piece.scalars is not None:   # [Note: a torch class's pieces]
+                    piece.scalars.update(m["params"][piece.name]["pieces"][0]
+                                         .get("scalars", {}))
             for fp in view.frozen_pieces(write=True):
                 _read_frozen_piece(m, files, fp)
             _load_model_tensors(view, m, files)
@@ -179,6 +184,11 @@ def check_compatible(view: OptimizerView, m: Dict[str, Any], folder: str) -> Dic
             else tuple(s["shape"])
         if shape != tuple(e.tensor.shape):
             problems.append(f"{e.key}: checkpoint shape {shape}, model {tuple(e.tensor.shape)}")
+    saved_opts = [g.get("optimizer", "adamw") for g in m["param_groups"]]
+    for i, (a, b) in enumerate(zip(saved_opts, view.optimizers)):
+        if a != b:
+            problems.append(f"param_groups[{i}] was saved with {a}'s state but runs {b} "
+                            f"here: one optimizer's state does not load into another")
     if not problems:
         # Parameters frozen since the save belong to no group now.
         saved_groups = [set(g["params"]) & set(view.params) for g in m["param_groups"]]

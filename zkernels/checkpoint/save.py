@@ -39,7 +39,7 @@ import torch
 from . import _codec, manifest
 from ._collective import agree
 from ._tensorfile import TensorFileWriter, dtype_name
-from ._view import FIELDS, OptimizerView
+from ._view import OptimizerView
 from .errors import CheckpointError, SaveAbortedError
 
 TMP_SUFFIX = ".zk-tmp"
@@ -168,7 +168,7 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
     """Stream this rank's pieces into its shard file; return its index."""
     ranges = view.piece_ranges()
     entries = [(_key(f, name, start), torch.float32, (end - start,))
-               for name, start, end, _ in ranges for f in FIELDS]
+               for name, start, end, _, fields in ranges for f in fields]
     # Stage 3's frozen pieces: their values only, in the shard's dtype ([Note: frozen pieces]).
     entries += [(_key("master", name, start), dtype, (end - start,))
                 for name, start, end, dtype in view.frozen_piece_ranges()]
@@ -179,12 +179,15 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
     try:
         pieces = []
         for piece in view.pieces():
-            for f in FIELDS:
+            for f in piece.tensors:
                 writer.write(_key(f, piece.name, piece.start), piece.tensors[f])
-            pieces.append({"name": piece.name, "start": piece.start, "end": piece.end,
-                           "step": piece.step,
-                           **{f: list(writer.offsets[_key(f, piece.name, piece.start)])
-                              for f in FIELDS}})
+            entry = {"name": piece.name, "start": piece.start, "end": piece.end,
+                     "step": piece.step,
+                     **{f: list(writer.offsets[_key(f, piece.name, piece.start)])
+                        for f in piece.tensors}}
+            if piece.scalars is not None:   # a torch class ([Note: a torch class's pieces])
+                entry.update(fields=list(piece.tensors), scalars=piece.scalars)
+            pieces.append(entry)
         for fp in view.frozen_pieces():
             key = _key("master", fp.name, fp.start)
             writer.write(key, fp.tensor)
@@ -256,8 +259,10 @@ def _merge(view: OptimizerView, tmp: str) -> Dict[str, Any]:
     m = {"format": manifest.FORMAT, "format_version": manifest.FORMAT_VERSION,
          "zkernels_version": _version(), "torch_version": torch.__version__,
          "saved_with": view.describe(), "files": files, "params": params, "model": model,
-         "param_groups": [{"hparams": h, "params": names}
-                          for h, names in zip(model_index["param_groups"], view.group_names)],
+         "param_groups": [dict({"hparams": h, "params": names},
+                               **({} if o == "adamw" else {"optimizer": o}))
+                          for h, names, o in zip(model_index["param_groups"],
+                                                 view.group_names, view.optimizers)],
          "optimizer": view.scalars(), "extra": model_index["extra"],
          "extra_tensors": tensors}
     try:

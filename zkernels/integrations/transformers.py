@@ -86,6 +86,9 @@ _TRAINER_HOOKS = ("create_accelerator_and_postprocess", "_build_accelerator_args
                   "_load_optimizer_and_scheduler", "_load_best_model",
                   "_maybe_log_save_evaluate")
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+# TrainingArguments.optim choices that run a torch.optim class on the shards: the class and
+# its keywords are Trainer's own (``Trainer.get_optimizer_cls_and_kwargs``: lr, optim_args).
+_TORCH_OPTIMS = ("sgd", "adagrad", "rmsprop")
 
 
 def _transformers_version() -> str:
@@ -132,19 +135,25 @@ def optimizer_kwargs(args, zero_config: Dict[str, Any]) -> Dict[str, Any]:
     parsed ``zero_config``: its ZeroConfig keys (and the compute dtype) as one ``config``.
 
     Raises:
-        ValueError: ``args.optim`` is not an AdamW (ZeroOptimizer's update is AdamW).
+        ValueError: ``args.optim`` is neither an AdamW (the fused sharded AdamW) nor one of
+            ``_TORCH_OPTIMS`` (the torch class on the shards).
     """
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in _ADAMW:
-        raise ValueError(f"ZeroTrainer updates with zkernels' sharded AdamW: "
-                         f"TrainingArguments.optim must be one of {_ADAMW}, got {optim!r}")
+    if optim not in _ADAMW and optim not in _TORCH_OPTIMS:
+        raise ValueError(f"ZeroTrainer updates with zkernels' sharded AdamW or a torch.optim "
+                         f"class on the shards: TrainingArguments.optim must be one of "
+                         f"{_ADAMW + tuple(_TORCH_OPTIMS)}, got {optim!r}")
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     max_norm = args.max_grad_norm
     config = ZeroConfig.from_kwargs(param_dtype=param_dtype, **{
         k: v for k, v in zero_config.items() if k in CONFIG_KWARGS})
-    return dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                max_grad_norm=float(max_norm) if max_norm and max_norm > 0 else None,
+    hparams = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                   eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    if optim in _TORCH_OPTIMS:   # weight decay per group (create_optimizer's groups)
+        from transformers import Trainer
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        hparams = dict(optimizer=cls, weight_decay=args.weight_decay, **kwargs)
+    return dict(**hparams, max_grad_norm=float(max_norm) if max_norm and max_norm > 0 else None,
                 config=config, **{k: v for k, v in zero_config.items()
                                   if k not in CONFIG_KWARGS})
 

@@ -114,6 +114,20 @@ class CheckpointSource(Protocol):
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
 
+    @property
+    def optimizer_names(self) -> List[str]:
+        """Each param group's optimizer: "adamw" (the fused AdamW) or a torch class's name
+        ([Note: optimizer rules] in ``planning/optimizer_spec.py``)."""
+
+    def read_rule_state(self, unit: CheckpointUnit) -> Tuple[int, torch.Tensor, List[dict]]:
+        """``(step, master, [state per piece])``: each piece's state keys as its class keeps
+        them (the fused AdamW's: ``exp_avg``, ``exp_avg_sq``), in
+        ``unit.param_slices_in_shard()`` order."""
+
+    def write_rule_state(self, unit: CheckpointUnit, step: int, master: torch.Tensor,
+                         states: List[dict]) -> None:
+        """Restore :meth:`read_rule_state`'s state and rebuild the unit's compute shard."""
+
     def publish(self, units: Sequence[CheckpointUnit]) -> None:
         """Make every rank's parameters follow these units' shards. Collective."""
 

@@ -68,8 +68,8 @@ def _ops_for(device: torch.device, ops_backend: Optional[str]):
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """AdamW with optimizer states (stage 1), gradients (stage 2) and parameters (stage 3)
-    sharded across ranks.
+    """AdamW (or an element-wise ``torch.optim`` class: ``optimizer=``) with optimizer states
+    (stage 1), gradients (stage 2) and parameters (stage 3) sharded across ranks.
 
     Args:
         model: the module to train; its trainable parameters become views of flat buffers
@@ -87,9 +87,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             dtype when ``param_dtype`` is None, with fp32 master shards widened unit by unit
             (see [Note: low-precision models] in ``parameters/groups.py``).
         config: a ZeroConfig instead of those keywords (not both).
-        lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group).
+        lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group;
+            None: 1e-3, (0.9, 0.999), 1e-8, 0.0); with a torch class, those given go to it.
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
-            "weight_decay": 0.0}, ...]``; every trainable parameter must be in one.
+            "weight_decay": 0.0}, ...]``; every trainable parameter must be in one. A group's
+            ``"optimizer"`` key gives it its own optimizer (its class's defaults apply).
+        optimizer: ``"adamw"`` (default: the fused AdamW), or an element-wise
+            ``torch.optim.Optimizer`` subclass (``torch.optim.SGD``, ...) or its lower-case
+            name (``"sgd"``), run on this rank's shard; see [Note: optimizer rules] in
+            ``planning/optimizer_spec.py`` for what is refused and why.
+        elementwise: declare a class not in ``optimizer_spec.ELEMENTWISE`` element-wise.
+        **optimizer_kwargs: the torch class's hyperparameters (``momentum=0.9``, ...).
         max_grad_norm: clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank), or a ``DeviceMesh`` (1-D: its group; 2-D: as ``mesh``).
@@ -138,9 +146,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         schedule: stage 3's :class:`~zkernels.zero.parameters.stage3.GatherSchedule` (None below).
     """
 
-    def __init__(self, model: nn.Module, stage=1, lr: float = 1e-3,
-                 betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, param_groups: Optional[Sequence[dict]] = None,
+    def __init__(self, model: nn.Module, stage=1, lr: Optional[float] = None,
+                 betas: Optional[Sequence[float]] = None, eps: Optional[float] = None,
+                 weight_decay: Optional[float] = None,
+                 param_groups: Optional[Sequence[dict]] = None,
                  param_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
                  bucket_bytes: Optional[int] = None, max_grad_norm: Optional[float] = None,
@@ -154,7 +163,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
                  mesh=None, quantize_weights: Optional[str] = None,
                  quantize_grads: Optional[str] = None, quantize_block: int = 256,
-                 config: Optional[ZeroConfig] = None) -> None:
+                 config: Optional[ZeroConfig] = None, optimizer="adamw",
+                 elementwise: bool = False, **optimizer_kwargs) -> None:
         # Each line is one decision, made by the module that owns it.
         cfg = _config_of(config, dict(                                   # planning/config.py
             stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
@@ -166,8 +176,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
                              f"stages that shard parameters), got stage={cfg.stage}")
         check_offload_dir(cfg.offload)                                  # state/placement.py
-        groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
-                                              weight_decay)             # parameters/groups.py
+        groups, defaults, self.optimizer_specs = build_param_groups(
+            model, param_groups, lr, betas, eps, weight_decay, optimizer, optimizer_kwargs,
+            elementwise)                                                # parameters/groups.py
         # A bf16 / fp16 model computes in its own dtype ([Note: low-precision models]).
         cfg = cfg.with_param_dtype(resolve_param_dtype(
             [p for g in groups for p in g["params"]],
@@ -210,7 +221,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_update = make_engine(
             cfg.offload.kind, ops=self.ops, device=device, ops_backend=ops_backend,
             offload_dir=cfg.offload.dir, rank=self.comm.rank, world_size=self.comm.world_size,
-            offload_config=cfg.offload.config, offload_params=self.offload_params)
+            offload_config=cfg.offload.config, offload_params=self.offload_params,
+            specs=self.optimizer_specs)
         try:
             self.units, self.frozen_units, gather_units = build_parameter_side(
                 self.policy, model, self.param_groups, self.precision.param_dtype,
@@ -458,6 +470,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     exp_avg_sq: torch.Tensor) -> None:
         """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
         self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq)
+
+    @property
+    def optimizer_names(self):
+        """Each param group's optimizer: "adamw" (the fused AdamW) or the torch class name."""
+        return [s.name for s in self.optimizer_specs]
+
+    def read_rule_state(self, unit):
+        """A torch class's unit: ``(step, master, [state dict per piece])``, the pieces in
+        ``unit.param_slices_in_shard()`` order; the fused AdamW's: its moments as pieces."""
+        if self.optimizer_specs[unit.group_index].fused:
+            step, (master, m, v) = self.read_state(unit)
+            return step, master, [{"exp_avg": m[s:s + n], "exp_avg_sq": v[s:s + n]}
+                                  for _, _, s, n in unit.param_slices_in_shard()]
+        return self.shard_update.rule_state(unit.index)
+
+    def write_rule_state(self, unit, step: int, master: torch.Tensor, states) -> None:
+        """Restore what :meth:`read_rule_state` gave and rebuild the compute shard."""
+        if self.optimizer_specs[unit.group_index].fused:
+            _, (_, m, v) = self.read_state(unit)
+            m, v = m.clone(), v.clone()
+            for (_, _, s, n), st in zip(unit.param_slices_in_shard(), states):
+                m[s:s + n] = st["exp_avg"]
+                v[s:s + n] = st["exp_avg_sq"]
+            self.write_state(unit, step, master, m, v)
+            return
+        self.shard_update.load_rule_state(unit, step, master, states,
+                                          self.param_groups[unit.group_index])
 
     def publish(self, units) -> None:
         """Every rank's parameters follow these units' shards (collective, unmetered)."""

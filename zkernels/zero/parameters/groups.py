@@ -1,14 +1,17 @@
 """Which parameters the optimizer manages, in which groups: validated once, up front."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
+from ..planning.optimizer_spec import OptimizerSpec, resolve_optimizer
+
 
 def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
-                         defaults: dict) -> List[dict]:
+                         defaults: dict,
+                         defaults_of: Optional[Callable[[int, dict], dict]] = None) -> List[dict]:
     """Torch-style param groups holding the model's trainable parameters.
 
     Frozen parameters (``requires_grad=False``) are left out: they are neither sharded nor
@@ -19,6 +22,8 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
         param_groups: None (one group: every trainable parameter), or a list of dicts
             ``{"params": [...], <hyperparameter>: value, ...}`` like torch optimizers take.
         defaults: hyperparameters for keys a group does not set.
+        defaults_of: ``(index, user group) -> defaults`` where a group's defaults depend on it
+            (its own ``"optimizer"``); default: ``defaults`` for every group.
 
     Returns:
         a list of dicts, each with ``"params"`` (a non-empty list of trainable parameters in
@@ -52,7 +57,8 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
                                  f"parameter belongs to one group")
             seen[id(p)] = gi
         if params:
-            out.append({**defaults, **{k: v for k, v in g.items() if k != "params"},
+            base = defaults if defaults_of is None else defaults_of(gi, g)
+            out.append({**base, **{k: v for k, v in g.items() if k != "params"},
                         "params": params})
     missing = [names[id(p)] for p in trainable if id(p) not in seen]
     if missing:
@@ -188,13 +194,60 @@ def check_hparams(where: str, lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"{where}weight_decay must be >= 0, got {weight_decay}")
 
 
-def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]], lr, betas,
-                       eps, weight_decay) -> Tuple[List[dict], dict]:
-    """``(groups, defaults)``: the checked AdamW defaults and :func:`resolve_param_groups`
-    with every group's hyperparameters checked."""
-    check_hparams("", lr, betas, eps, weight_decay)
-    defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    groups = resolve_param_groups(model, param_groups, defaults)
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]], lr=None,
+                       betas=None, eps=None, weight_decay=None, optimizer="adamw",
+                       optimizer_kwargs: Optional[dict] = None, elementwise: bool = False
+                       ) -> Tuple[List[dict], dict, List[OptimizerSpec]]:
+    """``(groups, defaults, specs)``: :func:`resolve_param_groups` with every group's
+    hyperparameters checked, and each group's update rule (see [Note: optimizer rules] in
+    ``planning/optimizer_spec.py``).
+
+    ``lr``, ``betas``, ``eps``, ``weight_decay``: None is the optimizer's own default (the
+    fused AdamW's: 1e-3, (0.9, 0.999), 1e-8, 0.0); given ones go to a torch class as keywords
+    beside ``optimizer_kwargs``. A group's ``"optimizer"`` key (a name or a class) gives it
+    its own rule, its hyperparameters that class's defaults and the group's keys; the key is
+    not kept in the group.
+    """
+    given = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps,
+                                   weight_decay=weight_decay).items() if v is not None}
+    kwargs = dict(optimizer_kwargs or {})
+    top = resolve_optimizer(optimizer, kwargs if _is_adamw(optimizer) else {**given, **kwargs},
+                            elementwise)
+    adamw = {**ADAMW_DEFAULTS, **given} if top.fused else dict(ADAMW_DEFAULTS)
+    if top.fused:
+        check_hparams("", adamw["lr"], adamw["betas"], adamw["eps"], adamw["weight_decay"])
+    defaults = {**adamw, "betas": tuple(adamw["betas"])} if top.fused else dict(top.defaults)
+    def spec_of(g: dict, where: str) -> OptimizerSpec:
+        user = {k: v for k, v in g.items() if k not in ("params", "optimizer")}
+        return resolve_optimizer(g["optimizer"], {} if _is_adamw(g["optimizer"]) else user,
+                                 elementwise, where=where)
+
+    def defaults_of(gi: int, g: dict) -> dict:
+        if "optimizer" not in g:
+            return defaults
+        spec = spec_of(g, f"param_groups[{gi}]: ")
+        return defaults if spec.name == top.name else \
+            dict(ADAMW_DEFAULTS) if spec.fused else dict(spec.defaults)
+
+    groups = resolve_param_groups(model, param_groups, defaults, defaults_of)
+    specs = []
     for i, g in enumerate(groups):
-        check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"], g["weight_decay"])
-    return groups, defaults
+        spec = top
+        if "optimizer" in g:
+            spec = spec_of(g, f"param_groups[{i}]: ")
+            del g["optimizer"]
+        if spec.fused:
+            check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"],
+                          g["weight_decay"])
+        elif param_groups is not None:   # the class checks the group's values
+            resolve_optimizer(spec.cls, {k: g[k] for k in spec.defaults if k in g},
+                              True, where=f"param_groups[{i}]: ")
+        specs.append(spec)
+    return groups, defaults, specs
+
+
+def _is_adamw(optimizer) -> bool:
+    return isinstance(optimizer, str) and optimizer.lower() == "adamw"

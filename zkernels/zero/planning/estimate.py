@@ -90,7 +90,7 @@ the read and write of master and states.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Union
 
 import torch
@@ -99,10 +99,11 @@ from .buckets import auto_bucket_bytes
 from .config import QuantizeConfig, ZeroConfig, parse_dtype
 from .offload_config import (IO_ALIGN, NUM_PARAM_BOUNCES, OffloadConfig, nvme_arena_bytes,
                              nvme_sub_group_numel, param_bounce_bytes)
+from .optimizer_spec import ADAMW_STATE_BYTES, OptimizerSpec, resolve_optimizer
 from .policy import NUM_REDUCE_BUFFERS, STAGES, StagePolicy, check_reshard_after_forward
 from .unit_plan import gathered_peak_numel, plan_units
 
-ADAM_STATE_BYTES = 8        # exp_avg + exp_avg_sq, fp32
+ADAM_STATE_BYTES = ADAMW_STATE_BYTES   # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
 
 
@@ -337,6 +338,7 @@ class _Counts:
     bucket_numel: int       # B (stage 3 with a module: its largest unit)
     num_buckets: int
     gathered: int           # stage 3's elements gathered at once
+    state_bytes: int = ADAM_STATE_BYTES   # optimizer state per trainable element
 
     @property
     def offload(self) -> Optional[str]:
@@ -408,7 +410,7 @@ def _states(c: _Counts) -> Dict[str, int]:
                 else c.p * c.n_psi + c.frozen_whole,
                 grads=c.g * c.shard if pol.shards_grads else c.p * c.n_psi,
                 master=MASTER_BYTES * per if own_master else 0,
-                optimizer_states=ADAM_STATE_BYTES * per)
+                optimizer_states=c.state_bytes * per)
 
 
 def _buffers(c: _Counts) -> int:
@@ -524,8 +526,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     max_unit_numel: Optional[int] = None, gathered_numel: Optional[int] = None,
                     max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
                     frozen_numel: Optional[int] = None, frozen_dtype=None,
+                    optimizer="adamw", optimizer_kwargs: Optional[dict] = None,
                     **config_kwargs) -> MemoryEstimate:
-    """Bytes per rank, by kind and location, for training with AdamW on one rung.
+    """Bytes per rank, by kind and location, for training with AdamW (or ``optimizer``)
+    on one rung.
 
     Args:
         model_or_num_params: an ``nn.Module`` (its distinct parameters are counted, those with
@@ -559,6 +563,10 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             over a 7B base, ``estimate_memory(7e9 + 4e6, ..., frozen_numel=7e9)``; see
             [Note: frozen parameters in the estimate]. A module counts its own.
         frozen_dtype: with ``frozen_numel``, the frozen parameters' dtype (default fp32).
+        optimizer, optimizer_kwargs: the optimizer as ``ZeroOptimizer(optimizer=...)`` takes
+            it (``"adamw"``, ``"sgd"``, ``torch.optim.Adagrad``, ...) and its hyperparameters
+            (``{"momentum": 0.9}``): its state bytes per trainable element replace AdamW's 8
+            (``OptimizerSpec.state_bytes``: SGD 4 with momentum, 0 without; Adagrad 4; ...).
 
     Hybrid sharding replaces N by K in every byte per rank and adds the cross-group
     all-reduce; secondary shards add p·Ψ/R to the transient bytes; quantization changes the
@@ -572,10 +580,16 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         raise ValueError("estimate_memory needs an explicit stage (0, 1, 2 or 3), got 'auto' "
                          "(the ladder picks one: zkernels.zero.planning.ladder.choose_rung)")
     cfg = _model_param_dtype(model_or_num_params, cfg)
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else \
+        resolve_optimizer(optimizer, dict(optimizer_kwargs or {}), where="estimate_memory: ")
+    if not spec.fused and cfg.offload.kind == "nvme":
+        raise ValueError(f"estimate_memory: offload='nvme' runs the fused AdamW only (got "
+                         f"optimizer {spec.name}); use offload='cpu'")
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
                 frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
+    c = replace(c, state_bytes=spec.state_bytes())
     kinds = dict(_states(c), buffers=_buffers(c), transient=_transient(c))
     device, host, disk = _offload_split(c, kinds)
     comm, across, h2d, disk_io = _traffic(c, disk)

@@ -73,6 +73,7 @@ from .grad_sink import GradShards
 from .nvme_files import NvmeFiles
 from .shard_state import ShardState
 from .swap import aligned_empty
+from .torch_rule import TorchShardRule
 from .transfer import Copier
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -138,6 +139,10 @@ class UpdateEngine:
             or ``param_nvme.DiskParamStore``, whose files the step writes).
         sharded_params: stage 3's gather-policy builder (the parameter side's, fed by
             ``offload_params``: ``param_offload.sharded_params_factory``).
+        specs: each param group's :class:`~zkernels.zero.planning.optimizer_spec.OptimizerSpec`
+            by group index (empty: every group the fused AdamW); a torch class's units step
+            through a :class:`~zkernels.zero.state.torch_rule.TorchShardRule` ([Note:
+            torch.optim on pieces]).
 
     Attributes:
         placement: where the state lives ("device", "cpu", "nvme"): the one place that knows.
@@ -153,8 +158,10 @@ class UpdateEngine:
     def __init__(self, placement: str, *, ops: OpSet, host_ops: Optional[OpSet] = None,
                  copier: Optional[Copier] = None, config: Optional[OffloadConfig] = None,
                  files: Optional[NvmeFiles] = None, param_store=None,
-                 sharded_params=None) -> None:
+                 sharded_params=None, specs: Sequence = ()) -> None:
         self.placement = placement
+        self.specs = list(specs)
+
         self.on_host = placement != "device"          # the step runs on the host
         self.step_ops = host_ops if self.on_host else ops
         self.host_ops, self.copier, self.config = host_ops, copier, config
@@ -197,8 +204,15 @@ class UpdateEngine:
             master = self._alloc(n, "master", unit.device)
             if not master.is_meta:
                 master.copy_(initial_master)
-        rec = ShardState(unit, master, self._alloc(n, "exp_avg", unit.device),
-                         self._alloc(n, "exp_avg_sq", unit.device))
+        spec = self.specs[unit.group_index] if self.specs else None
+        if spec is not None and not spec.fused:   # the class allocates its own state
+            none = master.new_empty(0)
+            rec = ShardState(unit, master, none, none)
+            rec.rule = TorchShardRule(spec, master, [(s, k) for _, _, s, k in
+                                                     unit.param_slices_in_shard()])
+        else:
+            rec = ShardState(unit, master, self._alloc(n, "exp_avg", unit.device),
+                             self._alloc(n, "exp_avg_sq", unit.device))
         if self.grad_sink is not None:
             rec.grad = self.grad_sink.add(n, torch.device("cpu"))
         self._ensure_slots(n, unit)
@@ -304,6 +318,18 @@ class UpdateEngine:
         self._in_step = True
         rec = self.states[unit.index]
         rec.step += 1
+        if rec.rule is not None:   # a torch.optim class on the pieces
+            rec.rule.step(grad, group, self._host_scale if self.on_host else grad_scale)
+            shard = unit.compute_shard
+            if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
+                # the device's shard from the host master: one counted copy up, as AdamW's
+                src = rec.master if shard.dtype == torch.float32 else \
+                    self.host_ops.cast(rec.master.contiguous(), shard.dtype)
+                self.copier.to_device(shard, src).wait()
+            else:
+                self._write_compute(unit, rec.master)
+            self._update_s += time.perf_counter() - t0
+            return
         hp = adamw_hparams(group, rec.step, self._host_scale if self.on_host else grad_scale)
         mixed = unit.compute_dtype != torch.float32
         # The compute shard lives beside the step: the AdamW writes it in place; or in a file
@@ -489,6 +515,20 @@ class UpdateEngine:
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)
 
+    def rule_state(self, unit_index: int):
+        """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
+        rec = self.states[unit_index]
+        return rec.step, rec.master, rec.rule.piece_states()
+
+    def load_rule_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
+                        states, group: dict) -> None:
+        """Overwrite a torch class's unit state and rebuild its compute shard."""
+        rec = self.states[unit.index]
+        rec.step = int(step)
+        rec.master.copy_(master)
+        rec.rule.load(states, group)
+        self._write_compute(unit, rec.master)
+
     # -- accounting and lifetime --------------------------------------------------------
 
     def _held_at(self, where: str) -> Dict[str, List[torch.Tensor]]:
@@ -497,6 +537,8 @@ class UpdateEngine:
             for k, t in zip(KINDS, rec.tensors()):
                 if self.where[k] == where:
                     out["master" if k == "master" else "optimizer_states"].append(t)
+            if rec.rule is not None and self.where["master"] == where:
+                out["optimizer_states"].extend(rec.rule.held())
         return out
 
     def held(self) -> Dict[str, List[torch.Tensor]]:

@@ -55,13 +55,20 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
 
 def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optional[str],
                 offload_dir, rank: int, world_size: int,
-                offload_config: Optional[OffloadConfig], offload_params: bool = False):
+                offload_config: Optional[OffloadConfig], offload_params: bool = False,
+                specs=()):
     """The update engine placed for ``offload`` (None: states on the device); with
     ``offload_params`` (stage 3, checked by ``ZeroConfig``) the parameter side
     keeps its shards beside the offloaded state: in host RAM with CPU offload
     (``param_offload.py``), in files with NVMe offload (``param_nvme.py``)."""
     if offload is None:
-        return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None))
+        return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None),
+                            specs=specs)
+    if offload == "nvme" and any(not s.fused for s in specs):
+        name = next(s.name for s in specs if not s.fused)
+        raise ValueError(f"offload='nvme' runs the fused AdamW only: torch.optim.{name}'s "
+                         f"state is created by the class in memory and is not streamed "
+                         f"through the NVMe slots; use offload='cpu'")
     config = offload_config or OffloadConfig()
     copier = Copier(device, config.pin_memory)
     store = files = None
@@ -80,4 +87,4 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
         raise
     return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,
                         config=config, files=files, param_store=store,
-                        sharded_params=sharded_params_factory(store))
+                        sharded_params=sharded_params_factory(store), specs=specs)

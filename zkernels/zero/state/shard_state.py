@@ -32,6 +32,9 @@ class ShardState:
         grad: [shard_numel] fp32 gradient shard where the engine's grad sink keeps one
             (device or host RAM), else None.
         files: NVMe offload: the unit's swap files by kind ("master", "exp_avg", ...).
+        rule: a torch.optim class's :class:`~zkernels.zero.state.torch_rule.TorchShardRule`
+            (which holds that class's state; ``exp_avg``/``exp_avg_sq`` are then empty), or
+            None for the fused AdamW.
     """
 
     unit: FlatParamUnit
@@ -41,6 +44,7 @@ class ShardState:
     step: int = 0
     grad: Optional[torch.Tensor] = None
     files: Dict[str, object] = field(default_factory=dict)
+    rule: Optional[object] = None
 
     @property
     def unit_index(self) -> int:

@@ -21,6 +21,44 @@ def _fingerprint(opt) -> list:
     return [list(u.layout.numels) for u in opt.units]
 
 
+# [Note: the state_dict of a torch class]
+# With the fused AdamW in every group the format is the one above, unchanged. Where a group
+# runs a torch.optim class (issue 26) the state follows the class's torch format: "state" is
+# keyed by parameter index (the order of param_groups' "params"), each entry that class's
+# state keys for this rank's piece of the parameter (1-D, elements ``zero["pieces"][index]``
+# of the flattened parameter; a fused AdamW group's entries have "exp_avg", "exp_avg_sq" and
+# "step"); "param_groups" carry the class's hyperparameters. "zero" adds each group's
+# optimizer ("optimizers") and the fp32 master shards by unit ("masters"). A parameter no
+# element of which lives on this rank has no entry. Loading one optimizer's state into
+# another is refused by name.
+
+
+def _optimizers(opt) -> list:
+    return list(opt.optimizer_names)
+
+
+def _param_index(opt) -> Dict[str, int]:
+    """Parameter name (its first in ``named_parameters()``, as the units name it) -> index."""
+    names = {id(p): n for n, p in opt.module.named_parameters()}
+    return {names[id(p)]: i for i, p in enumerate(p for g in opt.param_groups
+                                                  for p in g["params"])}
+
+
+def _pieces_state(opt) -> Dict[str, Any]:
+    index, state, pieces, masters = _param_index(opt), {}, {}, {}
+    for u in opt.units:
+        step, master, states = opt.read_rule_state(u)
+        masters[u.index] = master.detach().clone()
+        for (name, a, _, n), st in zip(u.param_slices_in_shard(), states):
+            k = index[name]
+            entry = {key: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                     for key, v in st.items()}
+            entry.setdefault("step", torch.tensor(float(step)))
+            state[k] = entry
+            pieces[k] = [a, a + n]
+    return {"state": state, "pieces": pieces, "masters": masters}
+
+
 def state_dict(opt) -> Dict[str, Any]:
     """A snapshot (tensors are cloned) of ``opt``'s per-rank state.
 
@@ -36,6 +74,17 @@ def state_dict(opt) -> Dict[str, Any]:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": list(range(index, index + len(g["params"])))})
         index += len(g["params"])
+    if any(n != "adamw" for n in _optimizers(opt)):   # [Note: the state_dict of a torch class]
+        got = _pieces_state(opt)
+        comm = opt.checkpoint_comm
+        zero = {"world_size": comm.world_size, "rank": comm.rank, "stage": opt.stage,
+                "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
+                "optimizers": _optimizers(opt), "pieces": got["pieces"],
+                "masters": got["masters"], "steps": {u.index: opt.state_step(u)
+                                                     for u in opt.units}, **opt.counters()}
+        out = {"state": got["state"], "param_groups": groups, "zero": zero}
+        _add_frozen(opt, out)
+        return out
     state = {}
     for u in opt.units:
         # NVMe offload reads its moments (and master) from disk.
@@ -48,12 +97,16 @@ def state_dict(opt) -> Dict[str, Any]:
             "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
             **opt.counters()}
     out = {"state": state, "param_groups": groups, "zero": zero}
+    _add_frozen(opt, out)
+    return out
+
+
+def _add_frozen(opt, out: Dict[str, Any]) -> None:
     if opt.frozen_units:
         out["frozen"] = {}
         for u in opt.frozen_units:
             with u.shard_values() as shard:
                 out["frozen"][u.index] = shard.detach().clone()
-    return out
 
 
 def load_state_dict(opt, sd: Dict[str, Any]) -> None:
@@ -68,6 +121,13 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
         raise ValueError("state_dict must be a dict from ZeroOptimizer.state_dict() with keys "
                          "'state', 'param_groups' and 'zero'")
     zero = sd["zero"]
+    saved_opts = zero.get("optimizers", ["adamw"] * len(sd["param_groups"]))
+    here = _optimizers(opt)
+    for gi, (a, b) in enumerate(zip(saved_opts, here)):
+        if a != b:
+            raise ValueError(f"state_dict holds {a} state for param_groups[{gi}] but this "
+                             f"optimizer runs {b} there: one optimizer's state does not load "
+                             f"into another")
     world_size = opt.checkpoint_comm.world_size
     if zero["world_size"] != world_size:
         raise ValueError(f"state_dict was saved with world size {zero['world_size']} but this "
@@ -91,7 +151,16 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
     with torch.no_grad():
-        for u in opt.units:
+        if "optimizers" in zero:   # [Note: the state_dict of a torch class]
+            index = _param_index(opt)
+            for u in opt.units:
+                states = [{k: v for k, v in sd["state"][index[name]].items()
+                           if not (k == "step" and opt.optimizer_names[u.group_index]
+                                   == "adamw")}
+                          for name, _, _, _ in u.param_slices_in_shard()]
+                opt.write_rule_state(u, zero["steps"][u.index], zero["masters"][u.index],
+                                     states)
+        for u in opt.units if "optimizers" not in zero else ():
             s = sd["state"][u.index]
             opt.write_state(u, s["step"], s["master"], s["exp_avg"], s["exp_avg_sq"])
         for u in frozen_units if frozen else ():  # stage 3: the frozen shards

@@ -1,0 +1,154 @@
+"""Which optimizer a param group runs: ``ZeroOptimizer(optimizer=...)`` validated once, here.
+
+[Note: optimizer rules]
+A group's optimizer is one of two update rules, chosen at construction:
+
+* ``"adamw"`` (the default): today's fused AdamW (``zkernels.ops.adamw``), its bytes, speed
+  and checkpoints unchanged.
+* an element-wise ``torch.optim`` class (:data:`ELEMENTWISE`, or one the user declares with
+  ``elementwise=True``): its update of an element reads only that element's gradient and
+  state, so the class runs on this rank's shard. The pieces of each parameter in the shard
+  are its parameters (views into the fp32 master shard), their gradients views of the
+  (unscaled) gradient shard, and its state lives with the pieces (``state/torch_rule.py``).
+
+Names select a rule too: ``"adamw"``, and the lower-case names of :data:`ELEMENTWISE`
+(``"sgd"``, ``"adagrad"``, ...), which run the torch class. ``"lion"`` is refused by name
+until the fused Lion op exists. A class whose update needs more than one element (LBFGS's
+closure over the whole model, SparseAdam's sparse gradients, ``torch.optim.Muon``'s and
+``Adafactor``'s whole matrices) or any class neither listed nor declared is refused by name:
+it is never run silently on pieces.
+
+State bytes per trainable element (fp32) follow the class and its hyperparameters
+(:func:`state_bytes`): SGD 4 with momentum and 0 without, Adam 8 (12 with amsgrad),
+Adagrad 4, RMSprop 4 (+4 momentum, +4 centered), ... ``estimate_memory`` and ``plan`` take
+them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+# Element-wise torch.optim classes and their fp32 state bytes per element (hyperparameters).
+_O = torch.optim
+ELEMENTWISE: Dict[type, Callable[[dict], int]] = {
+    _O.SGD: lambda h: 4 if h.get("momentum", 0) else 0,
+    _O.Adam: lambda h: 12 if h.get("amsgrad") else 8,
+    _O.AdamW: lambda h: 12 if h.get("amsgrad") else 8,
+    _O.Adamax: lambda h: 8,
+    _O.NAdam: lambda h: 8,
+    _O.RAdam: lambda h: 8,
+    _O.RMSprop: lambda h: 4 + (4 if h.get("momentum", 0) else 0) + (4 if h.get("centered")
+                                                                      else 0),
+    _O.Adagrad: lambda h: 4,
+    _O.Adadelta: lambda h: 8,
+    _O.Rprop: lambda h: 8,
+    _O.ASGD: lambda h: 4,
+}
+NAMES: Dict[str, type] = {c.__name__.lower(): c for c in ELEMENTWISE}
+ADAMW_STATE_BYTES = 8
+
+_REFUSED = {
+    "LBFGS": "its step() re-evaluates a closure over the whole model and keeps a history of "
+             "whole-model vectors: it cannot run on one rank's shard",
+    "SparseAdam": "it takes sparse gradients; ZeRO reduces dense gradient shards",
+    "Muon": "Newton-Schulz orthogonalizes whole matrices (not element-wise); not supported "
+            "on shards yet",
+    "Adafactor": "its row/column factors need whole matrices (not element-wise); not "
+                 "supported on shards yet",
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One param group's update rule (see [Note: optimizer rules]).
+
+    Attributes:
+        name: ``"adamw"`` (the fused AdamW) or the torch class's name (``"SGD"``).
+        cls: the torch class (None for the fused AdamW).
+        defaults: the class's hyperparameters with the given keywords applied (what its
+            param groups carry); for the fused AdamW empty (the groups carry lr, betas, ...).
+    """
+
+    name: str
+    cls: Optional[type] = None
+    defaults: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def fused(self) -> bool:
+        return self.cls is None
+
+    def state_bytes(self, hparams: Optional[dict] = None) -> int:
+        """fp32 state bytes per trainable element under ``hparams`` (default: the spec's)."""
+        if self.cls is None:
+            return ADAMW_STATE_BYTES
+        h = {**self.defaults, **(hparams or {})}
+        rule = ELEMENTWISE.get(self.cls)
+        if rule is None:   # a declared class: its state measured after its first step
+            return 0
+        return rule(h)
+
+
+def _class_of(optimizer, where: str):
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key == "adamw":
+            return None
+        if key == "lion":
+            raise ValueError(f"{where}optimizer='lion' needs the fused Lion op, which this "
+                             f"build does not have yet")
+        if key not in NAMES:
+            raise ValueError(f"{where}optimizer={optimizer!r} is not a known name: expected "
+                             f"'adamw' or one of {sorted(NAMES)}, or a torch.optim.Optimizer "
+                             f"subclass")
+        return NAMES[key]
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer
+    raise TypeError(f"{where}optimizer must be a name ('adamw', 'sgd', ...) or a "
+                    f"torch.optim.Optimizer subclass, got {optimizer!r}")
+
+
+def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
+                      where: str = "") -> OptimizerSpec:
+    """The checked :class:`OptimizerSpec` of ``optimizer`` with keyword ``hparams``.
+
+    Args:
+        optimizer: ``"adamw"``, a name of :data:`NAMES`, or a ``torch.optim.Optimizer``
+            subclass.
+        hparams: the class's keywords (``lr``, ``momentum``, ...); for ``"adamw"`` none
+            beyond those ``ZeroOptimizer`` names.
+        elementwise: the user declares a class not in :data:`ELEMENTWISE` element-wise.
+        where: prefix of error messages (``"param_groups[1]: "``).
+
+    Raises:
+        ValueError: a refused class or name (with the reason), a class that is neither known
+            nor declared element-wise, hyperparameters the class rejects.
+        TypeError: not a name or an Optimizer subclass; keywords the class does not take.
+    """
+    cls = _class_of(optimizer, where)
+    if cls is None:
+        if hparams:
+            raise TypeError(f"{where}optimizer='adamw' takes lr, betas, eps and weight_decay; "
+                            f"got unexpected keywords {sorted(hparams)}")
+        return OptimizerSpec("adamw")
+    if cls.__name__ in _REFUSED and cls not in ELEMENTWISE:
+        raise ValueError(f"{where}optimizer=torch.optim.{cls.__name__} is refused: "
+                         f"{_REFUSED[cls.__name__]}")
+    if cls not in ELEMENTWISE and not elementwise:
+        raise ValueError(f"{where}optimizer={cls.__module__}.{cls.__name__} is not known to "
+                         f"be element-wise (known: {', '.join(c.__name__ for c in ELEMENTWISE)}"
+                         f"): ZeroOptimizer runs a class on pieces of parameters only when "
+                         f"each element's update reads only its own gradient and state; pass "
+                         f"elementwise=True if that holds for it")
+    probe = cls([torch.zeros(1, requires_grad=True)], **hparams)   # the class checks them
+    defaults = {k: v for k, v in probe.defaults.items()}
+    return OptimizerSpec(cls.__name__, cls, defaults)
+
+
+
+def fused_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:
+    """Whether ``optimizer`` (as ``estimate_memory`` takes it) is the fused AdamW."""
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer.fused
+    return resolve_optimizer(optimizer, dict(optimizer_kwargs or {})).fused
