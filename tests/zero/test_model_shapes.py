@@ -33,7 +33,11 @@ BODIES["moe-split-error-s3"] = partial(S._error_body, S.MoEModel, 3, units=S.lin
 
 ranks = rank_fixture(BODIES, timeout=600.0)
 WS = [2, pytest.param(4, marks=pytest.mark.slow)]
-PARITY = [r for r in BODIES if r.startswith(("dataclass", "external-", "penalty-", "moe-units"))
+SLOW = pytest.mark.slow
+# The quick suite runs stage 3's rows at 2 ranks (what issue 29 found broken); stages 1-2,
+# which keep every parameter whole, and 4 ranks run in the full suite.
+PARITY = [r if r.endswith("s3") else pytest.param(r, marks=SLOW) for r in BODIES
+          if r.startswith(("dataclass", "external-", "penalty-", "moe-units"))
           and "error" not in r]
 
 
@@ -54,16 +58,19 @@ def test_read_outside_unit_names_parameter(ranks, world_size, row, name):
 
 
 @pytest.mark.parametrize("world_size", WS)
-def test_per_rank_experts_split_into_units_say_units(ranks, world_size):
-    for msg in ranks("moe-split-error-s3", world_size):
+@pytest.mark.parametrize("row", ["moe-split-error-s3"])  # a row parameter: one spawn for all
+def test_per_rank_experts_split_into_units_say_units(ranks, world_size, row):
+    for msg in ranks(row, world_size):
         assert "ranks disagree on what comes next" in msg and "units=" in msg, msg
         assert "mixture-of-experts" in msg, msg
 
 
 @pytest.mark.parametrize("world_size", WS)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_plain_read_between_steps(ranks, world_size, stage):
-    results = ranks(f"plain-read-s{stage}", world_size)
+@pytest.mark.parametrize("row", [pytest.param("plain-read-s1", marks=SLOW),
+                                 pytest.param("plain-read-s2", marks=SLOW), "plain-read-s3"])
+def test_plain_read_between_steps(ranks, world_size, row):
+    stage = int(row[-1])
+    results = ranks(row, world_size)
     for res in results:
         assert res["shape"] == (S.D, S.D) and res["requires_grad"]
         assert res["gathered_sum"] == res["state_dict_sum"]
