@@ -66,6 +66,7 @@ skipped a backward meets its peers' backward gathers there, not with a reduce-sc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -93,6 +94,7 @@ class GatherUnit:
         self.flats = list(flats)
         for i, f in enumerate(self.flats):  # for the errors of [Note: unit states]
             f.gather.name = f"unit {name!r} (flat {i})"
+            f.gather.param_names = f.names  # for [Note: reading a freed parameter]
         self.is_root = name == ROOT_NAME
         self.nbytes = sum(f.layout.padded_numel * f.gather.compute_shard.element_size()
                           for f in self.flats)
@@ -239,13 +241,31 @@ class _Order:
 
 
 def _grad_tensors(out) -> List[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out] if out.requires_grad else []
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _grad_tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _grad_tensors(o)]
-    return []
+    """The tensors that need a gradient in a forward's inputs or output, found as FSDP2's
+    hooks find them: through tuples (namedtuples), lists, dicts, sets and dataclasses, nested
+    (a block that returns a ``@dataclass`` must get its pre-backward hook too, or its
+    backward runs on freed parameters)."""
+    found: List[torch.Tensor] = []
+    stack, seen = [out], set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.requires_grad:
+                found.append(o)
+        elif isinstance(o, (list, tuple, set, frozenset, dict)) or (
+                dataclasses.is_dataclass(o) and not isinstance(o, type)):
+            if id(o) in seen:  # a structure that holds itself
+                continue
+            seen.add(id(o))
+            if isinstance(o, dict):
+                stack.extend(reversed(list(o.values())))
+            elif isinstance(o, (list, tuple)):
+                stack.extend(reversed(o))
+            elif isinstance(o, (set, frozenset)):
+                stack.extend(o)
+            else:
+                stack.extend(reversed([getattr(o, f.name) for f in dataclasses.fields(o)]))
+    return found
 
 
 class GatherSchedule:
@@ -344,7 +364,10 @@ class GatherSchedule:
                 f"the same units in the same order (a forward that skips or repeats a block on "
                 f"some ranks, a backward that one rank skips, or generation that stops at "
                 f"different lengths, diverges); gather the model once with opt.gathered() "
-                f"around such loops")
+                f"around such loops. A block that routes differently per rank on purpose "
+                f"(mixture-of-experts experts chosen per rank) must be one unit: pass "
+                f"ZeroOptimizer(..., units=[TheMoEBlockClass or the block]) so the whole "
+                f"block is gathered at once (DeepSpeed's leaf modules)")
 
     def check_step(self) -> None:
         """Before ``step()``'s collectives: a rank that skipped a backward (or a forward) would

@@ -41,6 +41,7 @@ import torch.nn as nn
 from ...comm.base import Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
+from .freed_guard import guard, unguard
 from .unit_state import ShardedState, move
 
 _ALLOCATED = (ShardedState.UNSHARDING, ShardedState.UNSHARDED)
@@ -141,7 +142,9 @@ class ShardedParams:
     an error), whereas an empty parameter makes any use fail with a shape error, and
     ``p.numel() == 0`` says it is sharded (FSDP1's flat parameters look the same outside their
     unit). Autograd saves a leaf parameter by reference, so it sees the views again in
-    backward; ``.data`` assignment keeps the parameter's version counter.
+    backward; ``.data`` assignment keeps the parameter's version counter. A freed plain
+    ``nn.Parameter`` also refuses to be computed with, naming itself: [Note: reading a freed
+    parameter] (``freed_guard.py``).
 
     Args:
         params: the unit's parameters, in layout order; they become views of the full buffer.
@@ -152,6 +155,7 @@ class ShardedParams:
     shard_on_host = False
     shard_on_disk = False
     name = "a sharded flat"  # its GatherUnit's name
+    param_names: Tuple[str, ...] = ()  # its parameters' names (set with the name)
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
                  compute_shard: torch.Tensor, device: Optional[torch.device] = None) -> None:
@@ -196,6 +200,7 @@ class ShardedParams:
         if self.state in _ALLOCATED:
             return self._gathering or _Done()
         self._full.untyped_storage().resize_(self._nbytes)
+        unguard(self._params)
         for p, v in zip(self._params, self._views):
             p.data = v
         chunk = self.state is ShardedState.SHARDED_POST_FORWARD  # within the smaller group
@@ -231,6 +236,7 @@ class ShardedParams:
             self._gathering.wait()
         for p in self._params:
             p.data = self._empty
+        guard(self._params, self)
         self._full.untyped_storage().resize_(0)
         self._move(state)
 
