@@ -30,6 +30,7 @@ from .gradients.nonfinite import NonFiniteGradientError, check_policy
 from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
 from .parameters.build import build_parameter_side
 from .parameters.groups import build_param_groups, resolve_param_dtype
+from .parameters.meta_init import agree_seed, check_meta_args
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
@@ -130,6 +131,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             first module owning its parameters runs; code that reads parameters between steps
             outside a module's forward or ``state_dict()`` calls :meth:`wait_params` first
             (see [Note: lazy parameter gathers] in ``param_wait.py``).
+        device: a model with tensors on the 'meta' device (built under
+            ``torch.device("meta")``) is materialized here (``torch.device("cuda", rank)`` or
+            ``"cpu"``) unit by unit: at stage 3 each unit's full parameters exist only while it
+            is sharded; stages 1-2 keep them (replicated) and only the fp32 state is born
+            sharded. Required for a meta model; None otherwise (parameters on a device are
+            taken as they are). See [Note: meta-device build] in ``parameters/meta_init.py``.
+        param_init: meta models: None (a transformers model's ``_init_weights(module)``,
+            else each module's ``reset_parameters()``) or ``param_init(module)`` called on
+            each module that had meta tensors. The values do not depend on the world size.
 
     Attributes:
         config: the :class:`~zkernels.ZeroConfig` it runs (with "auto": the rung chosen).
@@ -163,8 +173,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
                  mesh=None, quantize_weights: Optional[str] = None,
                  quantize_grads: Optional[str] = None, quantize_block: int = 256,
-                 config: Optional[ZeroConfig] = None, optimizer="adamw",
-                 elementwise: bool = False, **optimizer_kwargs) -> None:
+                 config: Optional[ZeroConfig] = None, device=None,
+                 param_init: Optional[Callable[[nn.Module], None]] = None,
+                 optimizer="adamw", elementwise: bool = False, **optimizer_kwargs) -> None:
         # Each line is one decision, made by the module that owns it.
         cfg = _config_of(config, dict(                                   # planning/config.py
             stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
@@ -176,6 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
                              f"stages that shard parameters), got stage={cfg.stage}")
         check_offload_dir(cfg.offload)                                  # state/placement.py
+        meta_device = check_meta_args(model, device, param_init)        # parameters/meta_init
         groups, defaults, self.optimizer_specs = build_param_groups(
             model, param_groups, lr, betas, eps, weight_decay, optimizer, optimizer_kwargs,
             elementwise)                                                # parameters/groups.py
@@ -189,7 +201,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                               cfg.precision.reduce_dtype)  # gradients/precision
         self.scaler = make_loss_scaler(self.precision, loss_scale)
         self.nonfinite = check_policy(nonfinite)                        # gradients/nonfinite
-        device = groups[0]["params"][0].device
+        device = meta_device or groups[0]["params"][0].device
         self.ops = _ops_for(device, ops_backend)                        # zkernels.ops
         # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
         # sharding is a group shape] in zkernels/comm/hybrid.py.
@@ -224,10 +236,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             offload_config=cfg.offload.config, offload_params=self.offload_params,
             specs=self.optimizer_specs)
         try:
+            # A meta model is materialized unit by unit as it is sharded ([Note: meta-device
+            # build] in parameters/meta_init.py), from one seed every rank agrees on.
+            seed = agree_seed(self.comm, device) if meta_device is not None else None
             self.units, self.frozen_units, gather_units = build_parameter_side(
                 self.policy, model, self.param_groups, self.precision.param_dtype,
                 self.precision.reduce_dtype, self.comm.world_size, self.comm.rank, self.ops,
-                self.shard_update, units=units, bucket_bytes=cfg.buckets.bucket_bytes)
+                self.shard_update, units=units, bucket_bytes=cfg.buckets.bucket_bytes,
+                device=meta_device, param_init=param_init, seed=seed)
             if self.shard_update.resumed:
                 self.shard_update.adopt(len(self.units))
         except BaseException:

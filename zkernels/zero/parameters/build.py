@@ -17,7 +17,9 @@ import torch.nn as nn
 from ...ops import OpSet
 from ..planning.buckets import align_numel, bucket_capacities, plan_buckets
 from ..planning.policy import StagePolicy
+from ..planning.unit_plan import plan_units
 from .groups import frozen_params
+from .meta_init import MetaMaterializer
 from .stage3 import GatherUnit, build_units
 from .units import FlatParamUnit, build_flat_unit, param_names
 
@@ -25,7 +27,8 @@ from .units import FlatParamUnit, build_flat_unit, param_names
 def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Sequence[dict],
                          param_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int,
                          rank: int, ops: OpSet, engine, units=None,
-                         bucket_bytes: Optional[int] = None
+                         bucket_bytes: Optional[int] = None, device: Optional[torch.device] = None,
+                         param_init=None, seed: Optional[int] = None
                          ) -> Tuple[List[FlatParamUnit], List[FlatParamUnit], List[GatherUnit]]:
     """Build the flat units of ``model``'s trainable parameters.
 
@@ -37,6 +40,9 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
         units: stage 3's unit choice (see [Note: stage-3 units] in ``unit_plan.py``).
         bucket_bytes: stages 1-2's bucket size (None: from the model; see [Note: buckets
             sized from the model] in ``buckets.py``).
+        device, param_init, seed: a model with meta-device tensors is materialized on
+            ``device`` unit by unit from base seed ``seed`` ([Note: meta-device build] in
+            ``meta_init.py``); ``device`` None: nothing to materialize.
 
     Returns:
         ``(units, frozen_units, gather_units)``: the trainable flat units in launch order,
@@ -45,12 +51,20 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     names = param_names(model)
     align = align_numel(param_dtype, reduce_dtype, torch.float32)
+    materializer = None
+    if device is not None:
+        trainable = [p for p in model.parameters() if id(p) in group_of]
+        materializer = MetaMaterializer(model, device, param_init,
+                                        plan_units(model, units, trainable), seed)
     if policy.shards_params:
-        frozen_params(model, param_groups[0]["params"][0].device)  # sharded with their unit
+        frozen_params(model, device or param_groups[0]["params"][0].device)  # with their unit
         # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
         flat, gather_units = build_units(model, units, group_of, names, world_size, rank,
-                                         align, param_dtype, ops, engine)
+                                         align, param_dtype, ops, engine, materializer)
         return flat, [f for g in gather_units for f in g.flats if f.frozen], gather_units
+    if materializer is not None:  # replicated: the whole model, unit by unit, in module order
+        for spec in materializer.specs:
+            materializer.materialize(spec)
     num_trainable = sum(p.numel() for p in {id(p): p for g in param_groups
                                             for p in g["params"]}.values())
     first_capacity, capacity = bucket_capacities(

@@ -88,15 +88,16 @@ def _user_groups(param_groups: Sequence[dict], names: Dict[int, str]) -> List[di
 
 
 def _check_devices(params: Sequence[torch.Tensor], names: Dict[int, str]) -> None:
-    device = params[0].device
-    for p in params:
+    # Meta-device parameters are materialized on the optimizer's device= (meta_init.py).
+    real = [p for p in params if p.device.type != "meta"]
+    if not real:
+        return
+    device = real[0].device
+    for p in real:
         if p.device != device:
-            raise ValueError(f"model parameters are on several devices: {names[id(params[0])]!r}"
+            raise ValueError(f"model parameters are on several devices: {names[id(real[0])]!r}"
                              f" is on {device} but {names[id(p)]!r} is on {p.device}; "
                              f"ZeroOptimizer needs every trainable parameter on one device")
-    if device.type == "meta":
-        raise ValueError("model parameters are on the 'meta' device (no storage): materialize "
-                         "them (e.g. model.to_empty(device=...)) before building the optimizer")
 
 
 # [Note: low-precision models]
@@ -149,17 +150,13 @@ def resolve_param_dtype(params: Sequence[torch.Tensor], names: Dict[int, str],
 def frozen_params(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
     """Stage 3: the model's frozen parameters (``requires_grad=False``, tied ones once, in
     ``model.parameters()`` order), which it shards with their unit (see [Note: frozen
-    parameters at stage 3] in ``units.py``). A ValueError names one on the 'meta' device or on
-    another device than the trainable parameters' ``device``.
+    parameters at stage 3] in ``units.py``). A ValueError names one on another device than
+    the trainable parameters' ``device`` (meta ones are materialized unit by unit).
     """
     names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
     out = [p for p in model.parameters() if not p.requires_grad]
     for p in out:
-        if p.device.type == "meta":
-            raise ValueError(f"frozen parameter {names[id(p)]!r} is on the 'meta' device (no "
-                             f"storage): stage 3 shards frozen parameters too, materialize "
-                             f"them before building the optimizer")
-        if p.device != device:
+        if p.device.type != "meta" and p.device != device:
             raise ValueError(f"frozen parameter {names[id(p)]!r} is on {p.device} but the "
                              f"trainable parameters are on {device}: stage 3 shards frozen "
                              f"parameters with their unit, so they must be on the same device")

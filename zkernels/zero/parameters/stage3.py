@@ -515,7 +515,7 @@ class GatherSchedule:
 
 def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size: int,
                 rank: int, align: int, compute_dtype: torch.dtype, ops: OpSet,
-                shard_update) -> tuple:
+                shard_update, materializer=None) -> tuple:
     """Plan the units of ``model`` (``unit_plan.plan_units``) and build their flat sharded
     buffers, one FlatParamUnit per (unit, param group), each state initialized at once (so only
     one unit's full fp32 copy exists at a time).
@@ -526,6 +526,8 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
         shard_update: the update strategy: its ``sharded_params`` builds each unit's gather
             policy (where the persistent parameter shard lives is the strategy's placement),
             its ``init_state`` is called per flat unit.
+        materializer: a :class:`~zkernels.zero.parameters.meta_init.MetaMaterializer` (a
+            meta-device model) or None: each unit is materialized just before it is sharded.
 
     Returns:
         ``(flat_units, gather_units)``: flat units in launch order (backward order: the last
@@ -536,18 +538,27 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
     """
     specs = plan_units(model, units, [p for p in model.parameters() if id(p) in group_of])
     flats_of: dict = {id(s.module): [] for s in specs}
-    frozen: List[FlatParamUnit] = []  # one per unit and dtype the shards keep, module order
+    # Frozen flat units are numbered in module order, one per unit and dtype the shards keep.
+    frozen_by_spec, first_frozen, n_frozen = [], {}, 0
     for spec in specs:
         by_dtype: dict = {}
         for p in spec.frozen:
             by_dtype.setdefault(frozen_compute_dtype(p, compute_dtype), []).append(p)
-        for dtype, ps in by_dtype.items():
-            layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
-            frozen.append(build_frozen_unit(len(frozen), ps, names, layout, rank, dtype,
-                                            shard_update.sharded_params))
-            flats_of[id(spec.module)].append(frozen[-1])
+        frozen_by_spec.append(by_dtype)
+        first_frozen[id(spec.module)], n_frozen = n_frozen, n_frozen + len(by_dtype)
+    frozen: List[Optional[FlatParamUnit]] = [None] * n_frozen
     flat_units: List[FlatParamUnit] = []
-    for spec in specs[:-1][::-1] + specs[-1:]:
+    order = list(range(len(specs)))
+    for si in order[:-1][::-1] + order[-1:]:
+        spec = specs[si]
+        if materializer is not None:  # [Note: meta-device build] in meta_init.py
+            materializer.materialize(spec)
+        for k, (dtype, ps) in enumerate(frozen_by_spec[si].items()):
+            layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
+            fi = first_frozen[id(spec.module)] + k
+            frozen[fi] = build_frozen_unit(fi, ps, names, layout, rank, dtype,
+                                           shard_update.sharded_params)
+            flats_of[id(spec.module)].append(frozen[fi])
         mine = []
         for gi in sorted({group_of[id(p)] for p in spec.params}):
             ps = [p for p in spec.params if group_of[id(p)] == gi]
