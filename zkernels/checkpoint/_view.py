@@ -192,7 +192,7 @@ class OptimizerView:
         self.writes_shards = opt.replica_rank == 0
         self.leads = self.everyone.rank == 0
         self.device = opt.units[0].device
-        self._steps: Dict[int, int] = {}
+        self._steps: Dict[int, List[int]] = {}
 
     def describe(self) -> Dict[str, object]:
         """How this optimizer runs (recorded in the manifest, for people)."""
@@ -203,15 +203,25 @@ class OptimizerView:
     def piece_ranges(self) -> List[Tuple[str, int, int, int]]:
         """``(name, start, end, step)`` of every piece :meth:`pieces` yields, in that order,
         without touching the tensors (the saver lays out its file from this first)."""
-        return [(name, a, a + n, self._steps.get(u.index, self.opt.state_step(u)))
-                for u in self.opt.units for name, a, _, n in u.param_slices_in_shard()]
+        out = []
+        for u in self.opt.units:
+            steps = self._param_steps(u)
+            out.extend((name, a, a + n, steps[name])
+                       for name, a, _, n in u.param_slices_in_shard())
+        return out
+
+    def _param_steps(self, u) -> Dict[str, int]:
+        """Each parameter's AdamW step count ([Note: unused parameters]): as
+        :meth:`set_steps` gave it, else the optimizer's."""
+        return dict(zip(u.names, self._steps.get(u.index) or self.opt.param_steps(u)))
 
     def pieces(self) -> Iterator[ShardPiece]:
         for u in self.opt.units:
-            step, tensors = self._state(u)
+            _, tensors = self._state(u)
+            steps = self._param_steps(u)
             fields = dict(zip(FIELDS, tensors))
             for name, a, s, n in u.param_slices_in_shard():
-                yield ShardPiece(name, a, a + n, step,
+                yield ShardPiece(name, a, a + n, steps[name],
                                  {f: t[s:s + n] for f, t in fields.items()})
 
     def frozen_piece_ranges(self) -> List[Tuple[str, int, int, torch.dtype]]:
@@ -233,19 +243,14 @@ class OptimizerView:
         if unit.index not in self._staged:
             self._staged[unit.index] = self.opt.read_state(unit)
         step, tensors = self._staged[unit.index]
-        return self._steps.get(unit.index, step), tensors
+        given = self._steps.get(unit.index)
+        return (max(given, default=0) if given else step), tensors
 
     def set_steps(self, steps: Dict[str, int]) -> None:
-        """Give every parameter its saved AdamW step count. A unit's state (one AdamW call)
-        has one count, so its parameters must agree."""
+        """Give every parameter its saved AdamW step count (each parameter keeps its own:
+        [Note: unused parameters] in ``zkernels/zero/gradients/presence.py``)."""
         for u in self.opt.units:
-            counts = {steps[n] for n in u.names}
-            if len(counts) > 1:
-                raise IncompatibleCheckpointError(
-                    f"parameters {list(u.names)} share one optimizer unit here but were saved "
-                    f"with different step counts {sorted(counts)}: load into an optimizer "
-                    f"whose units do not mix them (param_groups or bucket_bytes)")
-            self._steps[u.index] = counts.pop()
+            self._steps[u.index] = [steps[n] for n in u.names]
 
     def hparams(self) -> List[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -287,7 +292,7 @@ class OptimizerView:
         passed, so nothing is copied twice), then the gather policy publish it (collective)."""
         for u in self.opt.units:
             step, tensors = self._state(u)
-            self.opt.write_state(u, step, *tensors)
+            self.opt.write_state(u, step, *tensors, param_steps=self._steps.get(u.index))
         self._staged.clear()
         self._steps.clear()
         # Frozen units too: their shards were written, so a stale gathered copy goes.

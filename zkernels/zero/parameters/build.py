@@ -46,7 +46,8 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     names = param_names(model)
     align = align_numel(param_dtype, reduce_dtype, torch.float32)
     if policy.shards_params:
-        frozen_params(model, param_groups[0]["params"][0].device)  # sharded with their unit
+        device = next(p for g in param_groups for p in g["params"]).device
+        frozen_params(model, device)  # sharded with their unit
         # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
         flat, gather_units = build_units(model, units, group_of, names, world_size, rank,
                                          align, param_dtype, ops, engine)

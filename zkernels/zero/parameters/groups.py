@@ -21,8 +21,9 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
         defaults: hyperparameters for keys a group does not set.
 
     Returns:
-        a list of dicts, each with ``"params"`` (a non-empty list of trainable parameters in
-        the user's order) and every key of ``defaults``.
+        a list of dicts, one per group given, each with ``"params"`` (the group's trainable
+        parameters in the user's order; empty where it has none, as torch keeps an empty
+        group) and every key of ``defaults``.
 
     Raises:
         ValueError: no trainable parameters; a group naming a tensor that is not a parameter
@@ -51,9 +52,10 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
                                  f"param_groups[{seen[id(p)]}] and param_groups[{gi}]: each "
                                  f"parameter belongs to one group")
             seen[id(p)] = gi
-        if params:
-            out.append({**defaults, **{k: v for k, v in g.items() if k != "params"},
-                        "params": params})
+        # An empty group (or one of frozen parameters only) stays, as torch.optim keeps it:
+        # ``param_groups`` lines up with the user's list (a per-group LambdaLR stays aligned).
+        out.append({**defaults, **{k: v for k, v in g.items() if k != "params"},
+                    "params": params})
     missing = [names[id(p)] for p in trainable if id(p) not in seen]
     if missing:
         raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to "
