@@ -76,3 +76,24 @@ def test_unused_grads_is_validated():
     import torch
     with pytest.raises(ValueError, match="unused_grads"):
         zk.ZeroOptimizer(torch.nn.Linear(2, 2), unused_grads="none")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unfrozen_after_build_is_refused_by_name(stage):
+    """A layer frozen at construction and unfrozen later would never train (it has no slot,
+    bucket or state): the next step() names it instead of silently leaving it."""
+    import torch
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = gs.Net()
+    model.blocks[1].requires_grad_(False)
+    opt = zk.ZeroOptimizer(model, stage=stage, lr=gs.LR)
+    x, y = gs._batches(1, 0)[0]
+    F.mse_loss(model(x, (0, 1, 2)), y).backward()
+    opt.step()
+    opt.zero_grad()
+    model.blocks[1].requires_grad_(True)
+    F.mse_loss(model(x, (0, 1, 2)), y).backward()
+    with pytest.raises(RuntimeError, match=r"\['blocks\.1\.fc\.weight', 'blocks\.1\.fc\.bias'\] "
+                                           r"became trainable after the ZeroOptimizer was built"):
+        opt.step()

@@ -30,7 +30,7 @@ from .gradients.nonfinite import NonFiniteGradientError, check_policy
 from .gradients.presence import check_unused_grads
 from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
 from .parameters.build import build_parameter_side
-from .parameters.groups import build_param_groups, resolve_param_dtype
+from .parameters.groups import FrozenAtBuild, build_param_groups, resolve_param_dtype
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
@@ -174,6 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_offload_dir(cfg.offload)                                  # state/placement.py
         groups, defaults = build_param_groups(model, param_groups, lr, betas, eps,
                                               weight_decay)             # parameters/groups.py
+        self._frozen = FrozenAtBuild(model)
         # A bf16 / fp16 model computes in its own dtype ([Note: low-precision models]).
         cfg = cfg.with_param_dtype(resolve_param_dtype(
             [p for g in groups for p in g["params"]],
@@ -301,6 +302,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce gradients, clip, update this rank's shards, all-gather the parameters.
         Collective: every rank calls it. A step with an inf/NaN gradient on any rank (fp16)
         changes nothing on every rank and halves the loss scale."""
+        self._frozen.check()   # before any collective: every rank raises alike
         loss = None
         self._last_grad_norm = None
         if closure is not None:

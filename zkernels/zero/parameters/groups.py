@@ -200,3 +200,34 @@ def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
     for i, g in enumerate(groups):
         check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"], g["weight_decay"])
     return groups, defaults
+
+
+class FrozenAtBuild:
+    """The parameters that were frozen when the optimizer was built: they have no flat slot,
+    gradient bucket or optimizer state, so one made trainable afterwards would silently never
+    train (and at stage 1 its ``.grad`` would grow across ``zero_grad``). :meth:`check` refuses
+    that by name at the next ``step()``; the reverse (a trainable parameter frozen mid-run) is
+    torch's skip ([Note: unused parameters] in ``gradients/presence.py``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        seen = set()
+        self.params = []
+        for n, p in model.named_parameters():
+            if not p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append((n, p))
+
+    def check(self) -> None:
+        """Raises:
+            RuntimeError: naming the parameters frozen at construction that are trainable now.
+        """
+        woke = [n for n, p in self.params if p.requires_grad]
+        if woke:
+            raise RuntimeError(
+                f"parameters {woke} became trainable after the ZeroOptimizer was built: it "
+                f"lays out, shards and keeps optimizer state only for the parameters trainable "
+                f"at construction, so they would never be updated. Build the optimizer again "
+                f"(from a checkpoint) with them trainable, or pass them trainable from the "
+                f"start (a parameter that should not train for a while can stay trainable: "
+                f"a step where it has no gradient skips it, as torch.optim does)")
