@@ -14,6 +14,7 @@ compared exactly with torch's ``state[p]["step"]``.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import tempfile
@@ -236,3 +237,75 @@ def state_round_trip(rank: int, world_size: int, *, stage) -> dict:
     old = all(opt2.param_steps(u) == [saved["state"][u.index]["step"]] * len(u.params)
               for u in opt2.units)
     return {"same": same, "same_ckpt": same_ckpt, "old": old, "kept": kept}
+
+
+def load_mid_run(rank: int, world_size: int, *, stage, inside: bool = False,
+                 offload=None) -> dict:
+    """``model.load_state_dict`` of another model's weights after step 1 (at stage 3 outside
+    or ``inside`` ``opt.gathered()``): the run continues as torch's does after the same load
+    (the moments and step counts are kept by both)."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(5)
+    other = Net().state_dict()
+    opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=WD,
+                           offload=offload)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    refp = dict(ref.named_parameters())
+    worst, loaded = 0.0, 0.0
+    for step in range(STEPS):
+        if step == 2:
+            ref.load_state_dict(other)
+            with opt.gathered() if inside else contextlib.nullcontext():
+                model.load_state_dict(other)
+            with opt.gathered():
+                loaded = max(ratio(p.detach(), other[n], rtol=0, atol=1e-30)
+                             for n, p in model.named_parameters())
+        batches = _batches(world_size, step)
+        x, y = batches[rank]
+        F.mse_loss(model(x, (0, 1, 2)), y).backward()
+        opt.step()
+        opt.zero_grad()
+        _reference_step(ref, ropt, batches, [((0, 1, 2), None)] * world_size, "skip")
+        with opt.gathered(), torch.no_grad():
+            for n, p in model.named_parameters():
+                worst = max(worst, ratio(p.detach(), refp[n].detach(), **tol(torch.float32)))
+                refp[n].copy_(p)
+    return {"worst": worst, "steps_ok": loaded == 0.0}
+
+
+def load_mid_run_mixed(rank: int, world_size: int, *, stage, offload=None) -> dict:
+    """bf16 compute (``param_dtype``): after ``model.load_state_dict`` the fp32 master shards
+    hold the loaded fp32 values bit for bit (not the bf16-rounded copy), the parameters their
+    bf16 rounding, and the next step starts from them (each element moves at most lr * (1 +
+    wd) plus a bf16 ulp from the loaded value, far less than the distance to the old
+    weights)."""
+    torch.manual_seed(0)
+    model = Net()
+    torch.manual_seed(5)
+    other = Net().state_dict()
+    opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=WD,
+                           param_dtype=torch.bfloat16, offload=offload)
+    for step in range(2):
+        x, y = _batches(world_size, step)[rank]
+        F.mse_loss(model(x.bfloat16(), (0, 1, 2)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.load_state_dict(other)
+    master_exact, params_rounded = True, True
+    for u in opt.units:
+        _, (master, _, _) = opt.read_state(u)
+        for name, a, s, n in u.param_slices_in_shard():
+            master_exact &= torch.equal(master[s:s + n].cpu(), other[name].reshape(-1)[a:a + n])
+    with opt.gathered():
+        for n, p in model.named_parameters():
+            params_rounded &= torch.equal(p.detach(), other[n].bfloat16())
+    x, y = _batches(world_size, 2)[rank]
+    F.mse_loss(model(x.bfloat16(), (0, 1, 2)).float(), y).backward()
+    opt.step()
+    moved = 0.0
+    with opt.gathered():
+        for n, p in model.named_parameters():
+            moved = max(moved, float((p.detach().float() - other[n]).abs().max()))
+    return {"master_exact": master_exact, "params_rounded": params_rounded, "moved": moved}

@@ -31,6 +31,7 @@ from .gradients.presence import check_unused_grads
 from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
 from .parameters.build import build_parameter_side
 from .parameters.groups import FrozenAtBuild, build_param_groups, resolve_param_dtype
+from .parameters.load_hooks import ModelLoadHooks
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
@@ -254,6 +255,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
             else None                                                   # parameters/param_wait
         self.module = model  # zkernels.checkpoint names parameters and buffers through it
+        ModelLoadHooks(self, model)   # model.load_state_dict reaches the shards (load_hooks.py)
         self._model_params = list(model.parameters())
         self._num_steps = 0
         self._overflow_skips = 0
