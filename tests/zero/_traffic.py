@@ -43,7 +43,11 @@ def traffic_memory(rank, ws, *, row):
     # the 2 Psi / 3 Psi, which count reduce-scatter and all-gather only; stage 3 adds a path
     # check (16 bytes, [Note: divergent paths]) per gather and one as step() begins.
     checks = gathers * len(opt.units) + 1 if row.stage == 3 and ws > 1 else 0
-    assert comm["all_reduce"] == (checks * 16 + 4) * 2 * (ws - 1) // ws, comm
+    # The ranks agree on which parameters have a gradient: one byte each ([Note: unused
+    # parameters] in zkernels/zero/gradients/presence.py).
+    mask = opt.reducer.presence.nbytes * 2 * (ws - 1) // ws
+    assert opt.reducer.presence.nbytes == sum(len(u.params) for u in opt.units)
+    assert comm["all_reduce"] == (checks * 16 + 4) * 2 * (ws - 1) // ws + mask, comm
     moved = comm["reduce_scatter"] + comm["all_gather"]
     assert comm["total"] == moved + comm["all_reduce"], comm
     ideal = psi * (rel + gathers * pel) * (ws - 1) / ws
@@ -128,7 +132,10 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K):
     # Within the group: the 4-byte norm/flag all-reduce and, at stage 3, the 16-byte path
     # checks (one per gather and one as step() begins).
     checks = gathers * len(opt.units) + 1 if stage == 3 else 0
-    small = (checks * 16 + 4) * 2 * (K - 1) // K
+    # And the per-parameter gradient mask over all ranks ([Note: unused parameters]).
+    ws = dist.get_world_size()
+    small = (checks * 16 + 4) * 2 * (K - 1) // K + \
+        opt.reducer.presence.nbytes * 2 * (ws - 1) // ws
     assert comm["reduce_scatter"] == rs, comm
     assert comm["all_gather"] == ag, comm
     assert comm["across_groups"] == across, (comm, across)

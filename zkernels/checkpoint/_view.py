@@ -209,7 +209,7 @@ class OptimizerView:
         self.writes_shards = opt.replica_rank == 0
         self.leads = self.everyone.rank == 0
         self.device = opt.units[0].device
-        self._steps: Dict[int, int] = {}
+        self._steps: Dict[int, List[int]] = {}
 
     def describe(self) -> Dict[str, object]:
         """How this optimizer runs (recorded in the manifest, for people)."""
@@ -219,13 +219,26 @@ class OptimizerView:
 
     def piece_ranges(self) -> List[Tuple[str, int, int, int, Tuple[str, ...]]]:
         """``(name, start, end, step, fields)`` of every piece :meth:`pieces` yields, in that
-        order (the saver lays out its file from this first)."""
+        order, without touching the tensors (the saver lays out its file from this first)."""
         out = []
         for u in self.opt.units:
             fields = FIELDS if self._fused(u) else ("master",) + tuple(self._rule_of(u)[2])
-            out += [(name, a, a + n, self._steps.get(u.index, self.opt.state_step(u)), fields)
+            steps = self._param_steps(u)
+            out += [(name, a, a + n, steps[name], fields)
                     for name, a, _, n in u.param_slices_in_shard()]
         return out
+
+    def _param_steps(self, u) -> Dict[str, int]:
+        """Each parameter's step count ([Note: unused parameters]): as :meth:`set_steps` gave
+        it, else the optimizer's (a torch class's unit: its unit count, the class keeps each
+        piece's own ``step`` among the piece's scalars)."""
+        if self._fused(u):
+            return dict(zip(u.names, self._steps.get(u.index) or self.opt.param_steps(u)))
+        return {n: self._rule_step(u, self.opt.state_step(u)) for n in u.names}
+
+    def _rule_step(self, u, step: int) -> int:
+        given = self._steps.get(u.index)
+        return max(given, default=0) if given else step
 
     def _fused(self, unit) -> bool:
         return self.optimizers[unit.group_index] == "adamw"
@@ -264,16 +277,17 @@ class OptimizerView:
         for u in self.opt.units:
             if not self._fused(u):
                 step, master, flat, scalars = self._rule_of(u, fields)
-                step = self._steps.get(u.index, step)
+                step = self._rule_step(u, step)
                 for (name, a, s, n), sc in zip(u.param_slices_in_shard(), scalars):
                     yield ShardPiece(name, a, a + n, step,
                                      {"master": master[s:s + n],
                                       **{k: t[s:s + n] for k, t in flat.items()}}, sc)
                 continue
-            step, tensors = self._state(u)
+            _, tensors = self._state(u)
+            steps = self._param_steps(u)
             fields = dict(zip(FIELDS, tensors))
             for name, a, s, n in u.param_slices_in_shard():
-                yield ShardPiece(name, a, a + n, step,
+                yield ShardPiece(name, a, a + n, steps[name],
                                  {f: t[s:s + n] for f, t in fields.items()})
 
     def frozen_piece_ranges(self) -> List[Tuple[str, int, int, torch.dtype]]:
@@ -295,19 +309,14 @@ class OptimizerView:
         if unit.index not in self._staged:
             self._staged[unit.index] = self.opt.read_state(unit)
         step, tensors = self._staged[unit.index]
-        return self._steps.get(unit.index, step), tensors
+        given = self._steps.get(unit.index)
+        return (max(given, default=0) if given else step), tensors
 
     def set_steps(self, steps: Dict[str, int]) -> None:
-        """Give every parameter its saved AdamW step count. A unit's state (one AdamW call)
-        has one count, so its parameters must agree."""
+        """Give every parameter its saved AdamW step count (each parameter keeps its own:
+        [Note: unused parameters] in ``zkernels/zero/gradients/presence.py``)."""
         for u in self.opt.units:
-            counts = {steps[n] for n in u.names}
-            if len(counts) > 1:
-                raise IncompatibleCheckpointError(
-                    f"parameters {list(u.names)} share one optimizer unit here but were saved "
-                    f"with different step counts {sorted(counts)}: load into an optimizer "
-                    f"whose units do not mix them (param_groups or bucket_bytes)")
-            self._steps[u.index] = counts.pop()
+            self._steps[u.index] = [steps[n] for n in u.names]
 
     def hparams(self) -> List[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -353,10 +362,10 @@ class OptimizerView:
                 states = [{**{k: t[s:s + n] for k, t in flat.items()},
                            **{k: torch.tensor(v) for k, v in sc.items()}}
                           for (_, _, s, n), sc in zip(u.param_slices_in_shard(), scalars)]
-                self.opt.write_rule_state(u, self._steps.get(u.index, step), master, states)
+                self.opt.write_rule_state(u, self._rule_step(u, step), master, states)
                 continue
             step, tensors = self._state(u)
-            self.opt.write_state(u, step, *tensors)
+            self.opt.write_state(u, step, *tensors, param_steps=self._steps.get(u.index))
         self._staged.clear()
         self._rule.clear()
         self._steps.clear()

@@ -107,12 +107,17 @@ class CheckpointSource(Protocol):
     def state_step(self, unit: CheckpointUnit) -> int:
         """AdamW steps applied to ``unit``'s shard (no tensor is read)."""
 
+    def param_steps(self, unit: CheckpointUnit) -> List[int]:
+        """Each of ``unit``'s parameters' AdamW step counts, by position."""
+
     def read_state(self, unit: CheckpointUnit) -> Tuple[int, StateTensors]:
         """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard, fp32."""
 
     def write_state(self, unit: CheckpointUnit, step: int, master: torch.Tensor,
-                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    param_steps: Optional[Sequence[int]] = None) -> None:
+        """Restore ``unit``'s state and rebuild its compute shard from ``master``
+        (``param_steps`` None: every parameter's count is ``step``)."""
 
     @property
     def optimizer_names(self) -> List[str]:

@@ -27,9 +27,11 @@ from .planning.auto import resolve_rung
 from .gradients.clip import StepScale, check_max_grad_norm
 from .gradients.grad_reducers import make_grad_reducer
 from .gradients.nonfinite import NonFiniteGradientError, check_policy
+from .gradients.presence import check_unused_grads
 from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
 from .parameters.build import build_parameter_side
-from .parameters.groups import build_param_groups, resolve_param_dtype
+from .parameters.groups import FrozenAtBuild, build_param_groups, resolve_param_dtype
+from .parameters.load_hooks import ModelLoadHooks
 from .parameters.meta_init import agree_seed, check_meta_args
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
@@ -114,6 +116,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``"skip"`` it on every rank (counted in ``stats()["overflow_skips"]``, logged at
             WARNING) or ``"raise"`` :class:`~zkernels.zero.gradients.nonfinite.NonFiniteGradientError`
             on every rank; see [Note: non-finite gradients outside fp16].
+        unused_grads: what a parameter without a gradient this step (unused, never used,
+            ``requires_grad`` off) gets: ``"skip"`` (torch.optim's semantics: no update, no
+            weight decay, its step count stays) or ``"zero"`` (DDP with
+            ``find_unused_parameters``: a zero-gradient update); see [Note: unused
+            parameters] in ``gradients/presence.py``.
         timeout: None (the process group's timeout), or a ``datetime.timedelta`` or seconds:
             a collective not done within it (a rank died, raised or is stuck) raises
             ``zkernels.comm.CollectiveError`` naming it instead of waiting on.
@@ -166,7 +173,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  process_group=None, loss_scale: Optional[LossScaleConfig] = None,
                  memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
                  ops_backend: Optional[str] = None, timeout=None,
-                 nonfinite: str = "skip", units=None,
+                 nonfinite: str = "skip", unused_grads: str = "skip", units=None,
                  reshard_after_forward: Union[bool, int] = True, check_paths: bool = True,
                  offload_config: Optional[OffloadConfig] = None,
                  offload_params: bool = False,
@@ -191,6 +198,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups, defaults, self.optimizer_specs = build_param_groups(
             model, param_groups, lr, betas, eps, weight_decay, optimizer, optimizer_kwargs,
             elementwise)                                                # parameters/groups.py
+        self._frozen = FrozenAtBuild(model)
         # A bf16 / fp16 model computes in its own dtype ([Note: low-precision models]).
         cfg = cfg.with_param_dtype(resolve_param_dtype(
             [p for g in groups for p in g["params"]],
@@ -201,7 +209,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                               cfg.precision.reduce_dtype)  # gradients/precision
         self.scaler = make_loss_scaler(self.precision, loss_scale)
         self.nonfinite = check_policy(nonfinite)                        # gradients/nonfinite
-        device = meta_device or groups[0]["params"][0].device
+        self.unused_grads = check_unused_grads(unused_grads)            # gradients/presence
+        device = meta_device or next(p for g in groups for p in g["params"]).device
         self.ops = _ops_for(device, ops_backend)                        # zkernels.ops
         # Hybrid sharding: the comm is the shard group's (K ranks), see [Note: hybrid
         # sharding is a group shape] in zkernels/comm/hybrid.py.
@@ -274,6 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
             else None                                                   # parameters/param_wait
         self.module = model  # zkernels.checkpoint names parameters and buffers through it
+        ModelLoadHooks(self, model)   # model.load_state_dict reaches the shards (load_hooks.py)
         self._model_params = list(model.parameters())
         self._num_steps = 0
         self._overflow_skips = 0
@@ -322,6 +332,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce gradients, clip, update this rank's shards, all-gather the parameters.
         Collective: every rank calls it. A step with an inf/NaN gradient on any rank (fp16)
         changes nothing on every rank and halves the loss scale."""
+        self._frozen.check()   # before any collective: every rank raises alike
         loss = None
         self._last_grad_norm = None
         if closure is not None:
@@ -346,7 +357,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if skip:
             self._overflow_skips += 1
         else:
-            self._update(shards, grad_scale)
+            self._update(shards, grad_scale, self._live())
         if self.scaler is not None:
             self.scaler.update(skip)
         self._scaled_backward = False
@@ -359,11 +370,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gather_stats = self.schedule.close_step() if self.schedule is not None else None
         self._buffer_peak = self.reducer.take_buffer_peak()
 
-    def _update(self, shards, grad_scale) -> None:
+    def _live(self):
+        """Per unit, which parameters have a gradient on some rank (None: all), or None for
+        every unit with ``unused_grads="zero"`` ([Note: unused parameters]). Collective."""
+        if self.unused_grads == "zero":
+            return [None] * len(self.units)
+        comm = self.comm
+        if isinstance(comm.inner, HybridComm):  # replicas too: metered as all ranks
+            self.meter.record("all_reduce", self.reducer.presence.nbytes,
+                              comm.inner.world.world_size, "within_group")
+            comm = comm.inner.world
+        return self.reducer.presence.agree(comm, self.units[0].device)
+
+    def _update(self, shards, grad_scale, live) -> None:
         handles = []
         for u in self.shard_update.update_order(self.units):
             self.shard_update.update(u, shards[u.index], self.param_groups[u.group_index],
-                                     grad_scale)
+                                     grad_scale, live[u.index])
             # Gather this unit while the next one updates.
             h = u.gather.publish(self.comm)
             if self._param_waiter is not None:
@@ -477,15 +500,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """AdamW steps applied to ``unit``'s shard."""
         return self.shard_update.states[unit.index].step
 
+    def param_steps(self, unit) -> list:
+        """Each of ``unit``'s parameters' AdamW step counts ([Note: unused parameters])."""
+        return list(self.shard_update.states[unit.index].param_steps)
+
     def read_state(self, unit):
         """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard (NVMe: read from its
         files, written back by :meth:`write_state`)."""
         return self.state_step(unit), tuple(self.shard_update.state_tensors(unit.index))
 
     def write_state(self, unit, step: int, master: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor) -> None:
-        """Restore ``unit``'s state and rebuild its compute shard from ``master``."""
-        self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq)
+                    exp_avg_sq: torch.Tensor, param_steps=None) -> None:
+        """Restore ``unit``'s state and rebuild its compute shard from ``master``
+        (``param_steps`` None: every parameter's count is ``step``)."""
+        self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq, param_steps)
 
     @property
     def optimizer_names(self):

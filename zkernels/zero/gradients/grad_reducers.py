@@ -76,6 +76,7 @@ from ...comm.reduce_pool import ReducePool
 from ...ops import OpSet
 from ..planning.policy import StagePolicy
 from .precision import MixedPrecision
+from .presence import GradPresence
 from ..parameters.units import FlatParamUnit, hook_grads
 from ..state.grad_sink import GradShards as DeviceGradShards
 
@@ -129,6 +130,12 @@ class _Reducer:
         self.buckets, self.pool = list(buckets), pool
         self.order = LaunchOrder(self.buckets, pool)
         self._sync = True
+        # Which parameters received a gradient ([Note: unused parameters] in presence.py).
+        if [b.unit.index for b in self.buckets] != list(range(len(self.buckets))):
+            raise ValueError("gradient buckets must come in unit index order")
+        self.presence = GradPresence([len(b.unit.params) for b in self.buckets])
+        for b in self.buckets:
+            b.presence = self.presence
 
     @property
     def sync(self) -> bool:
@@ -157,6 +164,13 @@ class _Bucket(ReduceBucket):
         self.unit = unit
         self.sync = True
         self._member = {id(p): i for i, p in enumerate(unit.params)}
+        self.presence: Optional[GradPresence] = None   # the reducer's, set by it
+
+    def mark(self, p: torch.Tensor) -> int:
+        """Record that ``p`` received a gradient (also inside ``no_sync``); its position."""
+        pi = self._member[id(p)]
+        self.presence.mark(self.unit.index, pi)
+        return pi
 
 
 class FullGradBucket(_Bucket):
@@ -190,14 +204,17 @@ class FullGradBucket(_Bucket):
             if g is None or g.data_ptr() != v.data_ptr():
                 if g is None or zero_foreign:
                     v.zero_()
-                else:
+                else:   # a gradient set by hand (or after model.zero_grad()) counts
                     v.copy_(g)
+                    self.presence.mark(self.unit.index, pi)
                 p.grad = v
 
     def on_grad(self, p: torch.Tensor) -> None:
-        if not self.sync or p.grad is None:
+        if p.grad is None:
             return
-        pi = self._member[id(p)]
+        pi = self.mark(p)
+        if not self.sync:
+            return
         self.attach(False, (pi,))
         if self.seen(pi):
             # A second gradient for a parameter this round (two synced backwards, some
@@ -272,6 +289,7 @@ class FullGradReducer(_Reducer):
         # param.grad stays a view of the flat buffer either way (zeros): backward accumulates
         # straight into the bucket layout.
         self._settle()  # no reduction may read a buffer while it is zeroed
+        self.presence.reset()
         for b in self.buckets:
             b.grad.zero_()
             b.attach(zero_foreign=True)
@@ -324,9 +342,11 @@ class GradBucket(_Bucket):
             hook_grads(self, unit.params, "on_grad")
 
     def on_grad(self, p: torch.Tensor) -> None:
-        if not self.sync or p.grad is None:
+        if p.grad is None:
             return
-        pi = self._member[id(p)]
+        pi = self.mark(p)
+        if not self.sync:
+            return
         if self.seen(pi):
             # A second gradient for a parameter this round (two backwards, some parameter
             # unused in the first): close the round, start a new one.
@@ -344,6 +364,7 @@ class GradBucket(_Bucket):
         """Gradients still held (``no_sync`` micro-steps, parameters whose hook has not run)."""
         for pi, p in enumerate(self.unit.params):
             if p.grad is not None and pi not in self.members:
+                self.presence.mark(self.unit.index, pi)
                 self._pack(pi, p)
 
     def reduced(self, shard: torch.Tensor):
@@ -411,6 +432,7 @@ class ShardedGradReducer(_Reducer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.order.discard()
         self.sink.reset()
+        self.presence.reset()
         for b in self.buckets:
             b.zero_grad(set_to_none)
 

@@ -57,7 +57,8 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
         materializer = MetaMaterializer(model, device, param_init,
                                         plan_units(model, units, trainable), seed)
     if policy.shards_params:
-        frozen_params(model, device or param_groups[0]["params"][0].device)  # with their unit
+        frozen_params(model, device or next(
+            p for g in param_groups for p in g["params"]).device)  # sharded with their unit
         # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
         flat, gather_units = build_units(model, units, group_of, names, world_size, rank,
                                          align, param_dtype, ops, engine, materializer)

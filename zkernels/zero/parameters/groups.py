@@ -26,8 +26,9 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
             (its own ``"optimizer"``); default: ``defaults`` for every group.
 
     Returns:
-        a list of dicts, each with ``"params"`` (a non-empty list of trainable parameters in
-        the user's order) and every key of ``defaults``.
+        a list of dicts, one per group given, each with ``"params"`` (the group's trainable
+        parameters in the user's order; empty where it has none, as torch keeps an empty
+        group) and every key of ``defaults``.
 
     Raises:
         ValueError: no trainable parameters; a group naming a tensor that is not a parameter
@@ -56,10 +57,11 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
                                  f"param_groups[{seen[id(p)]}] and param_groups[{gi}]: each "
                                  f"parameter belongs to one group")
             seen[id(p)] = gi
-        if params:
-            base = defaults if defaults_of is None else defaults_of(gi, g)
-            out.append({**base, **{k: v for k, v in g.items() if k != "params"},
-                        "params": params})
+        # An empty group (or one of frozen parameters only) stays, as torch.optim keeps it:
+        # ``param_groups`` lines up with the user's list (a per-group LambdaLR stays aligned).
+        base = defaults if defaults_of is None else defaults_of(gi, g)
+        out.append({**base, **{k: v for k, v in g.items() if k != "params"},
+                    "params": params})
     missing = [names[id(p)] for p in trainable if id(p) not in seen]
     if missing:
         raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to "
@@ -248,3 +250,34 @@ def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
 
 def _is_adamw(optimizer) -> bool:
     return isinstance(optimizer, str) and optimizer.lower() == "adamw"
+
+
+class FrozenAtBuild:
+    """The parameters that were frozen when the optimizer was built: they have no flat slot,
+    gradient bucket or optimizer state, so one made trainable afterwards would silently never
+    train (and at stage 1 its ``.grad`` would grow across ``zero_grad``). :meth:`check` refuses
+    that by name at the next ``step()``; the reverse (a trainable parameter frozen mid-run) is
+    torch's skip ([Note: unused parameters] in ``gradients/presence.py``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        seen = set()
+        self.params = []
+        for n, p in model.named_parameters():
+            if not p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append((n, p))
+
+    def check(self) -> None:
+        """Raises:
+            RuntimeError: naming the parameters frozen at construction that are trainable now.
+        """
+        woke = [n for n, p in self.params if p.requires_grad]
+        if woke:
+            raise RuntimeError(
+                f"parameters {woke} became trainable after the ZeroOptimizer was built: it "
+                f"lays out, shards and keeps optimizer state only for the parameters trainable "
+                f"at construction, so they would never be updated. Build the optimizer again "
+                f"(from a checkpoint) with them trainable, or pass them trainable from the "
+                f"start (a parameter that should not train for a while can stay trainable: "
+                f"a step where it has no gradient skips it, as torch.optim does)")

@@ -71,6 +71,7 @@ from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slo
 from ..parameters.units import FlatParamUnit
 from .grad_sink import GradShards
 from .nvme_files import NvmeFiles
+from .live_ranges import clip, live_segments
 from .shard_state import ShardState
 from .swap import aligned_empty
 from .torch_rule import TorchShardRule
@@ -121,6 +122,18 @@ class _Piece:
     out: Optional[torch.Tensor]
     busy: list
     slot_out: Optional[torch.Tensor] = None   # the slot's whole (aligned) output buffer
+
+
+def _update_segments(ops: OpSet, p: _Piece, out: Optional[torch.Tensor], direct: bool,
+                     segments, group: dict, scale) -> None:
+    """One AdamW per live segment of a piece; a staged output (it travels whole) holds the
+    unchanged master's values outside them."""
+    if out is not None and not direct:
+        out.copy_(p.master)
+    for a, b, step in segments:
+        ops.adamw_step(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b],
+                       out=None if out is None else out[a:b],
+                       **adamw_hparams(group, step, scale))
 
 
 class UpdateEngine:
@@ -297,7 +310,7 @@ class UpdateEngine:
         return list(units) if self.files is not None else list(reversed(units))
 
     def update(self, unit: FlatParamUnit, grad: torch.Tensor, group: dict,
-               grad_scale: Optional[Scalar]) -> None:
+               grad_scale: Optional[Scalar], live: Optional[Sequence[bool]] = None) -> None:
         """Apply one AdamW step to ``unit``'s state and write its compute shard.
 
         Args:
@@ -306,6 +319,9 @@ class UpdateEngine:
                 to be divided by ``grad_scale``.
             group: the unit's param group (lr, betas, eps, weight_decay read now).
             grad_scale: None, float or 1-element fp32 tensor (1/N, loss scale, clipping).
+            live: a flag per parameter of the unit (it has a gradient this step), or None
+                (all have one): only the live parameters' ranges update, each with its own
+                step count ([Note: unused parameters] in ``gradients/presence.py``).
         """
         t0 = time.perf_counter()
         if self._closed:
@@ -318,8 +334,11 @@ class UpdateEngine:
         self._in_step = True
         rec = self.states[unit.index]
         rec.step += 1
+        scale = self._host_scale if self.on_host else grad_scale
         if rec.rule is not None:   # a torch.optim class on the pieces
-            rec.rule.step(grad, group, self._host_scale if self.on_host else grad_scale)
+            # (a piece of a parameter without a gradient gets .grad None: the class skips it)
+            rec.rule.step(grad, group, scale, None if live is None else [
+                live[i] for i, _, _, _ in unit.layout.tensor_slices_in_shard(unit.rank)])
             shard = unit.compute_shard
             if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
                 # the device's shard from the host master: one counted copy up, as AdamW's
@@ -330,7 +349,9 @@ class UpdateEngine:
                 self._write_compute(unit, rec.master)
             self._update_s += time.perf_counter() - t0
             return
-        hp = adamw_hparams(group, rec.step, self._host_scale if self.on_host else grad_scale)
+        segments, whole = live_segments(
+            ((i, s, n) for i, _, s, n in unit.layout.tensor_slices_in_shard(unit.rank)),
+            rec.numel, rec.param_steps, live)
         mixed = unit.compute_dtype != torch.float32
         # The compute shard lives beside the step: the AdamW writes it in place; or in a file
         # (parameters on NVMe): each sub-group's output goes from its slot to the file.
@@ -343,7 +364,12 @@ class UpdateEngine:
             self._resident(rec, grad, staged=mixed and not direct)
         for lo, hi, p in pieces:
             out = (shard[lo:hi] if direct else p.out) if mixed else None
-            self.step_ops.adamw_step(p.master, p.grad, p.exp_avg, p.exp_avg_sq, out=out, **hp)
+            if whole:
+                self.step_ops.adamw_step(p.master, p.grad, p.exp_avg, p.exp_avg_sq, out=out,
+                                         **adamw_hparams(group, segments[0][2], scale))
+            else:
+                _update_segments(self.step_ops, p, out, direct, clip(segments, lo, hi), group,
+                                 scale)
             if to_file:
                 if not mixed and p.out is not None:   # (a host master: staged aligned)
                     p.out.copy_(p.master)
@@ -501,11 +527,13 @@ class UpdateEngine:
                      for k, t in zip(KINDS, rec.tensors()))
 
     def load_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
-                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Overwrite ``unit``'s state (tensors, files) and rebuild its compute shard."""
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   param_steps: Optional[Sequence[int]] = None) -> None:
+        """Overwrite ``unit``'s state (tensors, files) and rebuild its compute shard
+        (``param_steps`` None: every parameter's count is ``step``)."""
         self._settle_all()
         rec = self.states[unit.index]
-        rec.step = int(step)
+        rec.set_step(step, param_steps)
         src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:

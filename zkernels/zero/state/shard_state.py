@@ -10,7 +10,7 @@ offload, its swap files.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -28,7 +28,10 @@ class ShardState:
             shard; a meta tensor where the master lives in files (read with
             ``engine.state_tensors``).
         exp_avg, exp_avg_sq: [shard_numel] fp32 AdamW moments (meta tensors on NVMe).
-        step: AdamW steps applied.
+        step: AdamW steps applied to the unit (``update`` calls).
+        param_steps: each parameter's AdamW step count (it advances only on a step where
+            the parameter has a gradient: [Note: unused parameters] in
+            ``gradients/presence.py``), by position in ``unit.params``.
         grad: [shard_numel] fp32 gradient shard where the engine's grad sink keeps one
             (device or host RAM), else None.
         files: NVMe offload: the unit's swap files by kind ("master", "exp_avg", ...).
@@ -42,9 +45,25 @@ class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
+    param_steps: List[int] = field(default_factory=list)
     grad: Optional[torch.Tensor] = None
     files: Dict[str, object] = field(default_factory=dict)
     rule: Optional[object] = None
+
+    def __post_init__(self) -> None:
+        if not self.param_steps:
+            self.param_steps = [self.step] * len(self.unit.params)
+
+    def set_step(self, step: int, param_steps=None) -> None:
+        """Restore the counts (``param_steps`` None: every parameter at ``step``, as a state
+        saved before per-parameter counts loads)."""
+        self.step = int(step)
+        n = len(self.unit.params)
+        steps = [self.step] * n if param_steps is None else [int(s) for s in param_steps]
+        if len(steps) != n:
+            raise ValueError(f"param_steps: expected {n} counts for the unit's parameters "
+                             f"{list(self.unit.names)}, got {len(steps)}")
+        self.param_steps = steps
 
     @property
     def unit_index(self) -> int:

@@ -63,7 +63,8 @@ def state_dict(opt) -> Dict[str, Any]:
     """A snapshot (tensors are cloned) of ``opt``'s per-rank state.
 
     Returns:
-        ``{"state": {unit_index: {"step", "master", "exp_avg", "exp_avg_sq"}},
+        ``{"state": {unit_index: {"step", "param_steps", "master", "exp_avg",
+        "exp_avg_sq"}},
         "param_groups": [torch-style groups with parameter indices], "zero": {...}}``, and
         at stage 3 with frozen parameters ``"frozen": {frozen unit index: this rank's
         shard}``.
@@ -89,7 +90,8 @@ def state_dict(opt) -> Dict[str, Any]:
     for u in opt.units:
         # NVMe offload reads its moments (and master) from disk.
         step, (master, exp_avg, exp_avg_sq) = opt.read_state(u)
-        state[u.index] = {"step": step, "master": master.detach().clone(),
+        state[u.index] = {"step": step, "param_steps": opt.param_steps(u),
+                          "master": master.detach().clone(),
                           "exp_avg": exp_avg.detach().clone(),
                           "exp_avg_sq": exp_avg_sq.detach().clone()}
     comm = opt.checkpoint_comm
@@ -162,7 +164,9 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
                                      states)
         for u in opt.units if "optimizers" not in zero else ():
             s = sd["state"][u.index]
-            opt.write_state(u, s["step"], s["master"], s["exp_avg"], s["exp_avg_sq"])
+            # (a state saved before per-parameter counts has one "step" for the unit)
+            opt.write_state(u, s["step"], s["master"], s["exp_avg"], s["exp_avg_sq"],
+                            s.get("param_steps"))
         for u in frozen_units if frozen else ():  # stage 3: the frozen shards
             with u.shard_values(write_back=True) as shard:
                 shard.copy_(frozen[u.index])

@@ -48,9 +48,12 @@ class TorchShardRule:
     def _hparams(self, group: dict) -> dict:
         return {k: group[k] for k in self.spec.defaults if k in group}
 
-    def step(self, grad: torch.Tensor, group: dict, grad_scale) -> None:
+    def step(self, grad: torch.Tensor, group: dict, grad_scale,
+             live: Optional[List[bool]] = None) -> None:
         """One step of the class on the pieces from ``grad`` ([shard_numel], to be divided
-        by ``grad_scale``)."""
+        by ``grad_scale``); ``live``: a flag per piece (its parameter has a gradient this
+        step; None: all have), a piece without one keeps ``.grad`` None, so the class skips
+        it as torch.optim skips a parameter whose gradient is None."""
         if not self.pieces:
             return
         if self.inner is None:
@@ -61,8 +64,8 @@ class TorchShardRule:
         if grad_scale is not None:
             g.div_(grad_scale)
         self.inner.param_groups[0].update(self._hparams(group))
-        for p, (s, n) in zip(self.pieces, self.slices):
-            p.grad = g[s:s + n]
+        for k, (p, (s, n)) in enumerate(zip(self.pieces, self.slices)):
+            p.grad = g[s:s + n] if live is None or live[k] else None
         try:
             self.inner.step()
         finally:
