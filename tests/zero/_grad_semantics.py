@@ -83,16 +83,23 @@ def _reference_step(ref, ropt, batches, plans, mode: str) -> None:
 
 
 def parity(rank: int, world_size: int, *, stage, pattern: str, mode: str = "skip",
-           ref_mode=None, offload=None) -> dict:
-    """Steps of ``pattern`` against torch.optim.AdamW; the worst ratio (<= 1 passes) and
-    whether every parameter's step count matched torch's. ``ref_mode``: the reference's
-    semantics when it differs from ours (a catches_ row)."""
+           ref_mode=None, offload=None, sgd: bool = False) -> dict:
+    """Steps of ``pattern`` against torch.optim.AdamW (``sgd``: torch.optim.SGD with
+    momentum, run by ZeroOptimizer as a torch class on its pieces); the worst ratio (<= 1
+    passes) and whether every parameter's step count matched torch's. ``ref_mode``: the
+    reference's semantics when it differs from ours (a catches_ row)."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=WD,
-                           unused_grads=mode, offload=offload)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    if sgd:
+        opt = zk.ZeroOptimizer(model, stage=stage, optimizer=torch.optim.SGD, lr=LR,
+                               momentum=0.9, weight_decay=WD, unused_grads=mode,
+                               offload=offload)
+        ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9, weight_decay=WD)
+    else:
+        opt = zk.ZeroOptimizer(model, stage=stage, lr=LR, eps=EPS, weight_decay=WD,
+                               unused_grads=mode, offload=offload)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=WD)
     refp = dict(ref.named_parameters())
     worst, steps_ok = 0.0, True
     for step in range(STEPS):

@@ -37,6 +37,14 @@ BODIES["s2cpu-bf16-load_mid_run"] = functools.partial(gs.load_mid_run_mixed, sta
                                                       offload="cpu")
 BODIES["s2cpu-bf16-untouched"] = functools.partial(gs.untouched_mixed, stage=2, offload="cpu")
 BODIES["s3-bf16-untouched"] = functools.partial(gs.untouched_mixed, stage=3, offload=None)
+# A torch.optim class on the pieces skips a piece without a gradient the same way (its
+# momentum buffer neither decays nor moves); with "zero" it gets DDP's zero gradient.
+for rung in ("s1", "s3", "s2cpu"):
+    for mode in ("skip", "zero"):
+        BODIES[f"{rung}-sgd-unused_some_steps-{mode}"] = functools.partial(
+            gs.parity, pattern="unused_some_steps", mode=mode, sgd=True, **RUNGS[rung])
+BODIES["s3-sgd-catches_skip_vs_zero"] = functools.partial(
+    gs.parity, pattern="unused_some_steps", mode="skip", ref_mode="zero", sgd=True, stage=3)
 for s in (1, 3):
     BODIES[f"s{s}-state-round-trip"] = functools.partial(gs.state_round_trip, stage=s)
 
