@@ -242,13 +242,14 @@ def test_state_dict_follows_the_class_format_and_round_trips(stage):
 
 
 def test_default_adamw_state_dict_format_unchanged():
-    """The fused AdamW's state_dict keeps its keys (per unit: step, master, moments) and
-    "zero" gains nothing: today's checkpoints stay byte-identical."""
+    """The fused AdamW's state_dict keeps its keys (per unit: step, master, moments, and each
+    parameter's own step count: [Note: unused parameters]) and "zero" gains nothing from the
+    optimizer choice."""
     model = _model()
     opt = zk.ZeroOptimizer(model, stage=2)
     _train(model, opt, steps=1)
     sd = opt.state_dict()
-    assert sorted(sd["state"][0]) == ["exp_avg", "exp_avg_sq", "master", "step"]
+    assert sorted(sd["state"][0]) == ["exp_avg", "exp_avg_sq", "master", "param_steps", "step"]
     assert sorted(sd["zero"]) == ["buckets", "loss_scaler", "num_steps", "overflow_skips",
                                   "param_dtype", "rank", "stage", "world_size"]
     assert sorted(sd["param_groups"][0]) == ["betas", "eps", "lr", "params", "weight_decay"]
