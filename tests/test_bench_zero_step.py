@@ -271,3 +271,18 @@ def test_optimizer_option(bench, capsys):
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
     assert len(ours.state) == len(list(model.parameters()))  # one state for both parts
+
+
+@pytest.mark.slow  # spawns 2 ranks (~15 s)
+def test_muon_run_reports_zkernels_refusal(tmp_path):
+    """--optimizer muon end to end: the zkernels row carries ZeroOptimizer's refusal by name
+    instead of failing the run, the torch peers train (Muon on the matrices)."""
+    out = tmp_path / "zs.json"
+    subprocess.run([sys.executable, os.path.join(BENCH, "zero_step.py"), "--config", "tiny",
+                    "--steps", "1", "--warmup", "0", "--optimizer", "muon", "--methods",
+                    "torch_zero,zk_stage2", "--json", str(out), "--timeout-s", "300"],
+                   check=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=str(tmp_path),
+                   capture_output=True, timeout=600)
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["zk_stage2"]["error"].startswith("zkernels refuses it: optimizer=torch.optim.Muon")
+    assert "error" not in rows["torch_zero"] and rows["torch_zero"]["final_loss"] > 0
