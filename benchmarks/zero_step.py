@@ -296,7 +296,8 @@ def main(argv=None) -> int:
             "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
             "dtype": args.dtype, "shard_size": args.shard_size, "zk_root": str(REPO_ROOT),
-            "nvme_budget": args.nvme_budget, "optimizer": args.optimizer, "pg_timeout_s": min(120.0, args.timeout_s)}
+            "nvme_budget": args.nvme_budget, "optimizer": args.optimizer,
+            "pg_timeout_s": min(120.0, args.timeout_s)}
     cleanup = None
     if any("_nvme" in m for m in args.methods):
         import tempfile

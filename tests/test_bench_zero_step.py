@@ -244,7 +244,8 @@ def test_optimizer_option(bench, capsys):
     ds = m.configure("deepspeed_stage1", sgd)
     assert ds["zero_allow_untested_optimizer"] and "optimizer" not in ds  # client SGD
     ds3 = m.configure("deepspeed_stage3", muon)
-    assert ds3["optimizer"]["type"] == "Muon" and ds3["zero_optimization"]["reduce_scatter"] is False
+    assert ds3["optimizer"]["type"] == "Muon"
+    assert ds3["zero_optimization"]["reduce_scatter"] is False
     from zkernels.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
