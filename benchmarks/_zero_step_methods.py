@@ -14,6 +14,13 @@ kind that claims it; DTensors count their local shard. DDP's reducer buckets, wh
 attribute shows, are added to buffers. All rows train in fp32 unless ``--dtype bfloat16``;
 in fp32 the parameter is its own master copy (master = 0 for torch).
 
+[Note: the optimizer of a row]
+``--optimizer`` sets ``Context.optimizer`` for every row: ``adamw`` (the default), ``sgd``
+(torch.optim.SGD, momentum 0.9: ``ZeroOptimizer(optimizer=torch.optim.SGD)``, DeepSpeed with it
+as client optimizer) or ``muon`` (torch.optim.Muon, lr 0.02, on the 2-D non-embedding matrices
+and AdamW on the rest: :class:`MuonAdamW` for the torch rows, DeepSpeed's ``"type": "Muon"``;
+zkernels refuses Muon by name, and its rows say so).
+
 [Note: shard size in a row]
 A keyword whose value is ``K`` takes ``--shard-size`` at build time; such a row needs it.
 """
@@ -69,6 +76,7 @@ METHODS: Dict[str, Spec] = {
     "zk_stage3_qg4": Spec("zk", {"stage": 3, "quantize_grads": "int4"}),
     "zk_stage3_qw_qg4": Spec("zk", {"stage": 3, "quantize_weights": "int8",
                                     "quantize_grads": "int4"}),
+    "deepspeed_stage1": Spec("deepspeed", {"stage": 1}),
     "deepspeed": Spec("deepspeed", {"stage": 2}),
     "deepspeed_stage3": Spec("deepspeed", {"stage": 3}),
     "ds_stage2_cpu": Spec("deepspeed", {"stage": 2, **_OFFLOAD_CPU}),
@@ -101,6 +109,55 @@ class Context:
     shard_size: Optional[int] = None
     offload_dir: Optional[str] = None
     nvme_budget: int = 256 * 1024
+    optimizer: str = "adamw"  # one of OPTIMIZERS (--optimizer)
+
+
+# --optimizer: what every row trains with ([Note: the optimizer of a row]).
+OPTIMIZERS = ("adamw", "sgd", "muon")
+SGD_MOMENTUM, MUON_LR = 0.9, 0.02
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` (lr ``MUON_LR``) on the params of groups marked ``muon=True``,
+    ``torch.optim.AdamW`` (``lr``) on the rest, one shared ``state``: the standard recipe as one
+    class, so that ``ZeroRedundancyOptimizer(optimizer_class=MuonAdamW)`` can take it."""
+
+    def __init__(self, params, lr: float, muon: bool = False):
+        super().__init__(params, {"lr": lr, "muon": muon})
+        mats = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        rest = [p for g in self.param_groups if not g["muon"] for p in g["params"]]
+        self.parts = ([torch.optim.Muon(mats, lr=MUON_LR)] if mats else []) + (
+            [torch.optim.AdamW(rest, lr=lr)] if rest else [])
+        for part in self.parts:
+            part.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for part in self.parts:
+            part.step()
+
+
+def muon_groups(model: nn.Module) -> List[dict]:
+    """Muon's matrices as DeepSpeed picks them (``deepspeed.set_optimizer_flags``: 2-D, not an
+    embedding or the head; the tied head is the token embedding), the rest for AdamW."""
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    params = list(model.parameters())
+    mats = [p for p in params if p.ndim == 2 and id(p) not in emb]
+    return [{"params": mats, "muon": True},
+            {"params": [p for p in params if all(p is not q for q in mats)]}]
+
+
+def torch_optimizer(model: nn.Module, ctx: Context, zero_redundancy: bool = False):
+    """The torch rows' optimizer for ``ctx.optimizer``: AdamW, SGD (momentum 0.9) or
+    :class:`MuonAdamW`; with ``zero_redundancy``, inside ``ZeroRedundancyOptimizer``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cls, kw = {"adamw": (torch.optim.AdamW, {}), "muon": (MuonAdamW, {}),
+               "sgd": (torch.optim.SGD, {"momentum": SGD_MOMENTUM})}[ctx.optimizer]
+    params = muon_groups(model) if ctx.optimizer == "muon" else model.parameters()
+    if zero_redundancy:
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=ctx.lr, **kw)
+    return cls(params, lr=ctx.lr, **kw)
 
 
 def resolve(name: str, shard_size: Optional[int]) -> Dict[str, object]:
@@ -198,8 +255,6 @@ class DDPMethod(_TorchMethod):
 
     def __init__(self, model: nn.Module, ctx: Context, zero_redundancy: bool = False):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         ddp = nn.parallel.DistributedDataParallel(model)
 
         def hook(state, bucket):
@@ -207,10 +262,7 @@ class DDPMethod(_TorchMethod):
             return allreduce_hook(state, bucket)
 
         ddp.register_comm_hook(None, hook)
-        opt = (ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                       lr=ctx.lr) if zero_redundancy
-               else torch.optim.AdamW(ddp.parameters(), lr=ctx.lr))
-        super().__init__(ddp, opt, ctx)
+        super().__init__(ddp, torch_optimizer(model, ctx, zero_redundancy), ctx)
 
     def memory(self) -> Dict[str, int]:
         # The reducer's flat buckets are separate from .grad unless gradient_as_bucket_view.
@@ -243,7 +295,7 @@ class FSDP2Method(_TorchMethod):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         offload_policy=policy)
         self.cpu_offload = cpu_offload
-        super().__init__(model, torch.optim.AdamW(model.parameters(), lr=ctx.lr), ctx)
+        super().__init__(model, torch_optimizer(model, ctx), ctx)
 
     def memory(self) -> Dict[str, int]:
         kinds = self._kinds(self.opt)
@@ -260,7 +312,12 @@ class ZkMethod(_Method):
         import zkernels
 
         self.model, self.located = model, "offload" in kw
-        self.opt = zkernels.ZeroOptimizer(model, **self.options(ctx, **kw))
+        try:
+            self.opt = zkernels.ZeroOptimizer(model, **self.options(ctx, **kw))
+        except ValueError as exc:  # the refusal by name (Muon), reported as the row's result
+            if ctx.optimizer != "muon":
+                raise
+            raise MethodUnavailable(f"zkernels refuses it: {exc}") from exc
         self.forward, self.backward = model, self.opt.backward
 
     @staticmethod
@@ -279,6 +336,9 @@ class ZkMethod(_Method):
             raise MethodUnavailable(f"needs {', '.join(missing)} (not in this tree: "
                                     f"{os.path.dirname(zkernels.__file__)})")
         kw["lr"] = ctx.lr
+        if ctx.optimizer != "adamw":
+            kw.update({"optimizer": torch.optim.SGD, "momentum": SGD_MOMENTUM}
+                      if ctx.optimizer == "sgd" else {"optimizer": torch.optim.Muon})
         if ctx.param_dtype is not None:
             kw["param_dtype"] = ctx.param_dtype
         if "offload" in kw:
@@ -372,7 +432,7 @@ class DeepSpeedMethod(_Method):
             _ds_quantizer()
         cfg = self.config(ctx, stage, offload_optimizer, offload_param, **zero_kw)
         opt_kw = ({"model_parameters": model.parameters()} if "optimizer" in cfg else
-                  {"optimizer": torch.optim.AdamW(model.parameters(), lr=ctx.lr)})
+                  {"optimizer": torch_optimizer(model, ctx)})
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, config=cfg,
                                                            dist_init_required=False, **opt_kw)
         self.model, self.offloaded, self.offload_param = model, bool(offload_optimizer), \
@@ -398,6 +458,13 @@ class DeepSpeedMethod(_Method):
                "zero_optimization": zo, "steps_per_print": 10 ** 9}
         if offload_optimizer:  # DeepSpeed refuses a client optimizer with offload
             cfg["optimizer"] = {"type": "AdamW", "params": {"lr": ctx.lr, "weight_decay": 0.01}}
+        if ctx.optimizer == "sgd":  # a client torch.optim.SGD is off DeepSpeed's ZeRO list
+            cfg["zero_allow_untested_optimizer"] = True
+        elif ctx.optimizer == "muon":  # its own MuonWithAuxAdam (AdamW on the untagged rest)
+            cfg["optimizer"] = {"type": "Muon", "params": {"lr": ctx.lr, "muon_lr": MUON_LR,
+                                                            "adam_lr": ctx.lr}}
+            if stage == 3:  # stage3.py: "Muon and reduce scatter cannot be used together"
+                zo["reduce_scatter"] = False
         return cfg
 
     def update(self) -> None:

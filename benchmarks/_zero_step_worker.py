@@ -54,7 +54,7 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
     ctx = Context(lr=opts["lr"], world_size=world_size, batch_size=opts["batch_size"],
                   on_bucket=bucket_log.append, param_dtype=_param_dtype(opts),
                   shard_size=opts.get("shard_size"), offload_dir=opts.get("offload_dir"),
-                  nvme_budget=opts["nvme_budget"])
+                  nvme_budget=opts["nvme_budget"], optimizer=opts.get("optimizer", "adamw"))
     methods = {}
     for name in opts["methods"]:
         row, _, label = name.partition("@")

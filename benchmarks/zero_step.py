@@ -10,6 +10,7 @@ The rows are ``_zero_step_methods.METHODS`` (a new one is one line there).
     python benchmarks/zero_step.py --offload             # offload rows (cpu, nvme) and peers
     python benchmarks/zero_step.py --quantized           # ZeRO++ options beside DeepSpeed's
     python benchmarks/zero_step.py --baseline-tree DIR   # zkernels rows again from DIR: ratios
+    python benchmarks/zero_step.py --optimizer sgd       # or muon: peers with the same optimizer
 
 Prints a table and writes JSON (``--json``, default ``bench_results/zero_step.json``):
 ``{"meta": {machine, cpu, threads_per_rank, versions, git revision, UTC time, config,
@@ -70,6 +71,11 @@ HYBRID_SET = ("ddp", "fsdp2", "zk_stage3", "fsdp2_hsdp", "zk_stage3_hybrid", "zk
 QUANT_SET = ("ddp", "zk_stage2", "zk_stage2_qg8", "zk_stage3", "zk_stage3_qw", "zk_stage3_qg8",
              "zk_stage3_qg4", "zk_stage3_qw_qg4", "deepspeed_stage3", "ds_stage3_qw",
              "ds_stage3_qg", "ds_stage3_qw_qg")
+# --optimizer sgd|muon: stages 1-3 beside ZeroRedundancyOptimizer and DeepSpeed's stages 1-3.
+OPTIMIZER_SET = ("ddp", "torch_zero", "zk_stage1", "zk_stage2", "zk_stage3", "deepspeed_stage1",
+                 "deepspeed", "deepspeed_stage3")
+OPTIMIZER_PEERS = (("zk_stage1", "torch_zero"), ("zk_stage1", "deepspeed_stage1"),
+                   ("zk_stage2", "deepspeed"), ("zk_stage3", "deepspeed_stage3"))
 
 # --baseline-tree without --methods: every zkernels rung that runs on 2 ranks, DDP beside.
 BASELINE_SET = ("ddp", "zk_stage1", "zk_stage2", "zk_stage3", "zk_stage2_cpu", "zk_stage2_nvme",
@@ -109,6 +115,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="hybrid sharding: groups of K consecutive ranks (K divides "
                    "--world-size); default methods " + ",".join(HYBRID_SET) + "; every row's "
                    "bytes are split within / across groups")
+    p.add_argument("--optimizer", default="adamw", help="what every row trains with: adamw, "
+                   "sgd (momentum 0.9) or muon (on the 2-D matrices, AdamW on the rest); "
+                   "sgd/muon default methods " + ",".join(OPTIMIZER_SET))
     p.add_argument("--json", default="bench_results/zero_step.json", help="output path")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -122,7 +131,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    "compiled _C), and report after/before ratios of step time, memory and "
                    "traffic per row (benchmarks/README.md: before and after in one run)")
     _on_path()
-    from _zero_step_methods import METHODS
+    from _zero_step_methods import METHODS, OPTIMIZERS
     known = tuple(METHODS)
     bf16 = tuple(m for m, spec in METHODS.items() if spec.bf16)
     args = p.parse_args(argv)
@@ -130,8 +139,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
                                         or args.world_size % args.shard_size):
         p.error(f"--shard-size must be >= 1 and divide --world-size ({args.world_size}), got "
                 f"{args.shard_size}")
+    if args.optimizer not in OPTIMIZERS:
+        p.error(f"--optimizer must be one of {','.join(OPTIMIZERS)}, got {args.optimizer!r}")
     if args.methods is None:
         args.methods = ",".join(HYBRID_SET if args.shard_size is not None else
+                                OPTIMIZER_SET if args.optimizer != "adamw" else
                                 BASELINE_SET if args.baseline_tree is not None else
                                 ALL_METHODS if args.dtype == "float32" else bf16)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -284,7 +296,8 @@ def main(argv=None) -> int:
             "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
             "dtype": args.dtype, "shard_size": args.shard_size, "zk_root": str(REPO_ROOT),
-            "nvme_budget": args.nvme_budget, "pg_timeout_s": min(120.0, args.timeout_s)}
+            "nvme_budget": args.nvme_budget, "optimizer": args.optimizer,
+            "pg_timeout_s": min(120.0, args.timeout_s)}
     cleanup = None
     if any("_nvme" in m for m in args.methods):
         import tempfile
@@ -308,7 +321,11 @@ def main(argv=None) -> int:
         "config": args.config, "model": config["model"], "batch_size_per_rank":
             config["batch_size"], "num_params": num_params,
         "data": "random tokens, one micro-batch per rank per step, same for every method",
-        "steps": args.steps, "warmup": args.warmup, "optimizer": f"AdamW(lr={args.lr})",
+        "steps": args.steps, "warmup": args.warmup, "optimizer": {
+            "adamw": f"AdamW(lr={args.lr})",
+            "sgd": f"SGD(lr={args.lr}, momentum=0.9)",
+            "muon": f"Muon(lr=0.02) on 2-D non-embedding matrices, AdamW(lr={args.lr}) on the "
+                    f"rest"}[args.optimizer],
         # 2Ψ per step in the ring convention: what DDP and ZeRO-1/2 should each send per rank
         "data_parallel_bytes_per_rank": 2 * num_params * 4 * (n - 1) / n,
         "comm_bytes_convention": convention_doc.split("[Note: byte convention]")[1]
@@ -376,6 +393,14 @@ def main(argv=None) -> int:
     _hybrid_verdict(rows)
     _quant_verdict(rows)
     _offload_verdicts(rows, meta)
+    if args.optimizer != "adamw":
+        for ours, peer, _, _, ratio, paired in _vs_peers(rows, OPTIMIZER_PEERS):
+            print(f"{args.optimizer}: {ours} vs {peer}: step x{ratio:.3f} (paired x{paired:.3f})")
+        for r in rows:
+            if "error" in r:
+                lines = r["error"].strip().splitlines()
+                print(f"{args.optimizer}: {r['method']} not run: "
+                      + " ... ".join(dict.fromkeys((lines[0], lines[-1]))))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "rows": rows, "repeats": repeats, "runs": runs[:-1]}

@@ -217,3 +217,73 @@ def test_loss_check_spares_only_the_quantized_rows(bench):
     r.add_ratios(rows, lossy=zs._quantized)
     assert ["final loss differs" in " ".join(x["notes"]) for x in rows] == [
         False, True, False, False, False]
+
+
+def test_optimizer_option(bench, capsys):
+    """--optimizer sgd|muon: the default rows put stages 1-3 beside ZeroRedundancyOptimizer and
+    DeepSpeed's stages 1-3, every library is handed that optimizer, a name outside the list
+    is refused naming the flag."""
+    import dataclasses
+
+    import torch
+
+    m = bench("_zero_step_methods")
+    zs = bench("zero_step")
+    assert set(zs.OPTIMIZER_SET) <= set(m.METHODS)
+    assert {p for pair in zs.OPTIMIZER_PEERS for p in pair} <= set(zs.OPTIMIZER_SET)
+    assert zs._parse_args(["--optimizer", "sgd"]).methods == list(zs.OPTIMIZER_SET)
+    assert zs._parse_args([]).methods == list(zs.ALL_METHODS)
+    with pytest.raises(SystemExit):
+        zs._parse_args(["--optimizer", "lion"])
+    assert "--optimizer must be one of adamw,sgd,muon, got 'lion'" in capsys.readouterr().err
+    sgd, muon = (dataclasses.replace(_ctx(m), optimizer=o) for o in ("sgd", "muon"))
+    kw = m.configure("zk_stage2", sgd)
+    assert kw["optimizer"] is torch.optim.SGD and kw["momentum"] == 0.9
+    assert m.configure("zk_stage3", muon)["optimizer"] is torch.optim.Muon
+    assert "optimizer" not in m.configure("zk_stage2", _ctx(m))  # adamw: today's default
+    ds = m.configure("deepspeed_stage1", sgd)
+    assert ds["zero_allow_untested_optimizer"] and "optimizer" not in ds  # client SGD
+    ds3 = m.configure("deepspeed_stage3", muon)
+    assert ds3["optimizer"]["type"] == "Muon"
+    assert ds3["zero_optimization"]["reduce_scatter"] is False
+    from zkernels.demo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
+    opt = m.torch_optimizer(model, sgd)
+    assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.9
+    # MuonAdamW: Muon on exactly the 2-D non-embedding matrices, AdamW on the rest, bit for bit
+    groups = m.muon_groups(model)
+    mats = {id(p) for p in groups[0]["params"]}
+    assert mats and all(p.ndim == 2 for p in groups[0]["params"])
+    assert id(model.wte.weight) not in mats and id(model.wpe.weight) not in mats
+    twin = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
+    twin.load_state_dict(model.state_dict())
+    ours = m.torch_optimizer(model, muon)
+    tm = [p for p, q in zip(twin.parameters(), model.parameters()) if id(q) in mats]
+    rest = [p for p, q in zip(twin.parameters(), model.parameters()) if id(q) not in mats]
+    ref = [torch.optim.Muon(tm, lr=m.MUON_LR), torch.optim.AdamW(rest, lr=1e-3)]
+    x = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        for net, step in ((model, ours.step), (twin, lambda: [o.step() for o in ref])):
+            net.zero_grad()
+            net(x, x).backward()
+            step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    assert len(ours.state) == len(list(model.parameters()))  # one state for both parts
+
+
+@pytest.mark.slow  # spawns 2 ranks (~15 s)
+def test_muon_run_reports_zkernels_refusal(tmp_path):
+    """--optimizer muon end to end: the zkernels row carries ZeroOptimizer's refusal by name
+    instead of failing the run, the torch peers train (Muon on the matrices)."""
+    out = tmp_path / "zs.json"
+    subprocess.run([sys.executable, os.path.join(BENCH, "zero_step.py"), "--config", "tiny",
+                    "--steps", "1", "--warmup", "0", "--optimizer", "muon", "--methods",
+                    "torch_zero,zk_stage2", "--json", str(out), "--timeout-s", "300"],
+                   check=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=str(tmp_path),
+                   capture_output=True, timeout=600)
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["zk_stage2"]["error"].startswith("zkernels refuses it: optimizer=torch.optim.Muon")
+    assert "error" not in rows["torch_zero"] and rows["torch_zero"]["final_loss"] > 0
