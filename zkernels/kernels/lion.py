@@ -1,4 +1,10 @@
-"""Triton fused Lion step over a flat fp32 shard."""
+"""Triton fused Lion step over a flat fp32 shard.
+
+Exactness on a GPU, as in quant.py: the launch passes ``enable_fp_fusion=False`` so that no
+product and sum are contracted into an FMA (which rounds once where the reference rounds
+twice), and the unscale is ``tl.div_rn``; every operation is then the reference's, rounded
+once, in its order. The interpreter computes in numpy, which never fuses.
+"""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -99,5 +105,6 @@ def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *,
         1.0 - lr * weight_decay, float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2,
         -float(lr), GRAD_SCALE=grad_scale is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor,
         HAS_FOUND_INF=found_inf is not None, HAS_OUT=out is not None,
-        NATIVE_NAN=native_nan(param.device), BLOCK=LION_BLOCK, num_warps=LION_WARPS)
+        NATIVE_NAN=native_nan(param.device), BLOCK=LION_BLOCK, num_warps=LION_WARPS,
+        enable_fp_fusion=False)
     return param
