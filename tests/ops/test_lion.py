@@ -168,3 +168,16 @@ def test_lion_bad_arguments_name_the_argument(ops):
             ops.lion_step(kw.pop("param"), kw.pop("grad"), kw.pop("exp_avg"), **kw)
     with pytest.raises(ValueError, match="param"):
         ops.lion_step(torch.zeros(2, 4), torch.zeros(8), m, lr=1e-3)
+
+
+def test_lion_on_an_opset_matches_the_public_op(backend, device):
+    from zkernels import ops
+    opset = ops.for_device(device, None if backend == "kernels" else backend)
+    (p, m), (q, k) = _state(3001, device, 21), _state(3001, device, 21)
+    grad = _grad(1, 3001, device)
+    opset.lion_step(p, grad, m, weight_decay=0.1, **HYPER)
+    reference.lion_step(q, grad, k, weight_decay=0.1, **HYPER)
+    assert_bits_equal(p, q)
+    assert_bits_equal(m, k)
+    with pytest.raises(ValueError, match="exp_avg"):
+        opset.lion_step(p, grad, m[:-1], **HYPER)

@@ -166,3 +166,18 @@ def test_sgd_bad_arguments_name_the_argument(ops):
         kw.update(change)
         with pytest.raises(exc, match=name):
             ops.sgd_step(kw.pop("param"), kw.pop("grad"), kw.pop("momentum_buffer"), **kw)
+
+
+def test_sgd_on_an_opset_matches_the_public_op(backend, device):
+    from zkernels import ops
+    opset = ops.for_device(device, None if backend == "kernels" else backend)
+    p, q = _param(3001, device, 21), _param(3001, device, 21)
+    b, c = torch.zeros(3001, device=device), torch.zeros(3001, device=device)
+    for step in (1, 2):
+        grad = _grad(step, 3001, device)
+        opset.sgd_step(p, grad, b, lr=0.1, momentum=0.9, nesterov=True, step=step)
+        reference.sgd_step(q, grad, c, lr=0.1, momentum=0.9, nesterov=True, step=step)
+    assert_bits_equal(p, q)
+    assert_bits_equal(b, c)
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        opset.sgd_step(p, grad, None, lr=0.1, momentum=0.9, step=3)
