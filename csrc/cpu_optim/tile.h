@@ -32,8 +32,9 @@ ZK_SIMD void lion_tile(const Kernel& k, int64_t begin, int64_t end) {
   });
 }
 
-// MOM: 0 no momentum, 1 momentum (first step: b = g), 2 momentum (b = momentum*b + (1-d)*g).
-template <class V, DType G, int O, int MOM>
+// MOM: 0 no momentum, 1 momentum (first step: b = g), 2 momentum (b = momentum*b + (1-d)*g);
+// WD, NEST: compile-time, so the vector loop carries no per-vector branch.
+template <class V, DType G, int O, int MOM, bool WD, bool NEST>
 ZK_SIMD void sgd_tile(const Kernel& k, int64_t begin, int64_t end) {
   using F = typename V::F;
   const Coeffs& c = k.c;
@@ -44,7 +45,7 @@ ZK_SIMD void sgd_tile(const Kernel& k, int64_t begin, int64_t end) {
     F g = simd::load_as<V, G>(k.grad, i, mask);
     F p = V::load(k.param + i, mask);
     g = V::mul(g, inv_scale);
-    if (c.has_wd) g = V::add(g, V::mul(p, wd));
+    if constexpr (WD) g = V::add(g, V::mul(p, wd));
     if constexpr (MOM > 0) {
       F b;
       if constexpr (MOM == 1) {
@@ -53,7 +54,11 @@ ZK_SIMD void sgd_tile(const Kernel& k, int64_t begin, int64_t end) {
         b = V::add(V::mul(V::load(k.state + i, mask), mom), V::mul(g, omd));
       }
       V::store(k.state + i, b, mask);
-      g = c.nesterov ? V::add(g, V::mul(b, mom)) : b;
+      if constexpr (NEST) {
+        g = V::add(g, V::mul(b, mom));
+      } else {
+        g = b;
+      }
     }
     p = V::add(p, V::mul(g, nlr));
     V::store(k.param + i, p, mask);
@@ -61,12 +66,22 @@ ZK_SIMD void sgd_tile(const Kernel& k, int64_t begin, int64_t end) {
   });
 }
 
+template <class V, DType G, int O, bool WD>
+ZK_SIMD void sgd_tile_for_momentum(const Kernel& k, int64_t begin, int64_t end) {
+  if (!k.c.has_momentum) return sgd_tile<V, G, O, 0, WD, false>(k, begin, end);
+  if (k.c.nesterov) {
+    if (k.c.first_step) return sgd_tile<V, G, O, 1, WD, true>(k, begin, end);
+    return sgd_tile<V, G, O, 2, WD, true>(k, begin, end);
+  }
+  if (k.c.first_step) return sgd_tile<V, G, O, 1, WD, false>(k, begin, end);
+  return sgd_tile<V, G, O, 2, WD, false>(k, begin, end);
+}
+
 template <class V, DType G, int O>
 ZK_SIMD void rule_tile(const Kernel& k, int64_t begin, int64_t end) {
   if (k.c.rule == Rule::kLion) return lion_tile<V, G, O>(k, begin, end);
-  if (!k.c.has_momentum) return sgd_tile<V, G, O, 0>(k, begin, end);
-  if (k.c.first_step) return sgd_tile<V, G, O, 1>(k, begin, end);
-  return sgd_tile<V, G, O, 2>(k, begin, end);
+  if (k.c.has_wd) return sgd_tile_for_momentum<V, G, O, true>(k, begin, end);
+  return sgd_tile_for_momentum<V, G, O, false>(k, begin, end);
 }
 
 template <class V, DType G>
