@@ -31,6 +31,9 @@ a composition of torch calls, which is all the reference can be while it stays t
   order] in csrc/cpu_ops/kernel.h), so it equals the reference exactly where fp32 is exact
   and is within the tolerance table elsewhere.
 - adamw_step: native (csrc/cpu_adam), bit-exact with the reference.
+- lion_step / sgd_step: native (csrc/cpu_optim), one pass; the reference is several torch ops
+  each with its fp32 temporary. Bit-exact with the reference for power-of-two (or no)
+  ``grad_scale``: the native paths multiply by ``1/grad_scale`` as cpu_adam does.
 - quantize / dequantize / dequantize_sum: the reference is a chain of torch ops over whole
   buffers (pad, bit views, amax, divide, round, where, pack; or unpack, repeat_interleave,
   multiply, add per chunk), each a pass over memory with its temporary; native is one pass
@@ -107,6 +110,40 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         param, grad, exp_avg, exp_avg_sq, lr=float(lr), beta1=float(beta1),
         beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
         step=_value(step), decoupled=bool(decoupled),
+        grad_scale=1.0 if grad_scale is None else _value(grad_scale),
+        found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
+    return param
+
+
+def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
+              beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
+              grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One Lion update in place, natively, in one pass (csrc/cpu_optim). Arguments and result
+    as :func:`zkernels.reference.lion_step`; CPU tensors only, ``grad_scale`` a number or a
+    1-element CPU tensor (read on the host)."""
+    _need_ext()
+    _C.cpu_lion_step(
+        param, grad, exp_avg, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+        weight_decay=float(weight_decay),
+        grad_scale=1.0 if grad_scale is None else _value(grad_scale),
+        found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
+    return param
+
+
+def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
+             *, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+             weight_decay: float = 0.0, nesterov: bool = False, step: Scalar,
+             grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One SGD update in place, natively, in one pass (csrc/cpu_optim). Arguments and result
+    as :func:`zkernels.reference.sgd_step`; CPU tensors only, ``step`` and ``grad_scale``
+    numbers or 1-element CPU tensors (read on the host)."""
+    _need_ext()
+    _C.cpu_sgd_step(
+        param, grad, momentum_buffer, lr=float(lr), momentum=float(momentum),
+        dampening=float(dampening), weight_decay=float(weight_decay), nesterov=bool(nesterov),
+        first_step=_value(step) == 1,
         grad_scale=1.0 if grad_scale is None else _value(grad_scale),
         found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
     return param

@@ -96,6 +96,13 @@ struct Avx2 {
   static ZK_SIMD_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static ZK_SIMD_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
   static ZK_SIMD_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  // torch.sign: (0 < x) - (x < 0), so +-0 and NaN give +0
+  static ZK_SIMD_INLINE F sign(F x) {
+    const F zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const F pos = _mm256_and_ps(_mm256_cmp_ps(zero, x, _CMP_LT_OQ), one);
+    const F neg = _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), one);
+    return _mm256_sub_ps(pos, neg);
+  }
   // round half to even (the explicit rounding mode, whatever MXCSR says)
   static ZK_SIMD_INLINE I rint_i32(F x) {
     return _mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -76,6 +76,13 @@ struct Avx512 {
   static ZK_SIMD_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static ZK_SIMD_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
   static ZK_SIMD_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  // torch.sign: (0 < x) - (x < 0), so +-0 and NaN give +0
+  static ZK_SIMD_INLINE F sign(F x) {
+    const F zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const F pos = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(zero, x, _CMP_LT_OQ), one);
+    const F neg = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one);
+    return _mm512_sub_ps(pos, neg);
+  }
   // round half to even (the explicit rounding mode, whatever MXCSR says)
   static ZK_SIMD_INLINE I rint_i32(F x) {
     return _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -17,10 +17,12 @@ namespace py = pybind11;
 void init_cpu_adam(py::module_& m);
 void init_cpu_ops(py::module_& m);
 void init_cpu_quant(py::module_& m);
+void init_cpu_optim(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "zkernels native core: CPU AdamW and the CPU copy/cast/unscale/sum-of-squares and quantization ops (SIMD + OpenMP)";
+  m.doc() = "zkernels native core: CPU AdamW, Lion and SGD, and the CPU copy/cast/unscale/sum-of-squares and quantization ops (SIMD + OpenMP)";
   init_cpu_adam(m);
   init_cpu_ops(m);
   init_cpu_quant(m);
+  init_cpu_optim(m);
 }

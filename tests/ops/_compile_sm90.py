@@ -15,7 +15,9 @@ from triton.compiler import ASTSource
 from zkernels.kernels._copy import _scaled_copy_kernel
 from zkernels.kernels.adamw import _adamw_step_kernel, _sum_squares_kernel
 from zkernels.kernels.cast import _cast_kernel, _unscale_and_check_kernel
+from zkernels.kernels.lion import _lion_step_kernel
 from zkernels.kernels.quant import _dequantize_kernel, _quantize_kernel
+from zkernels.kernels.sgd import _sgd_step_kernel
 
 TABLE_SIG = {"meta": "*i64", "num_tensors": "i32", "num_blocks": "i32"}
 ADAMW_SCALARS = ("lr", "grad_scale", "decay", "weight_decay", "one_minus_beta1", "beta2",
@@ -83,6 +85,32 @@ NO_FMA = {
                             dict(DEQUANT_ALL, NUM_CHUNKS=1, SUM=False, ACCUMULATE=False),
                             False),
 }
+# Lion and SGD launch the same way (bit-exact with the reference on a GPU too).
+LION_SIG = {"param_ptr": "*fp32", "grad_ptr": "*bf16", "exp_avg_ptr": "*fp32",
+            "out_ptr": "*bf16", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32",
+            "numel": "i32", **{k: "fp32" for k in ("grad_scale", "decay", "beta1",
+                                                   "one_minus_beta1", "beta2",
+                                                   "one_minus_beta2", "neg_lr")}}
+LION_ALL = dict(GRAD_SCALE=True, GRAD_SCALE_IS_TENSOR=True, HAS_FOUND_INF=True, HAS_OUT=True,
+                NATIVE_NAN=True, BLOCK=2048)
+SGD_SIG = {"param_ptr": "*fp32", "grad_ptr": "*bf16", "buf_ptr": "*fp32", "out_ptr": "*bf16",
+           "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "step_ptr": "*i64",
+           "numel": "i32", "step": "i64", **{k: "fp32" for k in (
+               "grad_scale", "weight_decay", "momentum", "one_minus_dampening", "neg_lr")}}
+SGD_ALL = dict(GRAD_SCALE=True, GRAD_SCALE_IS_TENSOR=True, STEP_IS_TENSOR=True,
+               HAS_FOUND_INF=True, HAS_WD=True, HAS_MOMENTUM=True, NESTEROV=True, HAS_OUT=True,
+               NATIVE_NAN=True, BLOCK=2048)
+NO_FMA.update({
+    "lion_all_options": (_lion_step_kernel, LION_SIG, LION_ALL, True),
+    "lion_no_options": (_lion_step_kernel, {**LION_SIG, "grad_ptr": "*fp32"},
+                        dict(LION_ALL, GRAD_SCALE=False, GRAD_SCALE_IS_TENSOR=False,
+                             HAS_FOUND_INF=False, HAS_OUT=False), True),
+    "sgd_all_options": (_sgd_step_kernel, SGD_SIG, SGD_ALL, True),
+    "sgd_momentum_only": (_sgd_step_kernel, {**SGD_SIG, "grad_ptr": "*fp32"},
+                          dict(SGD_ALL, GRAD_SCALE=False, GRAD_SCALE_IS_TENSOR=False,
+                               STEP_IS_TENSOR=False, HAS_FOUND_INF=False, HAS_WD=False,
+                               NESTEROV=False, HAS_OUT=False), True),
+})
 CASES.update(NO_FMA)
 
 

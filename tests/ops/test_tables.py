@@ -30,8 +30,8 @@ def test_block_table_empty():
 
 
 @pytest.mark.parametrize("op", ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
-                                "unscale_and_check_", "adamw_step", "sum_squares", "quantize",
-                                "dequantize", "dequantize_sum"])
+                                "unscale_and_check_", "adamw_step", "lion_step", "sgd_step",
+                                "sum_squares", "quantize", "dequantize", "dequantize_sum"])
 def test_triton_backend_runs_the_kernels(monkeypatch, op):
     import zkernels.kernels
     from zkernels.ops import _backend

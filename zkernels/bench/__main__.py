@@ -22,7 +22,7 @@ import torch
 from .._cli import output_file
 from ._common import SectionUnavailable, format_table, metadata, write_json
 
-SECTIONS = ["kernels", "cpu_adam"]
+SECTIONS = ["kernels", "cpu_adam", "cpu_optim"]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -42,6 +42,9 @@ PEERS = {
     "cast": "out.copy_(x)  (fp32 -> bf16)",
     "unscale": "torch._amp_foreach_non_finite_check_and_unscale_",
     "adamw": "torch.optim.AdamW(fused=True).step(); out.copy_(param)  (bf16 out)",
+    "sgd": "torch.optim.SGD(momentum=0.9, foreach=True).step(); out.copy_(param)  (bf16 out)",
+    "lion": "lion-pytorch's update (mul_, add, sign_, add_, mul_, add_); out.copy_(param)  "
+            "(bf16 out)",
     "sum_squares": "torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))) ** 2",
     "quantize": "b = x.view(-1, 256); s = b.abs().amax(1, keepdim=True) / 127; "
                 "(b / s).round().clamp(-127, 127).to(int8)  (fp32 in)",
@@ -115,6 +118,10 @@ def _build(op: str, numel: int, device: torch.device) -> Case:
                     8 * numel)
     if op == "adamw":
         return _adamw_case(numel, device)
+    if op == "sgd":
+        return _sgd_case(numel, device)
+    if op == "lion":
+        return _lion_case(numel, device)
     if op == "sum_squares":
         ts = [rand(n) for n in numels]
         return Case(lambda: ops.sum_squares(ts),
@@ -145,6 +152,48 @@ def _adamw_case(numel: int, device: torch.device) -> Case:
         out.copy_(param.detach())
     # peer: the fused step (28 B) then a second pass reading the params for the copy (6 B)
     return Case(mine, peer, 30 * numel, 34 * numel)
+
+
+def _sgd_case(numel: int, device: torch.device) -> Case:
+    # Read p, g, b (12 B), write p, b (8 B) and the bf16 compute copy (2 B).
+    p, g = torch.randn(numel, device=device), torch.randn(numel, device=device) * 1e-3
+    b = torch.zeros(numel, device=device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    steps = [0]
+
+    def mine():
+        steps[0] += 1
+        ops.sgd_step(p, g, b, lr=1e-2, momentum=0.9, step=steps[0], out=out)
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.clone()
+    opt = torch.optim.SGD([param], lr=1e-2, momentum=0.9, foreach=True)
+
+    def peer():
+        opt.step()
+        out.copy_(param.detach())
+    # peer: the foreach step (20 B) then a second pass reading the params for the copy (6 B)
+    return Case(mine, peer, 22 * numel, 26 * numel)
+
+
+def _lion_case(numel: int, device: torch.device) -> Case:
+    # Read p, g, m (12 B), write p, m (8 B) and the bf16 compute copy (2 B).
+    p, g = torch.randn(numel, device=device), torch.randn(numel, device=device) * 1e-3
+    m = torch.zeros(numel, device=device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    q, k = p.clone(), m.clone()
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+
+    def mine():
+        ops.lion_step(p, g, m, out=out, **hyper)
+
+    def peer():  # lucidrains/lion-pytorch's update_fn
+        q.mul_(1.0 - hyper["lr"] * hyper["weight_decay"])
+        update = k.clone().mul_(hyper["beta1"]).add(g, alpha=1.0 - hyper["beta1"]).sign_()
+        q.add_(update, alpha=-hyper["lr"])
+        k.mul_(hyper["beta2"]).add_(g, alpha=1.0 - hyper["beta2"])
+        out.copy_(q)
+    # peer: p (2 passes), m (clone, 3 passes over the temporary), g twice, m again, the copy
+    return Case(mine, peer, 22 * numel, 58 * numel)
 
 
 _QUANT_OPS = ("quantize", "quantize_int4", "dequantize", "dequantize_sum")
@@ -237,7 +286,8 @@ def backends(device: torch.device) -> List[str]:
     return ["reference"] + (["cpp"] if ops.available("cpp") else [])
 
 
-_OP_NAMES = {"unscale": "unscale_and_check_", "adamw": "adamw_step",
+_OP_NAMES = {"unscale": "unscale_and_check_", "adamw": "adamw_step", "sgd": "sgd_step",
+             "lion": "lion_step",
              "quantize_int4": "quantize"}
 
 

@@ -10,6 +10,7 @@ the argument and index.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Iterable, List, Optional, Sequence
 
@@ -119,3 +120,37 @@ def offsets(name: str, offs: Sequence[int], numels: Sequence[int], capacity: int
 
 def _names(dtypes) -> str:
     return "(" + ", ".join(str(d) for d in dtypes) + ")"
+
+
+def step_buffers(param, grad, out, found_inf, grad_scale, step=None, **state):
+    """The checks every fused optimizer step shares: ``param`` 1-D contiguous fp32; ``grad``,
+    each state buffer (keyword name -> tensor, None skipped) and ``out`` on its device with its
+    numel (the state fp32); ``found_inf`` a 1-element fp32 flag; ``step``/``grad_scale``, when
+    tensors, one element on that device. Returns ``(numel, device)``."""
+    fp32 = (torch.float32,)
+    tensor("param", param, dtypes=fp32, one_dim=True)
+    n, dev = param.numel(), param.device
+    tensor("grad", grad, device=dev, numel=n, one_dim=True)
+    for name, buf in state.items():
+        if buf is not None:
+            tensor(name, buf, dtypes=fp32, device=dev, numel=n, one_dim=True)
+    if out is not None:
+        tensor("out", out, device=dev, numel=n, one_dim=True)
+    if found_inf is not None:
+        tensor("found_inf", found_inf, dtypes=fp32, device=dev, numel=1)
+    for name, t in (("step", step), ("grad_scale", grad_scale)):
+        if isinstance(t, _Tensor):
+            tensor(name, t, dtypes=None, device=dev, numel=1)
+    return n, dev
+
+
+def unit_interval(name: str, x) -> None:
+    """``x`` a real number in [0, 1]."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0.0 <= x <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+
+
+def finite(name: str, x) -> None:
+    """``x`` a finite real number."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")

@@ -23,7 +23,9 @@ from .adamw_lowbit import _adamw_step_lowbit
 from .bucket import _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
+from .lion import _lion_step
 from .quant import _dequantize, _dequantize_sum, _quantize
+from .sgd import _sgd_step
 from ._backend import BACKENDS, _module, _say_once, forced_backend, resolve_backend
 
 # The ops with a checked native fast path on CPU (see ops/_fast.py).
@@ -31,8 +33,8 @@ _FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
              "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
-       "adamw_step", "adamw_step_lowbit", "sum_squares", "quantize", "dequantize",
-       "dequantize_sum")
+       "adamw_step", "adamw_step_lowbit", "lion_step", "sgd_step", "sum_squares", "quantize",
+       "dequantize", "dequantize_sum")
 
 
 class OpSet:
@@ -41,8 +43,8 @@ class OpSet:
     Build with :func:`for_device`. Attributes: ``device_type`` ("cpu", "cuda"), ``backends``
     (op name -> backend name, read-only). Methods: the ops of ``zkernels.ops`` with the same
     arguments and checks (``flatten``, ``unflatten``, ``bucket_pack``, ``bucket_unpack``,
-    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``adamw_step_lowbit``, ``sum_squares``,
-    ``quantize``, ``dequantize``, ``dequantize_sum``).
+    ``cast``, ``unscale_and_check_``, ``adamw_step``, ``adamw_step_lowbit``, ``lion_step``,
+    ``sgd_step``, ``sum_squares``, ``quantize``, ``dequantize``, ``dequantize_sum``).
     """
 
     def __init__(self, device_type: str, backends: Mapping[str, str],
@@ -101,6 +103,12 @@ class OpSet:
                           exp_avg_sq_scales=None, **kw):
         return _adamw_step_lowbit(self._resolve, param, grad, exp_avg, exp_avg_sq,
                                   exp_avg_scales, exp_avg_sq_scales, **kw)
+
+    def lion_step(self, param, grad, exp_avg, **kw):
+        return _lion_step(self._resolve, param, grad, exp_avg, **kw)
+
+    def sgd_step(self, param, grad, momentum_buffer, **kw):
+        return _sgd_step(self._resolve, param, grad, momentum_buffer, **kw)
 
     def sum_squares(self, tensors):
         if not tensors:  # the public op's empty answer, on this OpSet's device
