@@ -83,7 +83,8 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
     if fault == _battery.MAPPING_FAULT:
         for rec in opt.shard_update.states:   # every piece reads its neighbour's gradient
             step = rec.rule.step
-            rec.rule.step = lambda g, group, scale, step=step: step(g.roll(1), group, scale)
+            rec.rule.step = lambda g, group, scale, live=None, step=step: \
+                step(g.roll(1), group, scale, live)
     grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0
     buffers_before = opt.stats()["memory_bytes"]["buffers"]
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.

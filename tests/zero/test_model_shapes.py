@@ -11,6 +11,10 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+import torch
+
+import zkernels as zk
+from zkernels.zero.parameters.freed_guard import FreedParameterError
 
 from tests.zero import _shapes as S
 from tests.zero._harness import rank_fixture
@@ -82,3 +86,19 @@ def test_plain_read_between_steps(ranks, world_size, row):
         else:
             assert res["sum"] == res["gathered_sum"]
     assert len({r["gathered_sum"] for r in results}) == 1  # every rank gathered the same
+
+
+def test_no_op_moves_of_a_freed_model_pass_real_moves_raise():
+    """``model.cpu()`` / ``.to("cpu")`` where a stage-3 model already is (Lightning's
+    teardown does it) are no-ops that pass the freed-parameter guard; a real move (to
+    float64) would move the empty stand-ins, so it raises naming the parameter."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = zk.ZeroOptimizer(model, stage=3, ops_backend="reference")
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    model.cpu()
+    model.to("cpu")
+    with pytest.raises(FreedParameterError, match=r"parameter '0\.weight'"):
+        model.double()
+    with opt.gathered():
+        assert model[0].weight.shape == (4, 4)

@@ -10,7 +10,8 @@ nothing (shape ``(0,)``, sum 0) or failed deep in torch with a shape error. So o
 policy swaps each plain ``nn.Parameter``'s class to :class:`FreedParameter`, whose
 ``__torch_function__`` raises :class:`FreedParameterError` naming the parameter for every op
 except metadata and bookkeeping (attributes such as ``.grad`` / ``.data`` / ``.shape``,
-``numel``, hooks, hashing); on ``ensure_gathered`` the class goes back before the data does.
+``numel``, hooks, hashing) and moves that return the parameter itself (``model.cpu()`` where
+it already is); on ``ensure_gathered`` the class goes back before the data does.
 The gathered path is therefore untouched: a gathered parameter is a plain ``nn.Parameter``
 (the swap is one attribute store per parameter per gather and free). A parameter of another
 class (a subclass with its own ``__torch_function__``) is left as it is, unguarded.
@@ -26,8 +27,12 @@ _ALLOWED = frozenset({
     "__get__", "__set__", "__hash__", "numel", "nelement", "dim", "ndimension", "size",
     "element_size", "is_floating_point", "is_complex", "requires_grad_",
     "register_hook", "register_post_accumulate_grad_hook", "_is_view", "is_contiguous",
-    "get_device", "untyped_storage", "data_ptr",
+    "get_device", "untyped_storage", "data_ptr", "_has_compatible_shallow_copy_type",
 })
+# Moves that are no-ops where the parameter already is (``model.cpu()`` on a CPU run, as
+# Lightning's teardown does): passed through when they return the parameter itself; a real
+# move (another device or dtype) would move the empty stand-in, so it raises.
+_NO_OP_MOVES = frozenset({"cpu", "to", "cuda", "type", "float", "contiguous"})
 
 
 class FreedParameterError(RuntimeError):
@@ -44,6 +49,12 @@ class FreedParameter(nn.Parameter):
         if getattr(func, "__name__", "") in _ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in _NO_OP_MOVES and args and \
+                isinstance(args[0], FreedParameter):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            if out is args[0]:
+                return out
         freed = [a for a in _flat(args, kwargs) if isinstance(a, FreedParameter)]
         policy, i = freed[0]._zk_sharded
         names = getattr(policy, "param_names", ())
