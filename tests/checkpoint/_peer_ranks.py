@@ -27,6 +27,7 @@ def _env(rank, world):
 
 
 def _steps(engine, rank, world, which):
+    assert GLOBAL % world == 0, f"world size {world} does not divide the global batch {GLOBAL}"
     per = GLOBAL // world
     losses = []
     data = batches()
