@@ -204,10 +204,16 @@ class MetaMaterializer:
 def agree_seed(comm, device: torch.device) -> int:
     """A seed drawn from the global generator on global rank 0, the same on every rank (one
     int64 all-reduce over the data-parallel ranks; with hybrid sharding over the world)."""
-    inner = comm
-    while getattr(inner, "inner", inner) is not inner:
-        inner = inner.inner
-    world = getattr(inner, "world", comm)
+    # Down the wrappers (the meter's) to the comm that has the world (hybrid sharding) or to
+    # the innermost; HybridComm's own ``inner`` is a new HybridComm each time, so stop at a
+    # comm with ``world`` rather than waiting for ``inner`` to return itself.
+    world = comm
+    while not hasattr(world, "world"):
+        nxt = getattr(world, "inner", world)
+        if nxt is world:
+            break
+        world = nxt
+    world = getattr(world, "world", world)
     seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64))
     if world.world_size == 1:
         return seed
