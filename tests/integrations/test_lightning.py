@@ -3,6 +3,8 @@ of every micro-batch equals Lightning's own DDPStrategy with the same AdamW (two
 a LambdaLR schedule) at stages 1-3, with accumulate_grad_batches=2 and gradient_clip_val;
 bf16-mixed stays within bf16's tolerance; a ModelCheckpoint folder saved at 2 ranks resumes at
 1 rank on the uninterrupted curve. Rank side: _lightning_checks.py."""
+import os
+
 import pytest
 import torch
 
@@ -118,5 +120,12 @@ def test_value_clipping_refused_in_the_ranks():
                          gradient_clip_val=1.0, gradient_clip_algorithm="value",
                          enable_progress_bar=False, enable_model_summary=False)
     from tests.integrations._lightning_checks import _data, module_class
-    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
-        trainer.fit(module_class()(1), torch.utils.data.DataLoader(_data(), batch_size=2))
+    env = dict(os.environ)
+    try:
+        with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+            trainer.fit(module_class()(1), torch.utils.data.DataLoader(_data(), batch_size=2))
+    finally:   # Lightning set up a one-rank process group and its env in this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)

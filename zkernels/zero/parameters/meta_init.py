@@ -58,6 +58,8 @@ def check_meta_args(model: nn.Module, device, param_init) -> Optional[torch.devi
             model with no meta tensor whose parameters are elsewhere; ``device`` meta; real
             parameters on another device than ``device``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if param_init is not None and not callable(param_init):
         raise TypeError(f"param_init must be None or a callable param_init(module), got "
                         f"{type(param_init).__name__}")
@@ -77,6 +79,11 @@ def check_meta_args(model: nn.Module, device, param_init) -> Optional[torch.devi
             raise ValueError(f"device={device} but the model's parameters are on "
                              f"{real[0].device}; device= is where a meta model is built")
         return None
+    if device is None and any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("the model's parameters are on several devices, some on 'meta': "
+                         "pass device= (e.g. torch.device('cuda', local_rank) or 'cpu') to "
+                         "build the meta ones there, unit by unit (see [Note: meta-device "
+                         "build]), or materialize them first")
     if device is None:
         raise ValueError("the model has tensors on the 'meta' device: pass device= (e.g. "
                          "torch.device('cuda', local_rank) or 'cpu') to build it there, unit "

@@ -231,7 +231,9 @@ class UpdateEngine:
         self._ensure_slots(n, unit)
         self.states.append(rec)
         if self.files is not None:
-            rec.step = self.files.open(rec)
+            # (a kept run's unit count; each parameter resumes at it: the run folder's
+            # manifest keeps one count per unit)
+            rec.set_step(self.files.open(rec))
             if self.files.resumed:
                 self._write_compute(unit, self.files.read_all(rec, "master"))
             else:
