@@ -80,8 +80,8 @@ def check_meta_args(model: nn.Module, device, param_init) -> Optional[torch.devi
                              f"{real[0].device}; device= is where a meta model is built")
         return None
     if device is None and any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError("the model's parameters are on several devices, some on 'meta': "
-                         "pass device= (e.g. torch.device('cuda', local_rank) or 'cpu') to "
+        raise ValueError("the model's parameters are on several devices, some on the "
+                         "'meta' device: pass device= (e.g. torch.device('cuda', local_rank) or 'cpu') to "
                          "build the meta ones there, unit by unit (see [Note: meta-device "
                          "build]), or materialize them first")
     if device is None:
