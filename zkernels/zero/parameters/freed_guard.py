@@ -28,6 +28,9 @@ _ALLOWED = frozenset({
     "element_size", "is_floating_point", "is_complex", "requires_grad_",
     "register_hook", "register_post_accumulate_grad_hook", "_is_view", "is_contiguous",
     "get_device", "untyped_storage", "data_ptr", "_has_compatible_shallow_copy_type",
+    "stride", "storage_offset", "_typed_storage", "is_sparse", "is_quantized", "is_nested",
+    "_is_zerotensor", "is_neg", "is_conj", "_version", "requires_grad",
+    "is_inference", "layout", "device", "dtype", "_base", "is_leaf", "grad_fn", "names",
 })
 # Moves that are no-ops where the parameter already is (``model.cpu()`` on a CPU run, as
 # Lightning's teardown does): passed through when they return the parameter itself; a real
