@@ -172,6 +172,31 @@ class _Bucket(ReduceBucket):
         self.presence.mark(self.unit.index, pi)
         return pi
 
+    def on_grad(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is ready: record it; when synced, take it into the bucket (the
+        subclass's ``_receive`` before the round check, ``_pack`` after it) and add it to the
+        round, starting a new round for a parameter seen twice (``_second_gradient``)."""
+        if p.grad is None:
+            return
+        pi = self.mark(p)
+        if not self.sync:
+            return
+        self._receive(pi, p)
+        if self.seen(pi):
+            self._second_gradient()
+        self._pack(pi, p)
+        self.add(pi)
+
+    def _receive(self, pi: int, p: torch.Tensor) -> None:
+        """Before the round check: where the gradient must already be in the bucket."""
+
+    def _second_gradient(self) -> None:
+        """A second gradient for a parameter this round."""
+        raise NotImplementedError
+
+    def _pack(self, pi: int, p: torch.Tensor) -> None:
+        """After the round check: where the gradient goes into a (possibly new) round."""
+
 
 class FullGradBucket(_Bucket):
     """Stage 1's bucket: ``param.grad`` are views into its flat gradient buffer (param dtype),
@@ -209,19 +234,13 @@ class FullGradBucket(_Bucket):
                     self.presence.mark(self.unit.index, pi)
                 p.grad = v
 
-    def on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None:
-            return
-        pi = self.mark(p)
-        if not self.sync:
-            return
+    def _receive(self, pi: int, p: torch.Tensor) -> None:
         self.attach(False, (pi,))
-        if self.seen(pi):
-            # A second gradient for a parameter this round (two synced backwards, some
-            # parameter unused in the first): a new round; what was launched before is stale
-            # once its buffer changes (its version), and is redone.
-            self._order().new_round()
-        self.add(pi)
+
+    def _second_gradient(self) -> None:
+        # Two synced backwards, some parameter unused in the first: what was launched before
+        # is stale once its buffer changes (its version), and is redone.
+        self._order().new_round()
 
     def launch(self) -> None:
         """Start the reduce-scatter, unless the one launched is still current."""
@@ -341,18 +360,9 @@ class GradBucket(_Bucket):
         if hooks:
             hook_grads(self, unit.params, "on_grad")
 
-    def on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None:
-            return
-        pi = self.mark(p)
-        if not self.sync:
-            return
-        if self.seen(pi):
-            # A second gradient for a parameter this round (two backwards, some parameter
-            # unused in the first): close the round, start a new one.
-            self._order().flush()
-        self._pack(pi, p)
-        self.add(pi)
+    def _second_gradient(self) -> None:
+        # Two backwards, some parameter unused in the first: close the round, start a new one.
+        self._order().flush()
 
     def _pack(self, pi: int, p: torch.Tensor) -> None:
         g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
