@@ -208,81 +208,38 @@ def assert_step_close(model, ref, step: int, **tol) -> None:
             q.copy_(p)
 
 
-def run_checks(checks: Dict[str, Callable], rank: int, world_size: int) -> Dict[str, Optional[str]]:
-    """Run every check; return name -> None (passed) or the traceback. A check that fails
-    on one rank may leave the others waiting in a collective: the process group's timeout
-    (tests/_dist.py) bounds that."""
-    out = {}
-    for name, fn in checks.items():
-        try:
-            fn(rank, world_size)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check by the parent
-            out[name] = traceback.format_exc()
-    return out
-
-
-def battery_results(checks: Dict[str, Callable], battery: Callable, *, timeout: float = 400.0,
-                    pg_timeout_s: float = 60.0) -> Callable[[int], Dict[str, Optional[str]]]:
-    """``get(world_size)`` -> {check: None or the first failing rank's traceback}, cached per
-    world size: one spawn of ``battery`` (``battery(rank, world_size)`` runs every check) per
-    world size above 1, each rank paying a torch import once; world size 1 runs ``checks``
-    here, without torch.distributed, on the ranks' thread count (ZKERNELS_TEST_THREADS: OpenMP
-    barriers on a shared 2-core machine make tiny ops ~1000x slower)."""
-    cache = {}
-
-    def get(world_size: int) -> Dict[str, Optional[str]]:
-        if world_size not in cache:
-            if world_size == 1:
-                threads = torch.get_num_threads()
-                torch.set_num_threads(rank_threads())
-                try:
-                    per_rank = [run_checks(checks, 0, 1)]
-                finally:
-                    torch.set_num_threads(threads)
-            else:
-                per_rank = run_ranks(battery, world_size, timeout=timeout,
-                                     pg_timeout_s=pg_timeout_s)
-            cache[world_size] = {name: next((r[name] for r in per_rank if r[name]), None)
-                                 for name in checks}
-        return cache[world_size]
-
-    return get
-
-
 def rank_check_tests(checks: Dict[str, Callable], world_size, *, timeout: float = 400.0):
-    """``(results, test_check)`` for a test module: one run of every check of ``checks``
-    (``run_checks``) per world size, each check reported as its own test (see
-    :func:`battery_results`: world size 1 in this process, above it one spawn). Assign both at
-    module level (``results, test_check = rank_check_tests(CHECKS, 2)``).
+    """``(ranks, test_check)`` for a test module of checks that assert inside the ranks and
+    return nothing (or a value to print): each check is a row of :func:`rank_fixture`, so
+    ``-k <check>`` spawns that check's ranks only, and a failing rank's traceback (with the
+    values its assertion names) is raised in the pytest process. Assign both at module level
+    (``ranks, test_check = rank_check_tests(CHECKS, 2)``).
 
     Args:
         world_size: one world size (tests ``test_check[<check>]``), or a sequence of them
-            (``pytest.param`` with marks allowed; tests ``test_check[<check>-<world size>]``).
+            (``pytest.param`` with marks allowed; tests ``test_check[<world size>-<check>]``).
     """
-    import functools
-
     import pytest
 
-    @pytest.fixture(scope="module")
-    def results():  # the checks travel to the spawned ranks by pickle: module-level callables
-        return battery_results(checks, functools.partial(run_checks, checks), timeout=timeout)
+    single = isinstance(world_size, int)
+    ranks = rank_fixture(checks, world_size=world_size if single else None, timeout=timeout)
 
-    def check_at(results, ws, check):
-        error = results(ws)[check]
-        assert error is None, f"{check} failed on {ws} ranks:\n{error}"
+    def check_at(ranks, row, ws=None):
+        for rank, value in enumerate(ranks(row, ws)):
+            if value is not None:
+                print(f"{row}, rank {rank}: {value}")
 
-    if isinstance(world_size, int):
-        @pytest.mark.parametrize("check", list(checks))
-        def test_check(results, check):
-            check_at(results, world_size, check)
+    if single:
+        @pytest.mark.parametrize("row", list(checks))
+        def test_check(ranks, row):
+            check_at(ranks, row)
     else:
-        @pytest.mark.parametrize("check", list(checks))
+        @pytest.mark.parametrize("row", list(checks))
         @pytest.mark.parametrize("world_size", list(world_size))
-        def test_check(results, world_size, check):
-            check_at(results, world_size, check)
+        def test_check(ranks, world_size, row):
+            check_at(ranks, row, world_size)
 
-    return results, test_check
+    return ranks, test_check
 
 
 # -- ranks that return objects ------------------------------------------------------------------

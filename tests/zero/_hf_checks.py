@@ -8,7 +8,6 @@ buffers (and, at stage 2/3, adds hooks).
 """
 from __future__ import annotations
 
-import traceback
 
 import torch
 
@@ -130,16 +129,3 @@ def _check_generate(opt, model, stage, prompt):
     model.train()
     assert got.shape == (prompt.shape[0], prompt.shape[1] + 6)
     assert torch.equal(got, expected), (got, expected)
-
-
-def battery(rank, ws, stages):
-    """Every (kind, stage) parity check; name -> None (passed) or the traceback."""
-    out = {}
-    for stage in stages:
-        for kind in KINDS:
-            try:
-                hf_parity(rank, ws, kind=kind, stage=stage)
-                out[f"{kind}_stage{stage}"] = None
-            except Exception:  # noqa: BLE001 - reported per check by the parent
-                out[f"{kind}_stage{stage}"] = traceback.format_exc()
-    return out

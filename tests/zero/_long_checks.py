@@ -176,17 +176,3 @@ def build_and_drop(rank, ws, stage, times=50):
     growth = proc.memory_info().rss - rss
     assert growth < 8 * 2**20, f"stage {stage}: RSS grew {growth} B over {times - 10} rounds"
     return {"live_bytes": baseline, "rss_growth": growth}
-
-
-def battery(rank, ws, stages):
-    """Both checks per stage; name -> None (passed) or the traceback."""
-    import traceback
-    torch.manual_seed(0)
-    out = {}
-    for s in stages:
-        for name, fn in (("long_run", long_run), ("build_and_drop", build_and_drop)):
-            try:
-                out[f"{name}_stage{s}"] = (None, fn(rank, ws, s))
-            except Exception:  # noqa: BLE001 - reported per check by the parent
-                out[f"{name}_stage{s}"] = (traceback.format_exc(), None)
-    return out

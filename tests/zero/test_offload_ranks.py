@@ -2,7 +2,7 @@
 budgets, bytes on disk, close and reopen. Offload's parity, ``offload_params`` bit for bit and
 state round trips across placements are the battery's rows (test_battery.py).
 
-One spawn per world size runs every check of ``_offload_checks.CHECKS``.
+One spawn per world size runs the selected checks of ``_offload_checks.CHECKS``.
 """
 import pytest
 
@@ -11,4 +11,4 @@ from tests.zero._offload_checks import CHECKS
 
 WORLD_SIZES = (pytest.param(1, marks=pytest.mark.slow), 2)  # 1 rank: the full suite
 
-results, test_check = rank_check_tests(CHECKS, WORLD_SIZES, timeout=400.0)
+ranks, test_check = rank_check_tests(CHECKS, WORLD_SIZES, timeout=400.0)

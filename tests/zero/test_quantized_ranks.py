@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import zkernels as zk
 from tests.zero._harness import (MICRO_BATCH, chunk, make_batches, make_model,
-                                 rank_check_tests, run_checks)
+                                 rank_check_tests)
 from zkernels import reference as ref
 from zkernels.comm import MeteredComm, VolumeMeter, make_comm
 from zkernels.comm.quantized import QuantizedGradComm, QuantizedWeightComm
@@ -400,9 +400,4 @@ CHECKS = {
 }
 
 
-results, test_check = rank_check_tests(CHECKS, 2, timeout=900.0)
-
-
-def battery_subset(rank, world_size, names):
-    """A few checks by name (for running them by hand)."""
-    return run_checks({n: CHECKS[n] for n in names}, rank, world_size)
+ranks, test_check = rank_check_tests(CHECKS, 2, timeout=900.0)
