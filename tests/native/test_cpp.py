@@ -1,8 +1,8 @@
 """Runs the C++ tests (CTest) from pytest: configures the root CMakeLists.txt into
 build/native-ctest-<generator> (gitignored, kept between runs so a rerun only rebuilds what changed) with
 only the CPU libraries and their tests, builds, and runs ctest. Each C++ test (cpu_adam, cpu_ops,
-cpu_quant, cpu_optim, cpu_adam_lowbit) forces every SIMD path the CPU supports in turn, bit-exact against the scalar path or
-an independent reference written in the test."""
+cpu_quant, cpu_optim, cpu_adam_lowbit) forces every SIMD path the CPU supports in turn,
+bit-exact against the scalar path or an independent reference written in the test."""
 import os
 import shutil
 import subprocess
