@@ -10,8 +10,9 @@
 // divided by a Python scalar is an IEEE division (not a product by the reciprocal). This
 // kernel performs exactly those operations (every other product and sum rounded on its own:
 // the TU is built with -ffp-contract=off), in the reference's order. One reference op is out of
-// reach: torch's CPU ``sqrt`` runs MKL's vector sqrt, which is not correctly rounded (1 ulp off
-// for ~0.7% of fp32 inputs, measured), where every path here uses the IEEE sqrt instruction.
+// reach: torch's CPU ``sqrt`` runs MKL's vector sqrt, which on AVX-512 CPUs is not correctly
+// rounded (1 ulp off for ~0.7% of fp32 inputs, measured; with MKL's AVX2 code it is exact),
+// where every path here uses the IEEE sqrt instruction.
 // So the kernel equals the reference bit for bit when the reference's sqrt is correctly
 // rounded (tests/native/test_cpu_adam_lowbit.py runs it so, on every path), and otherwise
 // differs only through those 1-ulp roots: the denominator (a last-bit param difference) and,
