@@ -9,11 +9,7 @@ round half to even), which tests/ops/test_quant.py checks bit for bit. The fp32 
 before it is not: PyTorch's vectorized CPU kernels (``addcdiv_``, ``lerp_``) may contract or
 reorder a product and a sum where the Triton kernel rounds each operation, so the updated
 master and moments may differ in the last fp32 bit (tests/ops/test_adamw.py compares the fp32
-AdamW with the fp32 tolerance for that reason). The C++ path fuses where torch does, and differs
-only through torch's CPU sqrt (MKL's, 1 ulp off for ~0.7% of inputs): the same last-bit
-differences in the master and in the int8 format's staged sqrt(v) ([Note: lowbit arithmetic
-is torch's] in csrc/cpu_adam_lowbit/kernel.h; tests/native/test_cpu_adam_lowbit.py checks it
-bit for bit against the reference with a correctly rounded sqrt). After requantization one last-bit difference in
+AdamW with the fp32 tolerance for that reason). After requantization one last-bit difference in
 an fp32 moment can only move a code across a rounding boundary, by one level, or, when it sits
 on the block's absmax element, move that block's scale by the same ~1 ulp (so scales within
 ``rtol = 4 * 2**-24``). bf16 moments move by at most one bf16 ulp (``rtol = 2**-7``), except
@@ -26,6 +22,12 @@ stays within the fp32 tolerance of test_adamw.py, compounded over the steps (a m
 differs moves the next gradient step only through the same last bits). These are the bounds
 checked; the counts of differing codes, scales and bf16 moments are also bounded (below 1% of
 the elements), so a systematic error in the map cannot pass as rounding noise.
+
+The C++ path fuses where torch's CPU kernels fuse and differs only through torch's sqrt (MKL's,
+on AVX-512 1 ulp off for ~0.7% of inputs): last-bit differences in the master and in the int8
+format's staged sqrt(v), within the bounds above ([Note: lowbit arithmetic is torch's] in
+csrc/cpu_adam_lowbit/kernel.h; tests/native/test_cpu_adam_lowbit.py checks every path bit for
+bit against the reference with a correctly rounded sqrt).
 """
 import math
 
