@@ -223,3 +223,27 @@ def test_public_op_dispatches_to_cpp(native_C, monkeypatch):
     monkeypatch.delenv("ZKERNELS_BACKEND", raising=False)
     assert zkernels.ops.choose("adamw_step_lowbit", torch.device("cpu")) == "cpp"
     assert zkernels.ops.for_device("cpu").backends["adamw_step_lowbit"] == "cpp"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_bench_peer_is_the_reference_step(native_C, fmt):
+    """The cpu_optim bench's unfused torch composition (the peer of the native rows) computes
+    the reference's step bit for bit, so the ratio compares the same work; the rows come out."""
+    from zkernels.bench import cpu_optim
+    n = 4 * cpu_optim.LOWBIT_BLOCK
+    p, g = cpu_optim._tensors(n)
+    q = p.clone()
+    st = new_lowbit_state(n, FORMATS[fmt], block_size=cpu_optim.LOWBIT_BLOCK)
+    ref = {k: v.clone() for k, v in st.items()}
+    peer = cpu_optim._torch_lowbit_stepper(p, g, st, fmt)
+    for t in (1, 2, 3):
+        peer()
+        reference.adamw_step_lowbit(q, g, ref["exp_avg"], ref["exp_avg_sq"],
+                                    ref.get("exp_avg_scales"), ref.get("exp_avg_sq_scales"),
+                                    step=t, block_size=cpu_optim.LOWBIT_BLOCK, **cpu_optim.LOWBIT)
+    assert _differing(p, q) == 0
+    for key in st:
+        assert _differing(st[key], ref[key]) == 0, key
+    rows = cpu_optim._lowbit_rows(n, 1, 1, 0)
+    assert [r["name"] for r in rows if "speedup" in r] == [cpu_optim._lowbit_native("int8"),
+                                                          cpu_optim._lowbit_native("bf16")]
