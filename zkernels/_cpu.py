@@ -31,6 +31,11 @@ a composition of torch calls, which is all the reference can be while it stays t
   order] in csrc/cpu_ops/kernel.h), so it equals the reference exactly where fp32 is exact
   and is within the tolerance table elsewhere.
 - adamw_step: native (csrc/cpu_adam), bit-exact with the reference.
+- adamw_step_lowbit: native (csrc/cpu_adam_lowbit), one pass with each block staged in L1;
+  the reference dequantizes, steps and requantizes whole buffers, a dozen passes with their
+  fp32 temporaries. It fuses where torch's CPU kernels fuse, so it is bit-exact with the
+  reference except through torch's MKL sqrt, which is not correctly rounded ([Note: lowbit
+  arithmetic is torch's] in csrc/cpu_adam_lowbit/kernel.h).
 - lion_step / sgd_step: native (csrc/cpu_optim), one pass; the reference is several torch ops
   each with its fp32 temporary. Bit-exact with the reference for power-of-two (or no)
   ``grad_scale``: the native paths multiply by ``1/grad_scale`` as cpu_adam does.
@@ -112,6 +117,29 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         step=_value(step), decoupled=bool(decoupled),
         grad_scale=1.0 if grad_scale is None else _value(grad_scale),
         found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
+    return param
+
+
+def adamw_step_lowbit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor, exp_avg_scales: Optional[torch.Tensor] = None,
+                      exp_avg_sq_scales: Optional[torch.Tensor] = None, *, lr: float,
+                      beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                      step: Scalar, decoupled: bool = True,
+                      grad_scale: Optional[Scalar] = None,
+                      found_inf: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None, block_size: int = 256) -> torch.Tensor:
+    """One AdamW update over bf16 or blockwise int8 moments in place, natively, in one pass
+    (csrc/cpu_adam_lowbit: dequantize, update, requantize per block in L1), the operations of
+    :func:`zkernels.reference.adamw_step_lowbit` ([Note: lowbit arithmetic is torch's] in
+    csrc/cpu_adam_lowbit/kernel.h). Arguments and result as the reference; CPU tensors only,
+    ``step`` and ``grad_scale`` numbers or 1-element CPU tensors (read on the host)."""
+    _need_ext()
+    _C.cpu_adamw_step_lowbit(
+        param, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, lr=float(lr),
+        beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+        weight_decay=float(weight_decay), step=_value(step), decoupled=bool(decoupled),
+        grad_scale=1.0 if grad_scale is None else _value(grad_scale), found_inf=found_inf,
+        out=out, block_size=int(block_size), isa=_isa(), num_threads=torch.get_num_threads())
     return param
 
 
@@ -289,3 +317,5 @@ def sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # then they are not native here, and the dispatcher runs the reference instead of failing.
 if _C is not None and not hasattr(_C, "cpu_quantize"):
     del quantize, dequantize, dequantize_sum
+if _C is not None and not hasattr(_C, "cpu_adamw_step_lowbit"):
+    del adamw_step_lowbit

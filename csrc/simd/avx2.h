@@ -79,6 +79,26 @@ struct Avx2 {
     const int64_t b = _mm_cvtsi128_si64(narrow_i8(c));
     std::memcpy(p, &b, static_cast<size_t>(m.n));
   }
+  // uint8 <-> int32 lanes (stores values in [0, 255] exactly)
+  static ZK_SIMD_INLINE I load_u8(const uint8_t* p, Full) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static ZK_SIMD_INLINE I load_u8(const uint8_t* p, Part m) {
+    int64_t b = 0;
+    std::memcpy(&b, p, static_cast<size_t>(m.n));
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b));
+  }
+  static ZK_SIMD_INLINE __m128i narrow_u8(I c) {
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    return _mm_packus_epi16(w, w);
+  }
+  static ZK_SIMD_INLINE void store_u8(uint8_t* p, I c, Full) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), narrow_u8(c));
+  }
+  static ZK_SIMD_INLINE void store_u8(uint8_t* p, I c, Part m) {
+    const int64_t b = _mm_cvtsi128_si64(narrow_u8(c));
+    std::memcpy(p, &b, static_cast<size_t>(m.n));
+  }
   static ZK_SIMD_INLINE I load_i(const void* p) {
     return _mm256_loadu_si256(static_cast<const __m256i*>(p));
   }
@@ -96,6 +116,8 @@ struct Avx2 {
   static ZK_SIMD_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static ZK_SIMD_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
   static ZK_SIMD_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  // a * b + c rounded once (torch's Vectorized fmadd)
+  static ZK_SIMD_INLINE F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   // torch.sign: (0 < x) - (x < 0), so +-0 and NaN give +0
   static ZK_SIMD_INLINE F sign(F x) {
     const F zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);

@@ -59,6 +59,19 @@ struct Avx512 {
   static ZK_SIMD_INLINE void store_i8(int8_t* p, I c, Part m) {
     _mm512_mask_cvtepi32_storeu_epi8(p, m.k, c);
   }
+  // uint8 <-> int32 lanes (stores values in [0, 255] exactly)
+  static ZK_SIMD_INLINE I load_u8(const uint8_t* p, Full) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static ZK_SIMD_INLINE I load_u8(const uint8_t* p, Part m) {
+    return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m.k, p));
+  }
+  static ZK_SIMD_INLINE void store_u8(uint8_t* p, I c, Full) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));
+  }
+  static ZK_SIMD_INLINE void store_u8(uint8_t* p, I c, Part m) {
+    _mm512_mask_cvtepi32_storeu_epi8(p, m.k, c);
+  }
   static ZK_SIMD_INLINE I load_i(const void* p) { return _mm512_loadu_si512(p); }
   static ZK_SIMD_INLINE void store_i(void* p, I x) { _mm512_storeu_si512(p, x); }
   // The last bytes < 2 * sizeof(I) of a byte copy.
@@ -76,6 +89,8 @@ struct Avx512 {
   static ZK_SIMD_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static ZK_SIMD_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
   static ZK_SIMD_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  // a * b + c rounded once (torch's Vectorized fmadd)
+  static ZK_SIMD_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   // torch.sign: (0 < x) - (x < 0), so +-0 and NaN give +0
   static ZK_SIMD_INLINE F sign(F x) {
     const F zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);

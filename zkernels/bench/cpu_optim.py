@@ -1,5 +1,5 @@
-"""Benchmark section "cpu_optim": the native CPU Lion and SGD beside their peers, same run,
-same threads.
+"""Benchmark section "cpu_optim": the native CPU Lion, SGD and low-bit AdamW beside their
+peers, same run, same threads.
 
 Rows (per size): the native SGD with momentum and weight decay (20 B/param: p, g, b read;
 p, b written) beside ``torch.optim.SGD(foreach=True)``
@@ -7,8 +7,12 @@ p, b written) beside ``torch.optim.SGD(foreach=True)``
 Lion (20 B/param: p, g, m read, p, m written) beside ``zkernels.reference.lion_step`` (torch
 has no Lion; the reference is the plain-PyTorch composition a user would write); and the
 offloaded SGD step (bf16 grads in, unscale, SGD, bf16 params out) natively in one pass beside
-torch's separate casts. Timed in interleaved rounds with ``cpu_adam``'s timer; ``speedup`` is
-the peer's median over ours (>= 1.0: ours is faster), ``speedup_vs_torch_fused`` the same
+torch's separate casts; AdamW over low-bit moments (int8: 16 B/param, p and g fp32, 1-byte codes
+read and written; bf16: 20 B/param) natively in one pass beside the unfused torch composition
+a user would write: dequantize the moments with torch ops, ``torch.optim.adamw.adamw(...,
+foreach=True)`` on the fp32 copies, requantize (blockwise absmax, square-root map for the
+second moment) or round back to bf16 with torch ops. Timed in interleaved rounds with
+``cpu_adam``'s timer; ``speedup`` is the peer's median over ours (>= 1.0: ours is faster), ``speedup_vs_torch_fused`` the same
 against ``SGD(fused=True)``. The torch compositions allocate fresh temporaries every step
 (foreach SGD's weight-decay sum; the reference Lion's products and sign), which at these sizes
 are fresh pages each call: part of what the one-pass native step saves.
@@ -42,6 +46,9 @@ LION_NATIVE = "zkernels cpu lion"
 LION_REF = "reference lion_step (torch ops)"
 OFF_NATIVE = "offload sgd: zkernels one pass (bf16 g in, bf16 p out)"
 OFF_TORCH = "offload sgd: torch foreach SGD + separate casts"
+LOWBIT = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+LOWBIT_BLOCK = 256
+LOWBIT_BYTES = {"int8": 8 + 4 + 2 + 2, "bf16": 8 + 4 + 4 + 4}  # p r/w, g, m r/w, v r/w
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,6 +143,69 @@ def _offload_rows(n: int, threads: int, reps: int, warm: int) -> List[dict]:
     return [mine, _row(OFF_TORCH, n, threads, OFFLOAD_BYTES, t[OFF_TORCH])]
 
 
+def _lowbit_native(fmt: str) -> str:
+    return f"zkernels cpu adamw, {fmt} moments (one pass)"
+
+
+def _lowbit_torch(fmt: str) -> str:
+    return f"torch ops: dequantize, adamw(foreach), requantize ({fmt})"
+
+
+def _torch_lowbit_stepper(p, g, st: dict, fmt: str) -> Callable[[], None]:
+    """The unfused composition: fp32 moments from the stored ones, torch's foreach AdamW,
+    the stored ones back from them."""
+    from torch.optim.adamw import adamw
+    hyper = dict(amsgrad=False, maximize=False, beta1=LOWBIT["beta1"], beta2=LOWBIT["beta2"],
+                 lr=LOWBIT["lr"], weight_decay=LOWBIT["weight_decay"], eps=LOWBIT["eps"])
+    step = torch.zeros(())
+    bs = LOWBIT_BLOCK
+
+    def fn():
+        if fmt == "bf16":
+            m, v = st["exp_avg"].float(), st["exp_avg_sq"].float()
+        else:
+            m = (st["exp_avg"].view(-1, bs).float() * st["exp_avg_scales"][:, None]).view(-1)
+            r = st["exp_avg_sq"].view(-1, bs).float() * st["exp_avg_sq_scales"][:, None]
+            v = (r * r).view(-1)
+        adamw([p], [g], [m], [v], [], [step], foreach=True, **hyper)
+        if fmt == "bf16":
+            st["exp_avg"].copy_(m)
+            st["exp_avg_sq"].copy_(v)
+            return
+        for x, q, scales, qmax in ((m.view(-1, bs), st["exp_avg"], st["exp_avg_scales"], 127),
+                                   (v.sqrt().view(-1, bs), st["exp_avg_sq"],
+                                    st["exp_avg_sq_scales"], 255)):
+            amax = x.abs().amax(dim=1, keepdim=True)
+            torch.div(amax.view(-1), qmax, out=scales)
+            q.view(-1, bs).copy_(torch.round(x / amax.clamp_min(1e-38) * qmax))
+    return fn
+
+
+def _lowbit_rows(n: int, threads: int, reps: int, warm: int) -> List[dict]:
+    from zkernels import _cpu
+    from zkernels.reference.adamw_lowbit import new_lowbit_state
+    n = max(LOWBIT_BLOCK, n - n % LOWBIT_BLOCK)  # the torch composition views whole blocks
+    rows = []
+    for fmt, state_dtype in (("int8", "int8"), ("bf16", torch.bfloat16)):
+        (p, g), (q, _) = _tensors(n), _tensors(n, seed=1)
+        ours = new_lowbit_state(n, state_dtype, block_size=LOWBIT_BLOCK)
+        theirs = new_lowbit_state(n, state_dtype, block_size=LOWBIT_BLOCK)
+        step = [0]
+
+        def native(st=ours, p=p, g=g):
+            step[0] += 1
+            _cpu.adamw_step_lowbit(p, g, st["exp_avg"], st["exp_avg_sq"],
+                                   st.get("exp_avg_scales"), st.get("exp_avg_sq_scales"),
+                                   step=step[0], block_size=LOWBIT_BLOCK, **LOWBIT)
+        mine, peer = _lowbit_native(fmt), _lowbit_torch(fmt)
+        t = _time_interleaved({mine: native, peer: _torch_lowbit_stepper(q, g, theirs, fmt)},
+                              reps, warm)
+        rows += [_row(mine, n, threads, LOWBIT_BYTES[fmt], t[mine], peer=peer,
+                      speedup=t[peer]["median_ms"] / t[mine]["median_ms"]),
+                 _row(peer, n, threads, LOWBIT_BYTES[fmt], t[peer])]
+    return rows
+
+
 def run(args: Optional[argparse.Namespace] = None) -> List[dict]:
     """Measure every row at ``args.threads`` threads (torch and native alike).
 
@@ -161,6 +231,7 @@ def run(args: Optional[argparse.Namespace] = None) -> List[dict]:
             rows += _sgd_rows(n, threads, args.repeat, args.warmup)
             rows += _lion_rows(n, threads, args.repeat, args.warmup)
             rows += _offload_rows(n, threads, args.repeat, args.warmup)
+            rows += _lowbit_rows(n, threads, args.repeat, args.warmup)
     finally:
         torch.set_num_threads(before)
     return [dict(r, **{k: meta[k] for k in ("cpu_isa", "load_avg_1min")}) for r in rows]

@@ -1,0 +1,177 @@
+// Internal to csrc/cpu_adam_lowbit: the per-step coefficients, the scalar element update and
+// block requantization that every path reproduces, and the per-path tile functions.
+//
+// [Note: lowbit arithmetic is torch's]
+// The reference (zkernels.reference.adamw_step_lowbit) is a chain of torch ops, and torch's
+// CPU kernels (AVX2 and AVX-512 builds, torch 2.x as tested) fuse some of them: ``lerp_`` is
+// ``fma(w, end - self, self)`` for |w| < 0.5 and ``fma(w - 1, end - self, end)`` otherwise,
+// ``addcmul_(t1, t2, value=s)`` is ``fma(s * t1, t2, self)``, ``add(x, alpha=a)`` is
+// ``fma(a, x, self)``, while ``addcdiv_`` is ``self + (value * t1) / t2`` unfused and a tensor
+// divided by a Python scalar is an IEEE division (not a product by the reciprocal). This
+// kernel performs exactly those operations (every other product and sum rounded on its own:
+// the TU is built with -ffp-contract=off), in the reference's order. One reference op is out of
+// reach: torch's CPU ``sqrt`` runs MKL's vector sqrt, which on AVX-512 CPUs is not correctly
+// rounded (1 ulp off for ~0.7% of fp32 inputs, measured; with MKL's AVX2 code it is exact),
+// where every path here uses the IEEE sqrt instruction.
+// So the kernel equals the reference bit for bit when the reference's sqrt is correctly
+// rounded (tests/native/test_cpu_adam_lowbit.py runs it so, on every path), and otherwise
+// differs only through those 1-ulp roots: the denominator (a last-bit param difference) and,
+// int8 format, the staged sqrt(v) (a code one level off at a rounding boundary, or a block
+// scale 1 ulp off when the root is the block's max), within [Note: low-bit tolerance] in
+// tests/ops/test_adamw_lowbit.py. csrc/cpu_adam keeps the unfused order of its own recipe
+// instead (compared with the reference to the fp32 tolerance).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_adam_lowbit.h"
+#include "cpu_convert.h"
+#include "cpu_quant/kernel.h"  // quant::block_scale, the blockwise arithmetic
+
+// Its own namespace (see the note in csrc/cpu_optim/kernel.h): one module links every library.
+namespace zk::cpu::lowbit {
+
+using detail::from_bf16;
+using detail::from_fp16;
+using detail::to_bf16;
+using detail::to_fp16;
+
+constexpr float kQmaxM = 127.0f;  // exp_avg: int8 codes in [-127, 127]
+constexpr float kQmaxR = 255.0f;  // sqrt(exp_avg_sq): uint8 codes in [0, 255]
+constexpr int64_t kMaxBlock = kMaxQuantBlock;
+
+// Step-invariant coefficients, each rounded to float as torch rounds a Python scalar applied
+// to a float tensor.
+struct Coeffs {
+  bool unscale;        // g = g / grad_scale (grad_scale != 1)
+  float grad_scale;
+  bool decoupled;      // p = p * decay
+  float decay;         // 1 - lr * wd
+  bool l2;             // !decoupled && wd != 0: g = fma(wd, p, g)
+  float wd;
+  bool w_small;        // torch.lerp's branch: |w| < 0.5
+  float w;             // 1 - beta1
+  float w_minus_one;   // w - 1, in float (torch computes it on the float weight)
+  float beta2;
+  float one_minus_beta2;
+  float sqrt_bc2;      // sqrt(1 - beta2^t), the divisor of sqrt(v)
+  float eps;
+  float neg_step_size; // -lr / (1 - beta1^t)
+};
+
+// Everything a tile function needs; a tile updates elements [begin, end) of the full buffers
+// (for the int8 format, begin is a multiple of the block size).
+struct Kernel {
+  Coeffs c;
+  void* param;
+  DType param_dtype;
+  const void* grad;
+  DType grad_dtype;
+  MomentFormat format;
+  void* exp_avg;
+  void* exp_avg_sq;
+  float* m_scales;
+  float* v_scales;
+  int64_t block;
+  int64_t numel;
+  void* out;  // nullptr: no copy
+  DType out_dtype;
+};
+
+inline float load_as(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kBFloat16: return from_bf16(static_cast<const uint16_t*>(p)[i]);
+    case DType::kFloat16: return from_fp16(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+inline void store_as(void* p, DType dt, int64_t i, float x) {
+  switch (dt) {
+    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = to_bf16(x); break;
+    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = to_fp16(x); break;
+    default: static_cast<float*>(p)[i] = x; break;
+  }
+}
+
+// The update of one element, in the reference's order ([Note: lowbit arithmetic is torch's]);
+// returns sqrt(v), which is both the denominator's root and what the int8 format quantizes.
+inline float update(const Coeffs& c, float g, float& p, float& m, float& v) {
+  if (c.unscale) g = g / c.grad_scale;
+  if (c.decoupled) {
+    p = p * c.decay;
+  } else if (c.l2) {
+    g = std::fma(c.wd, p, g);
+  }
+  const float diff = g - m;
+  m = c.w_small ? std::fma(c.w, diff, m) : std::fma(c.w_minus_one, diff, g);
+  v = std::fma(c.one_minus_beta2 * g, g, v * c.beta2);
+  const float r = std::sqrt(v);
+  const float denom = r / c.sqrt_bc2 + c.eps;
+  p = p + (c.neg_step_size * m) / denom;
+  return r;
+}
+
+// The bf16 format, elements [begin, end).
+inline void scalar_bf16(const Kernel& k, int64_t begin, int64_t end) {
+  uint16_t* em = static_cast<uint16_t*>(k.exp_avg);
+  uint16_t* ev = static_cast<uint16_t*>(k.exp_avg_sq);
+  for (int64_t i = begin; i < end; ++i) {
+    float p = load_as(k.param, k.param_dtype, i), m = from_bf16(em[i]), v = from_bf16(ev[i]);
+    update(k.c, load_as(k.grad, k.grad_dtype, i), p, m, v);
+    store_as(k.param, k.param_dtype, i, p);
+    em[i] = to_bf16(m);
+    ev[i] = to_bf16(v);
+    if (k.out) store_as(k.out, k.out_dtype, i, p);
+  }
+}
+
+// The int8 format, blocks [b0, b1): dequantize, update (staging the new m and sqrt(v) and
+// their largest |bits|), then the block's scales and codes as quant::block_scale says.
+inline void scalar_int8(const Kernel& k, int64_t b0, int64_t b1) {
+  alignas(64) float ms[kMaxBlock], rs[kMaxBlock];
+  int8_t* qm = static_cast<int8_t*>(k.exp_avg);
+  uint8_t* qv = static_cast<uint8_t*>(k.exp_avg_sq);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t base = b * k.block;
+    const int64_t n = k.numel - base < k.block ? k.numel - base : k.block;
+    const float sm = k.m_scales[b], sv = k.v_scales[b];
+    uint32_t tm = 0, tr = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = base + i;
+      float p = load_as(k.param, k.param_dtype, j);
+      float m = static_cast<float>(qm[j]) * sm;
+      const float r0 = static_cast<float>(qv[j]) * sv;
+      float v = r0 * r0;
+      const float r = update(k.c, load_as(k.grad, k.grad_dtype, j), p, m, v);
+      store_as(k.param, k.param_dtype, j, p);
+      if (k.out) store_as(k.out, k.out_dtype, j, p);
+      ms[i] = m;
+      rs[i] = r;
+      const uint32_t am = detail::bits_of(m) & 0x7FFFFFFFu, ar = detail::bits_of(r) & 0x7FFFFFFFu;
+      tm = am > tm ? am : tm;
+      tr = ar > tr ? ar : tr;
+    }
+    const quant::BlockScale s_m = quant::block_scale(tm, kQmaxM);
+    const quant::BlockScale s_r = quant::block_scale(tr, kQmaxR);
+    k.m_scales[b] = s_m.scale;
+    k.v_scales[b] = s_r.scale;
+    for (int64_t i = 0; i < n; ++i) {
+      qm[base + i] = s_m.ok ? static_cast<int8_t>(std::rint((ms[i] / s_m.amax) * kQmaxM)) : 0;
+      qv[base + i] = s_r.ok ? static_cast<uint8_t>(std::rint((rs[i] / s_r.amax) * kQmaxR)) : 0;
+    }
+  }
+}
+
+inline void run_scalar_range(const Kernel& k, int64_t begin, int64_t end) {
+  if (k.format == MomentFormat::kBf16) return scalar_bf16(k, begin, end);
+  scalar_int8(k, begin / k.block, (end + k.block - 1) / k.block);
+}
+
+// Tile functions, one per path: update elements [begin, end).
+void run_avx2(const Kernel& k, int64_t begin, int64_t end);
+void run_avx512(const Kernel& k, int64_t begin, int64_t end);
+
+}  // namespace zk::cpu::lowbit

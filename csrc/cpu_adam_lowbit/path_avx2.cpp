@@ -1,0 +1,15 @@
+// The AVX2 path of csrc/cpu_adam_lowbit: tile.h instantiated with the AVX2 vector traits.
+#include "kernel.h"
+
+#if defined(__x86_64__)
+#include "simd/avx2.h"
+#include "tile.h"
+#define ZK_PATH lowbit_range<simd::Avx2>
+#else  // not x86-64: isa_supported() never reports this path, so it is never called
+#define ZK_SIMD
+#define ZK_PATH run_scalar_range
+#endif
+
+namespace zk::cpu::lowbit {
+ZK_SIMD void run_avx2(const Kernel& k, int64_t b, int64_t e) { ZK_PATH(k, b, e); }
+}  // namespace zk::cpu::lowbit
