@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -256,9 +257,11 @@ def export_dcp(opt, dcp_dir: str, *, model_key: str = "model",
     try:
         tensors, values, mappings = _offer(view, model_key, optim_key)
         group, no_dist = _process_group(view)
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp),
-                 planner=BoxSavePlanner(tensors, values, mappings),
-                 process_group=group, no_dist=no_dist)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp),
+                     planner=BoxSavePlanner(tensors, values, mappings),
+                     process_group=group, no_dist=no_dist)
     except BaseException as exc:  # noqa: BLE001
         error = exc
     agree(view, error, f"writing {tmp}", intact, SaveAbortedError)

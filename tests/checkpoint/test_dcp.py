@@ -1,0 +1,156 @@
+"""zk.checkpoint.import_dcp / export_dcp: FSDP2's torch.distributed.checkpoint layout, both ways.
+
+[Note: the tolerance of a continued FSDP2 curve]
+As [Note: the tolerance of a continued DeepSpeed curve] (test_import_deepspeed.py): the
+masters moved between the two are data movement and compared bit for bit; the losses after
+the move are arithmetic, FSDP2 and we reducing the global batch's gradient in another order
+(another world size), a few ulps per AdamW step, so rel 1e-5 over 3 steps; dropping the
+moments and step count changes the second significant digit (the catches_ row).
+"""
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests.checkpoint._dcp_ranks import (BETAS, EPS, LR, SAVE_AFTER, WD, fsdp_run, make_model,
+                                         zk_export, zk_import)
+import zkernels as zk
+from zkernels.checkpoint import (IncompatibleCheckpointError, NotACheckpointError,
+                                 UnsafeCheckpointError, export_dcp, import_dcp)
+
+pytest.importorskip("torch.distributed.fsdp")
+
+
+def _mean(out):
+    return np.mean([r["losses"] for r in out], axis=0)
+
+
+def _fsdp(world, ckpt, resume, timeout=300):
+    # DeviceMesh keeps the process group in torch's own mesh cache past the run: FSDP2 (the
+    # reference, like DeepSpeed in test_import_deepspeed.py) is not held to our teardown.
+    return run_ranks(fsdp_run, world, ckpt, resume, timeout=timeout, check_teardown=False)
+
+
+def _fsdp_save(tmp_path, world=2):
+    ckpt = str(tmp_path / "fsdp")
+    return ckpt, _fsdp(world, ckpt, False)
+
+
+def _check_import(fsdp, out, ckpt):
+    for n, want in fsdp[0]["at_save"].items():
+        assert np.array_equal(out[0]["masters"][n], want), n
+    for r in out:
+        assert r["returned"]["num_steps"] == SAVE_AFTER
+        assert r["returned"]["param_groups"][0]["lr"] == LR and r["lr"] == LR
+        assert r["seen"] == [SAVE_AFTER] * 3
+        assert all(step == SAVE_AFTER and positive for step, positive in r["pieces"])
+    assert _mean(out) == pytest.approx(_mean(fsdp)[SAVE_AFTER:], rel=1e-5)
+
+
+def test_fsdp2_on_2_ranks_continues_here_and_catches_dropped_moments(tmp_path):
+    ckpt, fsdp = _fsdp_save(tmp_path)
+    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    out = run_ranks(zk_import, 1, 2, ckpt, "cpu", True, timeout=300)
+    _check_import(fsdp, out, ckpt)
+    # catches_dropped_moments: the same import with the moments and steps zeroed departs.
+    dropped = np.mean([r["dropped"] for r in out], axis=0)
+    assert dropped != pytest.approx(_mean(fsdp)[SAVE_AFTER:], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,world,offload", [(3, 4, None), (1, 3, None), (3, 2, "cpu")])
+def test_fsdp2_checkpoint_imports_at_any_stage_and_world_size(tmp_path, stage, world, offload):
+    ckpt, fsdp = _fsdp_save(tmp_path)
+    out = run_ranks(zk_import, world, stage, ckpt, offload, timeout=600)
+    _check_import(fsdp, out, ckpt)
+
+
+def _check_export(ours, fsdp):
+    for n, want in ours[0]["at_save"].items():
+        assert np.array_equal(fsdp[0]["at_save"][n], want), n
+    for r in fsdp:
+        assert r["steps"] == [SAVE_AFTER] and r["lr"] == LR and r["seen"] == [SAVE_AFTER] * 3
+    assert _mean(fsdp) == pytest.approx(_mean(ours)[SAVE_AFTER:], rel=1e-5)
+
+
+def test_export_at_stage3_with_offload_continues_under_fsdp2_on_1_rank(tmp_path):
+    ckpt = str(tmp_path / "ours")
+    ours = run_ranks(zk_export, 2, 3, ckpt, "cpu", timeout=300)
+    fsdp = _fsdp(1, ckpt, True)
+    _check_export(ours, fsdp)
+
+
+@pytest.mark.slow
+def test_export_at_stage2_on_4_ranks_continues_under_fsdp2_on_3(tmp_path):
+    ckpt = str(tmp_path / "ours")
+    ours = run_ranks(zk_export, 4, 2, ckpt, None, timeout=600)
+    fsdp = _fsdp(3, ckpt, True, timeout=600)
+    _check_export(ours, fsdp)
+
+
+# -- bad input, in one process (world size 1) --
+
+def _torch_dcp(path, model, with_optim=True):
+    """A DCP folder from a plain module and torch AdamW, one process, after one step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": msd, "optim": osd} if with_optim else {"model": msd},
+                 checkpoint_id=str(path), no_dist=True)
+    return model, opt
+
+
+def _zk(seed=1, **kw):
+    return zk.ZeroOptimizer(make_model(seed), stage=1, lr=0.5, **kw)
+
+
+def test_bad_input_is_named(tmp_path):
+    opt = _zk()
+    with pytest.raises(NotACheckpointError, match="dcp_dir .*nowhere: no such folder"):
+        import_dcp(opt, str(tmp_path / "nowhere"))
+    with pytest.raises(NotACheckpointError, match=r"no \.metadata file"):
+        import_dcp(opt, str(tmp_path))
+    _torch_dcp(tmp_path / "model_only", make_model(0), with_optim=False)
+    with pytest.raises(IncompatibleCheckpointError, match="no optimizer state under 'optim'"):
+        import_dcp(opt, str(tmp_path / "model_only"))
+    wide = make_model(0)
+    wide[4] = torch.nn.Linear(7, 5)
+    _torch_dcp(tmp_path / "wide", wide)
+    with pytest.raises(IncompatibleCheckpointError, match=r"4\.weight \(checkpoint \(5, 7\)"):
+        import_dcp(opt, str(tmp_path / "wide"))
+    (tmp_path / "notdcp").mkdir()
+    (tmp_path / "notdcp" / "keep.txt").write_text("mine")
+    with pytest.raises(zk.checkpoint.CheckpointError, match="not a DCP folder"):
+        export_dcp(opt, str(tmp_path / "notdcp"))
+    assert (tmp_path / "notdcp" / "keep.txt").read_text() == "mine"
+    # A .metadata naming anything outside the allow-list is refused before use.
+    (tmp_path / "evil").mkdir()
+    with open(tmp_path / "evil" / ".metadata", "wb") as f:
+        pickle.dump(os.path.join, f)
+    with pytest.raises(UnsafeCheckpointError, match=r"posixpath\.join"):
+        import_dcp(opt, str(tmp_path / "evil"))
+
+
+def test_bf16_run_imports_the_fp32_masters_exactly_and_exports_them(tmp_path):
+    src, _ = _torch_dcp(tmp_path / "plain", make_model(0))
+    opt = _zk(param_dtype=torch.bfloat16)
+    assert import_dcp(opt, str(tmp_path / "plain"))["num_steps"] == 1
+    from tests.checkpoint._dcp_ranks import _masters
+    got = _masters(opt)
+    for n, p in src.named_parameters():
+        assert torch.equal(torch.from_numpy(got[n]), p.detach()), n
+    assert opt.module[0].weight.dtype == torch.bfloat16
+    export_dcp(opt, str(tmp_path / "back"))
+    export_dcp(opt, str(tmp_path / "back"))     # an earlier export is replaced
+    assert not os.path.exists(str(tmp_path / "back") + ".zk-tmp")
+    again = _zk(seed=2)
+    import_dcp(again, str(tmp_path / "back"))
+    for n, t in _masters(again).items():
+        assert np.array_equal(t, got[n]), n
