@@ -93,11 +93,12 @@ def test_export_at_stage2_on_4_ranks_continues_under_fsdp2_on_3(tmp_path):
 
 # -- bad input, in one process (world size 1) --
 
-def _torch_dcp(path, model, with_optim=True):
+def _torch_dcp(path, model, with_optim=True, **adamw):
     """A DCP folder from a plain module and torch AdamW, one process, after one step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            **adamw)
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
@@ -125,6 +126,9 @@ def test_bad_input_is_named(tmp_path):
     _torch_dcp(tmp_path / "wide", wide)
     with pytest.raises(IncompatibleCheckpointError, match=r"4\.weight \(checkpoint \(5, 7\)"):
         import_dcp(opt, str(tmp_path / "wide"))
+    _torch_dcp(tmp_path / "amsgrad", make_model(0), amsgrad=True)
+    with pytest.raises(IncompatibleCheckpointError, match=r"group 0 .*'amsgrad': True"):
+        import_dcp(opt, str(tmp_path / "amsgrad"))
     (tmp_path / "notdcp").mkdir()
     (tmp_path / "notdcp" / "keep.txt").write_text("mine")
     with pytest.raises(zk.checkpoint.CheckpointError, match="not a DCP folder"):

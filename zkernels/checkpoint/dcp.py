@@ -220,6 +220,14 @@ def _check_groups(view: OptimizerView, groups: List[Dict[str, Any]], folder: str
             f"dcp_dir {folder} has {len(groups)} param groups, the optimizer "
             f"{len(view.group_names)}")
     for g, (saved, ours) in enumerate(zip(groups, view.group_names)):
+        # Flags of torch's AdamW whose update is not ours (amsgrad keeps a third moment).
+        other = {k: saved[k] for k in ("amsgrad", "maximize") if saved.get(k)}
+        if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay"):
+            other["decoupled_weight_decay"] = False    # torch.optim.Adam's L2 penalty
+        if other:
+            raise IncompatibleCheckpointError(
+                f"dcp_dir {folder}: param group {g} was trained with {other}: zkernels runs "
+                f"AdamW without them")
         if "params" in saved and set(saved["params"]) != set(ours):
             raise IncompatibleCheckpointError(
                 f"dcp_dir {folder}: param group {g} holds {sorted(saved['params'])[:5]}, "
