@@ -93,13 +93,17 @@ def test_export_at_stage2_on_4_ranks_continues_under_fsdp2_on_3(tmp_path):
 
 # -- bad input, in one process (world size 1) --
 
-def _torch_dcp(path, model, with_optim=True, **adamw):
-    """A DCP folder from a plain module and torch AdamW, one process, after one step."""
+def _torch_dcp(path, model, with_optim=True, unused=(), **adamw):
+    """A DCP folder from a plain module and torch AdamW, one process, after one step
+    (``unused``: names of parameters without a gradient in it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             **adamw)
     model(torch.randn(2, 8)).sum().backward()
+    for n, p in model.named_parameters():
+        if n in unused:
+            p.grad = None
     opt.step()
     msd, osd = get_state_dict(model, opt)
     with pytest.warns(UserWarning, match="single process"):
@@ -158,3 +162,18 @@ def test_bf16_run_imports_the_fp32_masters_exactly_and_exports_them(tmp_path):
     import_dcp(again, str(tmp_path / "back"))
     for n, t in _masters(again).items():
         assert np.array_equal(t, got[n]), n
+
+
+def test_a_parameter_adamw_never_stepped_starts_fresh(tmp_path):
+    src, _ = _torch_dcp(tmp_path / "c", make_model(0), unused=("4.weight", "4.bias"))
+    opt = _zk()
+    import_dcp(opt, str(tmp_path / "c"))
+    from tests.checkpoint._dcp_ranks import _masters
+    from zkernels.checkpoint._view import OptimizerView
+    got = _masters(opt)
+    for n, p in src.named_parameters():
+        assert torch.equal(torch.from_numpy(got[n]), p.detach()), n
+    for p in OptimizerView(opt).pieces():
+        fresh = p.name.startswith("4.")
+        assert p.step == (0 if fresh else 1), p.name
+        assert bool((p.tensors["exp_avg_sq"] == 0).all()) == fresh, p.name

@@ -78,7 +78,8 @@ def import_dcp(opt, dcp_dir: str, *, model_key: str = "model",
     Collective.
 
     Restores the fp32 master of every trainable parameter from ``model.FQN``, both AdamW
-    moments and each parameter's step from ``optim.state.FQN``, the groups' ``lr``,
+    moments and each parameter's step from ``optim.state.FQN`` (a parameter AdamW never
+    stepped, without state there, starts fresh: zero moments, step 0), the groups' ``lr``,
     ``betas``, ``eps`` and ``weight_decay``, buffers and frozen parameters, and sets the
     optimizer's step counter to the largest step; see [Note: the DCP layout of an FSDP2 run]
     and, for what each rank reads, [Note: what a rank of import_dcp reads].
@@ -147,9 +148,19 @@ def import_dcp(opt, dcp_dir: str, *, model_key: str = "model",
     step_keys = {n: key(optim_key, "state", n, "step") for n in shapes}
     steps = _read_steps(reader, entries, step_keys)
     groups = _read_groups(reader, entries, paths, optim_key)
-    _check_groups(OptimizerView(opt), groups, folder)
+    view = OptimizerView(opt)
+    _check_groups(view, groups, folder)
+    # A parameter torch's AdamW never stepped (no gradient yet) has no state: it starts
+    # fresh here too (moments zero, step 0) from its value under ``model``.
+    fresh = {n for n in view.params if n not in state and (model_key, n) in paths}
+    for n in fresh:
+        keys[(n, "master")] = paths[(model_key, n)]
+        shapes[n], steps[n] = tuple(tensor_md(keys[(n, "master")]).size), 0
 
     def read_range(name, field, start, end, out):
+        if name in fresh and field != "master":
+            out.zero_()
+            return
         k = keys[(name, field)]
         box = covering_box(shapes[name], start, end)
         if box[2] == start and box[3] == end:   # the range is the box: DCP fills ``out``
