@@ -177,3 +177,42 @@ def test_a_parameter_adamw_never_stepped_starts_fresh(tmp_path):
         fresh = p.name.startswith("4.")
         assert p.step == (0 if fresh else 1), p.name
         assert bool((p.tensors["exp_avg_sq"] == 0).all()) == fresh, p.name
+
+
+def test_stage3_frozen_parameters_go_out_and_back_in_one_process(tmp_path):
+    """Stage 3 shards frozen parameters too ([Note: frozen pieces]): the export writes them
+    from the shards, a plain torch module with AdamW over the trainable ones loads it as an
+    FSDP2 script would, and an import at stage 2 reads them back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from tests.checkpoint._dcp_ranks import _masters
+    model = make_model(0)
+    model[0].requires_grad_(False)
+    opt = zk.ZeroOptimizer(model, stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    with opt.gathered():
+        frozen = model[0].weight.detach().clone()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    export_dcp(opt, str(tmp_path / "out"))
+    masters = _masters(opt)
+    plain = make_model(1)
+    plain[0].requires_grad_(False)
+    popt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=0.5)
+    msd, osd = get_state_dict(plain, popt)
+    sd = {"model": msd, "optim": osd}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(sd, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    set_state_dict(plain, popt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert torch.equal(plain[0].weight, frozen)
+    for n, p in plain.named_parameters():
+        assert torch.equal(p.detach(), frozen if n == "0.weight" else
+                           torch.from_numpy(masters.get(n, p.detach().numpy()))), n
+    assert {int(s["step"]) for s in popt.state.values()} == {1}
+    assert popt.param_groups[0]["lr"] == LR
+    back = make_model(2)
+    back[0].requires_grad_(False)
+    again = zk.ZeroOptimizer(back, stage=2, lr=0.5)
+    import_dcp(again, str(tmp_path / "out"))
+    assert torch.equal(back[0].weight, frozen)
+    for n, t in _masters(again).items():
+        assert np.array_equal(t, masters[n]), n
