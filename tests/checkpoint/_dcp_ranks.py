@@ -83,11 +83,11 @@ def fsdp_run(rank, world, ckpt, resume=False):
     return out
 
 
-def _ours(seed, stage, offload, lr=LR):
+def _ours(seed, stage, offload, lr=LR, shard_size=None):
     import zkernels as zk
     model = make_model(seed)
     opt = zk.ZeroOptimizer(model, stage=stage, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD,
-                           offload=offload, ops_backend="reference")
+                           offload=offload, ops_backend="reference", shard_size=shard_size)
     return model, opt
 
 
@@ -125,11 +125,11 @@ def zk_import(rank, world, stage, ckpt, offload=None, catches=False):
     return out
 
 
-def zk_export(rank, world, stage, ckpt, offload=None):
+def zk_export(rank, world, stage, ckpt, offload=None, shard_size=None):
     """Ours, uninterrupted, with ``export_dcp`` after ``SAVE_AFTER`` steps: this rank's
-    losses and the masters exported."""
+    losses and the masters exported (``shard_size``: hybrid sharding)."""
     from zkernels.checkpoint import export_dcp
-    model, opt = _ours(0, stage, offload)
+    model, opt = _ours(0, stage, offload, shard_size=shard_size)
     out = {"losses": []}
     for i in range(STEPS):
         if i == SAVE_AFTER:

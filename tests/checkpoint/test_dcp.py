@@ -84,9 +84,11 @@ def test_export_at_stage3_with_offload_continues_under_fsdp2_on_1_rank(tmp_path)
 
 
 @pytest.mark.slow
-def test_export_at_stage2_on_4_ranks_continues_under_fsdp2_on_3(tmp_path):
+@pytest.mark.parametrize("stage,shard_size", [(2, None), (3, 2)])
+def test_export_on_4_ranks_continues_under_fsdp2_on_3(tmp_path, stage, shard_size):
+    """Also with hybrid sharding (2 replicas of 2 shards: the first replica writes)."""
     ckpt = str(tmp_path / "ours")
-    ours = run_ranks(zk_export, 4, 2, ckpt, None, timeout=600)
+    ours = run_ranks(zk_export, 4, stage, ckpt, None, shard_size, timeout=600)
     fsdp = _fsdp(3, ckpt, True, timeout=600)
     _check_export(ours, fsdp)
 
