@@ -31,16 +31,17 @@ those chunks. Buffers and frozen parameters are read whole, one at a time.
 
 [Note: what export_dcp writes]
 Every rank offers its pieces to DCP's save as boxes: a range of a flattened parameter is at
-most ``2 * ndim - 1`` boxes, each contiguous, so each box is a view of the piece (DCP
-copies one box at a time as it serializes it: a rank's transient memory is one box); DCP's
-planner checks that the chunks of all ranks tile every tensor and writes ``.metadata``. With
-hybrid sharding the first replica offers the pieces (each once), every rank takes part. The rank holding a parameter's first element writes its
-step; rank 0 writes buffers, frozen parameters (stages 1-2) and the param groups, with every
-key torch's ``AdamW`` has (so FSDP2's ``get_state_dict`` of an ``AdamW`` finds each key it
-asks for), plus plain keys of ours such as a scheduler's ``initial_lr``. Tied aliases get a
-``model`` entry too. It writes into ``DIR.zk-tmp``; after every rank is done, rank 0 renames
-it to ``DIR`` (an existing DCP folder there is replaced: ``DIR`` -> ``DIR.zk-old`` ->
-deleted), so a crash never leaves a half-written folder at ``DIR``.
+most ``2 * ndim - 1`` boxes, each contiguous, so each box is a view of the piece (DCP copies
+the boxes as it serializes them: one at a time from host memory, within its copy-ahead, 10
+MB per thread by default, from a GPU); DCP's planner checks that the chunks of all ranks
+tile every tensor and writes ``.metadata``. With hybrid sharding the first replica offers
+the pieces (each once), every rank takes part. The rank holding a parameter's first element
+writes its step; rank 0 writes buffers, frozen parameters (stages 1-2) and the param groups,
+with every key torch's ``AdamW`` has (so FSDP2's ``get_state_dict`` of an ``AdamW`` finds
+each key it asks for), plus plain keys of ours such as a scheduler's ``initial_lr``. Tied
+aliases get a ``model`` entry too. It writes into ``DIR.zk-tmp``; after every rank is done,
+rank 0 renames it to ``DIR`` (an existing DCP folder there is replaced: ``DIR`` ->
+``DIR.zk-old`` -> deleted), so a crash never leaves a half-written folder at ``DIR``.
 """
 from __future__ import annotations
 
