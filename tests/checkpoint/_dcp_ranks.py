@@ -102,14 +102,23 @@ def zk_import(rank, world, stage, ckpt, offload=None, catches=False):
     what import_dcp returned, and the losses of the remaining steps. ``catches``: also the
     losses of the same import with its moments and steps zeroed (the broken variant the
     curve check must catch), under ``"dropped"``."""
-    from zkernels.checkpoint import import_dcp
+    from zkernels.checkpoint import _dcp_io, import_dcp
     from zkernels.checkpoint._view import OptimizerView
     model, opt = _ours(1, stage, offload, lr=0.5)
-    got = import_dcp(opt, ckpt)
+    read, real = [0], _dcp_io.SafeReader._slice_file
+
+    def counted(self, file, sinfo):     # the bytes DCP reads from the .distcp files
+        read[0] += sinfo.length
+        return real(self, file, sinfo)
+    _dcp_io.SafeReader._slice_file = counted
+    try:
+        got = import_dcp(opt, ckpt)
+    finally:
+        _dcp_io.SafeReader._slice_file = real
     view = OptimizerView(opt)
     pieces = [(p.step, bool((p.tensors["exp_avg_sq"] > 0).all())) for p in view.pieces()]
     view.finish_load()
-    out = {"masters": _masters(opt), "pieces": pieces, "returned": got,
+    out = {"masters": _masters(opt), "pieces": pieces, "returned": got, "read": read[0],
            "lr": opt.param_groups[0]["lr"], "seen": model.seen.tolist(),
            "losses": [step(model, opt, i, rank, world) for i in range(SAVE_AFTER, STEPS)]}
     if catches:
