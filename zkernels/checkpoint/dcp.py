@@ -114,8 +114,10 @@ def import_dcp(opt, dcp_dir: str, *, model_key: str = "model",
     md = reader.read_metadata()
     entries = md.state_dict_metadata
     paths = {tuple(p): k for k, p in (md.planner_data or {}).items()}
-    if not paths:    # written without flatten_state_dict: the keys are the paths
-        paths = {tuple(k.split(".", 1)) if "." in k else (k,): k for k in entries}
+    if not paths:
+        raise CheckpointError(f"dcp_dir {folder}: its .metadata maps no key to a path (saved "
+                              f"without DCP's flatten_state_dict?): not the layout "
+                              f"dcp.save(get_state_dict(...)) writes")
     tops = sorted({p[0] for p in paths})
     state = {p[2] for p in paths if p[:2] == (optim_key, "state") and len(p) == 4}
     if not state:
