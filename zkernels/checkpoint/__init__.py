@@ -4,6 +4,8 @@
     extra = zk.checkpoint.load(opt, "ckpt/step1000")   # any world size, stage, dtype
     weights = zk.checkpoint.consolidate("ckpt/step1000")  # {state_dict key: fp32 tensor}
     zk.checkpoint.import_deepspeed(opt, "ds_ckpt")  # a DeepSpeed ZeRO 1-3 checkpoint
+    zk.checkpoint.import_dcp(opt, "dcp_dir")        # FSDP2's torch.distributed.checkpoint
+    zk.checkpoint.export_dcp(opt, "dcp_dir")        # ... and back (dcp.load + set_state_dict)
 
     python -m zkernels checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
     python -m zkernels checkpoint verify ckpt/step1000   # (or python -m zkernels.checkpoint)
@@ -17,11 +19,14 @@ from ._safe_pickle import UnsafeCheckpointError
 from .consolidate import consolidate, consolidate_to_file, verify
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
+from .dcp import export_dcp, import_dcp
 from .deepspeed_import import import_deepspeed
 from .load import load
 from .pretrained import LoadResult, load_pretrained, save_pretrained
 from .save import save
 
-__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
+__all__ = ["save", "load", "import_deepspeed", "import_dcp", "export_dcp",
+           "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult",
+           "consolidate", "consolidate_to_file", "verify", "CheckpointError",
            "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
            "SaveAbortedError", "UnsupportedVersionError"]

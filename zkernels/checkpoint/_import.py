@@ -39,6 +39,8 @@ class Source:
         skipped: steps skipped (overflow).
         tensors: ``tensor(key)``: the full value of a ``state_dict`` key that is not a
             trainable parameter (a buffer, a frozen parameter), or None if it has none.
+        has_tensor: ``has_tensor(key)``: whether ``tensors(key)`` has a value, without
+            reading it (None: :func:`check` calls ``tensors``).
     """
 
     where: str
@@ -49,12 +51,14 @@ class Source:
     num_steps: int
     skipped: int
     tensors: Callable[[str], Optional[torch.Tensor]]
+    has_tensor: Optional[Callable[[str], bool]] = None
 
 
 def check(view: OptimizerView, src: Source) -> None:
     """Every trainable parameter here has state of the same shape there; the group counts
     agree. Raises IncompatibleCheckpointError listing the differences."""
     problems = []
+    has = src.has_tensor or (lambda k: src.tensors(k) is not None)
     missing = [n for n in view.params if n not in src.shapes]
     if missing:
         problems.append(f"trainable here, not in the checkpoint: {missing[:5]}")
@@ -70,11 +74,11 @@ def check(view: OptimizerView, src: Source) -> None:
         problems.append(f"the checkpoint has {len(src.groups)} param groups, the optimizer "
                         f"{len(view.group_names)}")
     for e in view.model_entries():
-        if e.tensor is not None and src.tensors(e.key) is None:
+        if e.tensor is not None and not has(e.key):
             problems.append(f"{e.key}: a buffer or frozen parameter here, not in the "
                             f"checkpoint")
     for n in view.frozen:
-        if src.tensors(n) is None:
+        if not has(n):
             problems.append(f"{n}: frozen here, no full value in the checkpoint")
     if problems:
         raise IncompatibleCheckpointError(f"{src.where} does not fit this model: "
