@@ -112,3 +112,18 @@ def test_deepspeed_optimizer_and_scheduler_blocks(tmp_path):
             ref.step()
         assert sched.get_last_lr() != [3e-3]
         opt.close()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [3])
+def test_meta_model_fine_tunes_from_pretrained_and_saves(tmp_path, stage):
+    """A model built on the meta device, ZeroTrainer(pretrained=folder) on 2 ranks: evaluates,
+    trains, checkpoints and saves like ZeroTrainer over from_pretrained(folder); save_model
+    (called by Trainer at each checkpoint and by the script at the end, on every rank) writes
+    a folder from_pretrained loads, beside the checkpoints. Bounded: a rank left out of
+    save_pretrained's gathers fails the run instead of hanging it."""
+    from tests.integrations._trainer_ds_checks import pretrained_flow
+    pre = tmp_path / "pretrained"
+    make_hf("llama", seed=3).save_pretrained(pre)
+    out = run_ranks(pretrained_flow, 2, str(tmp_path), str(pre), stage, timeout=360.0)
+    assert out[0] == out[1] and len(out[0]) == 4
