@@ -6,6 +6,7 @@
     zk.checkpoint.import_deepspeed(opt, "ds_ckpt")  # a DeepSpeed ZeRO 1-3 checkpoint
 
     python -m zkernels checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
+    python -m zkernels checkpoint consolidate ckpt/step1000 hf_dir --hf --config cfg.json
     python -m zkernels checkpoint verify ckpt/step1000   # (or python -m zkernels.checkpoint)
 
 A checkpoint is a folder: one file per saving rank holding its pieces of every parameter
@@ -19,9 +20,11 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckp
                      NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
 from .deepspeed_import import import_deepspeed
 from .load import load
-from .pretrained import LoadResult, load_pretrained, save_pretrained
+from .pretrained import (LoadResult, consolidate_to_pretrained, load_pretrained,
+                         save_pretrained)
 from .save import save
 
-__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
+__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult",
+           "consolidate_to_pretrained", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
            "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
            "SaveAbortedError", "UnsupportedVersionError"]

@@ -461,3 +461,55 @@ def _save_config(module, folder: str) -> None:
         config.save_pretrained(folder)
     elif hasattr(config, "to_json_file"):
         config.to_json_file(os.path.join(folder, "config.json"))
+
+
+def consolidate_to_pretrained(checkpoint: str, out: str, max_shard_size="5GB", dtype=None,
+                              config: Optional[str] = None, fsync: bool = True) -> None:
+    """A ``zkernels.checkpoint`` folder's full weights in the Hugging Face layout, on one
+    machine, with the writer :func:`save_pretrained` uses (tied keys once, under the first;
+    shards and index past ``max_shard_size``). Streams piece by piece: memory is the staging
+    buffers. ``config``: a ``config.json`` or a model folder whose ``config.json`` (and
+    ``generation_config.json``) are copied beside the weights, so that ``from_pretrained``
+    loads ``out`` (a checkpoint holds no model config)."""
+    from . import manifest
+    from ._read import CheckpointFiles
+    from .consolidate import _entries, _source_chunks
+    from .load import open_folder
+    dtype = _resolve_dtype(dtype)
+    configs = []
+    if config is not None:
+        config = os.fspath(config)
+        names = ("config.json", "generation_config.json")
+        configs = [os.path.join(config, n) for n in names
+                   if os.path.isfile(os.path.join(config, n))] if os.path.isdir(config) \
+            else [config]
+        if not configs or not all(os.path.isfile(c) for c in configs):
+            raise ValueError(f"config must be a config.json or a folder holding one, got "
+                             f"{config!r}")
+    folder = open_folder(checkpoint)
+    m = manifest.read(folder)
+    entries, seen = [], set()
+    for e, d, s in _entries(m, dtype):   # a tied tensor once, under its first key
+        src = e["source"]
+        ident = (src["kind"] == "param", src["of"] if src["kind"] == "param" else src["key"])
+        if ident not in seen:
+            seen.add(ident)
+            entries.append((e, d, s))
+    out = os.path.abspath(os.fspath(out))
+    tmp = prepare(out, keep_others=False)
+    writer = LayoutWriter(tmp, [(e["key"], d, s) for e, d, s in entries],
+                          parse_size(max_shard_size), fsync)
+    try:
+        with CheckpointFiles(folder, m) as files:
+            for e, _, _ in entries:
+                for chunk in _source_chunks(files, m, e["source"]):
+                    writer.feed(e["key"], chunk)
+        writer.close()
+        for c in configs:
+            shutil.copyfile(c, os.path.join(tmp, os.path.basename(c) if c.endswith(
+                "generation_config.json") else "config.json"))
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, out, keep_others=False)
