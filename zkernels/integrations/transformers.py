@@ -50,9 +50,15 @@ or a path to a JSON file of one): ``stage``, ``offload``, ``offload_dir``, ``off
   included, as DeepSpeed's integration loads its engine checkpoint). ``evaluate``/``predict``
   run the model as it is: at stage 3 forward gathers each unit, so every rank evaluates (as
   Trainer does under torchrun anyway).
-- :meth:`save_model` writes ``save_pretrained`` output (safetensors + config) from the full
-  parameters: at stage 3 gathered one unit at a time (``opt.gathered``'s machinery, so a rank
-  holds one unit beyond its shards), copied to the CPU on the saving ranks. Collective.
+- :meth:`save_model` writes through :func:`zkernels.checkpoint.save_pretrained` (safetensors
+  shards + index + config, streamed one unit at a time, rank 0 writing), into a folder that
+  may hold other files. Collective: every rank calls it (Trainer does at each checkpoint).
+- ``TrainingArguments(deepspeed=...)``: transformers' DeepSpeed set-up is undone and the
+  config read by zkernels (see [Note: taking TrainingArguments.deepspeed away from
+  transformers] in ``_hf_deepspeed.py``).
+- A model on the meta device is materialized by the ZeroOptimizer on ``args.device``, one
+  unit at a time; ``pretrained=`` loads a Hugging Face folder into the shards
+  (:func:`zkernels.checkpoint.load_pretrained`) right after the optimizer is built.
 """
 from __future__ import annotations
 
@@ -242,9 +248,14 @@ class ZeroTrainer(Trainer):
             other optimizer raises TypeError.
         zero_config: ZeroOptimizer arguments besides those ``TrainingArguments`` set: a dict
             or the path of a JSON file of one (see :func:`read_zero_config`); default stage 1.
+            A DeepSpeed config (dict or path) is read as ``TrainingArguments(deepspeed=)``.
+        pretrained: a Hugging Face model folder (or one ``.safetensors``) loaded into the
+            shards once the optimizer is built; the model may be on the meta device.
 
     Raises:
-        ValueError: DeepSpeed or FSDP is enabled too, or one process drives several GPUs
+        ValueError: FSDP (or Accelerate's DeepSpeed) is enabled too, both ``deepspeed`` and
+            ``zero_config`` are given, a key of the DeepSpeed config cannot be honoured, or one
+            process drives several GPUs
             (``nn.DataParallel``: launch one process per GPU with torchrun instead).
         TypeError: ``optimizers`` holds something other than a ZeroOptimizer.
     """
