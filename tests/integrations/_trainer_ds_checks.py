@@ -155,3 +155,27 @@ def pretrained_flow(rank: int, ws: int, tmp: str, pre: str, stage: int):
     trainer.optimizer.close()
     _release(trainer)
     return got
+
+
+def deepspeed_state_undone(rank: int, ws: int, tmp: str):
+    """Off the CPU path (no ``use_cpu``), ``TrainingArguments(deepspeed=...)`` sets up a
+    DEEPSPEED distributed state through ``deepspeed.init_distributed``; ZeroTrainer resets it
+    to what the same arguments without ``deepspeed`` give (on this CPU machine Accelerate's
+    plain state; on GPUs MULTI_GPU) over the same group, and trains (no engine, no DDP)."""
+    from zkernels.integrations.transformers import ZeroTrainer
+    _distributed_env(rank, ws)
+    plain = training_args(os.path.join(tmp, "plain"), use_cpu=False, ddp_backend="gloo")
+    want = (plain.distributed_state.distributed_type, plain.world_size)  # without deepspeed
+    args = training_args(os.path.join(tmp, "ds"), deepspeed=ZERO2, use_cpu=False,
+                         ddp_backend="gloo")
+    assert str(args.distributed_state.distributed_type).endswith("DEEPSPEED")
+    trainer = ZeroTrainer(model=make_hf("llama"), args=args, train_dataset=dataset())
+    state = trainer.accelerator.state
+    assert not trainer.is_deepspeed_enabled and state.deepspeed_plugin is None
+    assert (state.distributed_type, trainer.args.world_size) == want, (state, want)
+    trainer.train()
+    assert trainer.model_wrapped is trainer.model and trainer.optimizer.stage == 2
+    got = losses(trainer)
+    trainer.optimizer.close()
+    _release(trainer)
+    return got

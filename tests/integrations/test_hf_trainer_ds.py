@@ -127,3 +127,15 @@ def test_meta_model_fine_tunes_from_pretrained_and_saves(tmp_path, stage):
     make_hf("llama", seed=3).save_pretrained(pre)
     out = run_ranks(pretrained_flow, 2, str(tmp_path), str(pre), stage, timeout=360.0)
     assert out[0] == out[1] and len(out[0]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_deepspeed_distributed_state_is_reset(tmp_path):
+    """Without use_cpu (as on GPUs) transformers makes a DEEPSPEED distributed state;
+    ZeroTrainer resets it and trains on the same gloo group."""
+    from tests.integrations._trainer_ds_checks import deepspeed_state_undone
+    out = run_ranks(deepspeed_state_undone, 2, str(tmp_path), timeout=280.0)
+    # (each rank logs its own loss: off use_cpu on this CPU machine Accelerate's state is
+    # single-process, with or without deepspeed, so Trainer neither shards nor averages)
+    assert len(out[0]) == len(out[1]) == 4

@@ -48,6 +48,7 @@ def test_zero_strategy_matches_ddp_strategy():
                   "+ clipping", **tol(torch.float32))
 
 
+@pytest.mark.slow   # the quick suite's Lightning parity row is AdamW's
 @pytest.mark.timeout(300)
 def test_torch_optimizer_class_matches_ddp_strategy():
     """configure_optimizers returns torch.optim.SGD (momentum, nesterov, two groups' weight
