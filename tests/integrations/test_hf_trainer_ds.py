@@ -3,6 +3,7 @@ zkernels.integrations.deepspeed.read_config, transformers' own DeepSpeed set-up 
 fine-tuning a meta-device model from a pretrained folder with save_model through
 zk.checkpoint.save_pretrained. Rank side: _trainer_ds_checks.py."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -106,10 +107,12 @@ def test_deepspeed_optimizer_and_scheduler_blocks(tmp_path):
             "type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
                                                 "warmup_num_steps": 2, "total_num_steps": 10,
                                                 "warmup_type": "linear"}})
-        for _ in range(10):
-            assert sched.get_last_lr() == ref.get_last_lr()
-            sched.step()
-            ref.step()
+        with warnings.catch_warnings():   # stepped without optimizer steps, on purpose
+            warnings.filterwarnings("ignore", ".*lr_scheduler.step.*before.*optimizer.step")
+            for _ in range(10):
+                assert sched.get_last_lr() == ref.get_last_lr()
+                sched.step()
+                ref.step()
         assert sched.get_last_lr() != [3e-3]
         opt.close()
 
@@ -139,3 +142,26 @@ def test_deepspeed_distributed_state_is_reset(tmp_path):
     # (each rank logs its own loss: off use_cpu on this CPU machine Accelerate's state is
     # single-process, with or without deepspeed, so Trainer neither shards nor averages)
     assert len(out[0]) == len(out[1]) == 4
+
+
+def test_pretrained_goes_into_a_given_optimizer_once(tmp_path):
+    """pretrained= with optimizers=(a ZeroOptimizer, None): loaded into that optimizer when
+    Trainer first asks for it (here evaluate's materialize step), not again on the next
+    create_optimizer (train() calls it), so training state is not overwritten. One process."""
+    from zkernels import ZeroOptimizer
+    from zkernels.integrations.transformers import ZeroTrainer
+    pre = tmp_path / "pretrained"
+    source = make_hf("llama", seed=3)
+    source.save_pretrained(pre)
+    model = make_hf("llama", seed=0)
+    opt = ZeroOptimizer(model, stage=2, lr=1e-3)
+    trainer = ZeroTrainer(model=model, args=_args(tmp_path), optimizers=(opt, None),
+                          pretrained=pre)
+    trainer._materialize()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, source.get_parameter(n)), n
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)   # stands for a training step
+    assert trainer.create_optimizer() is opt
+    assert not torch.equal(next(model.parameters()), next(source.parameters()))
+    opt.close()

@@ -24,7 +24,8 @@ from .pretrained import (LoadResult, consolidate_to_pretrained, load_pretrained,
                          save_pretrained)
 from .save import save
 
-__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult",
-           "consolidate_to_pretrained", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
-           "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
-           "SaveAbortedError", "UnsupportedVersionError"]
+__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained",
+           "save_pretrained", "LoadResult", "consolidate_to_pretrained", "consolidate",
+           "consolidate_to_file", "verify", "CheckpointError", "CorruptCheckpointError",
+           "IncompatibleCheckpointError", "NotACheckpointError", "SaveAbortedError",
+           "UnsupportedVersionError"]

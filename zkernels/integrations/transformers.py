@@ -285,6 +285,7 @@ class ZeroTrainer(Trainer):
                              "zero_config)")
         self.deepspeed_config = ds_config
         self.pretrained = None if pretrained is None else os.fspath(pretrained)
+        self._pretrained_into: Optional[ZeroOptimizer] = None   # the optimizer it went into
         _hf_deepspeed.check_not_deepspeed_partitioned(
             kwargs.get("model", args[0] if args else None))
         self.zero_config = read_zero_config(zero_config)
@@ -343,9 +344,10 @@ class ZeroTrainer(Trainer):
             if has_meta(model) and "device" not in kwargs:   # built unit by unit, sharded
                 kwargs["device"] = self.args.device
             self.optimizer = ZeroOptimizer(model, param_groups=groups, **kwargs)
-            if self.pretrained is not None:
-                self._load_pretrained(self.optimizer)
         self._check_optimizer(self.optimizer, model)
+        if self.pretrained is not None and self._pretrained_into is not self.optimizer:
+            self._load_pretrained(self.optimizer)   # once per optimizer (given or built)
+            self._pretrained_into = self.optimizer
         # Accelerate's guard against preparing twice: prepare() returns both unchanged, so the
         # model is never wrapped in DDP and the optimizer is stepped directly.
         model._is_accelerate_prepared = True
@@ -385,7 +387,8 @@ class ZeroTrainer(Trainer):
     def _materialize(self) -> None:
         """Build the optimizer now if the model is still on the meta device (or weights are
         still to load): evaluation and prediction need real parameters."""
-        if self.optimizer is None and (has_meta(self.model) or self.pretrained is not None):
+        if (self.optimizer is None and has_meta(self.model)) or (
+                self.pretrained is not None and self._pretrained_into is not self.optimizer):
             self.create_optimizer()
 
     def evaluate(self, *args, **kwargs):
