@@ -156,3 +156,45 @@ def test_consolidate_streams_a_model_4x_the_memory_limit(tmp_path):
         f"in-memory consolidate grew {in_memory / 2**20:.1f} MiB for {out_bytes / 2**20:.0f} MiB"
     print(f"\nconsolidate of {out_bytes / 2**20:.0f} MiB: streamed +{streamed / 2**20:.1f} MiB, "
           f"in memory +{in_memory / 2**20:.1f} MiB")
+
+
+def test_cli_hf_layout_is_save_pretrained_output(tmp_path, capsys):
+    """``consolidate --hf``: the tensors save_pretrained writes from the live optimizer, in
+    shards with an index (one writer), which from_pretrained loads with the checkpoint's
+    weights (the tied lm_head written once); --config is refused without --hf."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.zero._hf_checks import VOCAB, make_hf
+    model = make_hf("llama_tied")
+    opt = zk.ZeroOptimizer(model, stage=2, lr=1e-2)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    zk.checkpoint.save(opt, tmp_path / "ck")
+    model.config.save_pretrained(tmp_path / "cfg")
+    zk.checkpoint.save_pretrained(opt, tmp_path / "live", max_shard_size="20KB")
+    opt.close()
+    assert main(["consolidate", str(tmp_path / "ck"), str(tmp_path / "hf"), "--hf",
+                 "--max-shard-size", "20KB", "--config", str(tmp_path / "cfg")]) == 0
+    def tensors(folder):   # every tensor of the folder's files (their split may differ:
+        out = {}           # the live save streams in unit order, the CLI in state_dict order)
+        for f in os.listdir(folder):
+            if f.endswith(".safetensors"):
+                out.update(load_file(str(folder / f)))
+        return out
+    files = os.listdir(tmp_path / "hf")
+    assert "model.safetensors.index.json" in files and "config.json" in files, files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2, files
+    got, want = tensors(tmp_path / "hf"), tensors(tmp_path / "live")
+    assert sorted(got) == sorted(want) and "lm_head.weight" not in got   # tied: written once
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    full = zk.checkpoint.consolidate(tmp_path / "ck")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert sorted(loaded) == sorted(full)
+    assert all(torch.equal(loaded[k], full[k]) for k in full)
+    with pytest.raises(SystemExit):
+        main(["consolidate", str(tmp_path / "ck"), str(tmp_path / "w.pt"), "--config",
+              str(tmp_path / "cfg")])
+    assert "--hf" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from tests.zero._harness import CFG, EPS, MICRO_BATCH, make_model, no_decay, wor
 STEPS = 4             # optimizer steps per epoch at 2 ranks
 SAMPLES = 2 * MICRO_BATCH * 2 * STEPS   # 2 ranks x 2 micro-batches (accumulation) x STEPS
 LR = 3e-3
+SGD_LR = 0.5   # large enough that SGD moves the loss within the run
 
 
 def _env(rank: int, world_size: int) -> None:
@@ -36,7 +37,8 @@ def module_class():
     import lightning.pytorch as pl
 
     class GPTModule(pl.LightningModule):
-        """The harness GPT; AdamW with a no-decay group and a LambdaLR warm-up."""
+        """The harness GPT; AdamW (or ``adam``: "adam", "sgd") with a no-decay group and a
+        LambdaLR warm-up."""
 
         def __init__(self, world_size: int, adam: str = "adamw"):
             super().__init__()
@@ -54,11 +56,14 @@ def module_class():
             named = list(self.gpt.named_parameters())
             groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": 0.1},
                       {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
-            cls = torch.optim.AdamW if self.adam == "adamw" else torch.optim.Adam
-            if self.adam == "adam":
-                for g in groups:
-                    g["weight_decay"] = 0.0
-            opt = cls(groups, lr=LR, betas=(0.9, 0.95), eps=EPS)
+            if self.adam == "sgd":   # a torch class that runs itself on the shards
+                opt = torch.optim.SGD(groups, lr=SGD_LR, momentum=0.9, nesterov=True)
+            else:
+                cls = torch.optim.AdamW if self.adam == "adamw" else torch.optim.Adam
+                if self.adam == "adam":
+                    for g in groups:
+                        g["weight_decay"] = 0.0
+                opt = cls(groups, lr=LR, betas=(0.9, 0.95), eps=EPS)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -98,9 +103,11 @@ def fit(rank: int, world_size: int, strategy: dict, trainer_kwargs: dict,
     return out
 
 
-def battery(rank: int, world_size: int, rows: Dict[str, tuple]) -> Dict[str, object]:
-    """Every row (name -> (strategy spec, Trainer kwargs)) in these ranks, in turn."""
-    return {name: fit(rank, world_size, dict(spec), dict(kwargs))
+def battery(rank: int, world_size: int, rows: Dict[str, tuple],
+            adam: str = "adamw") -> Dict[str, object]:
+    """Every row (name -> (strategy spec, Trainer kwargs)) in these ranks, in turn, with the
+    optimizer ``adam`` selects in configure_optimizers."""
+    return {name: fit(rank, world_size, dict(spec), dict(kwargs), adam=adam)
             for name, (spec, kwargs) in rows.items()}
 
 

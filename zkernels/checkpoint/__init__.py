@@ -8,6 +8,7 @@
     zk.checkpoint.export_dcp(opt, "dcp_dir")        # ... and back (dcp.load + set_state_dict)
 
     python -m zkernels checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
+    python -m zkernels checkpoint consolidate ckpt/step1000 hf_dir --hf --config cfg.json
     python -m zkernels checkpoint verify ckpt/step1000   # (or python -m zkernels.checkpoint)
 
 A checkpoint is a folder: one file per saving rank holding its pieces of every parameter
@@ -22,11 +23,12 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckp
 from .dcp import export_dcp, import_dcp
 from .deepspeed_import import import_deepspeed
 from .load import load
-from .pretrained import LoadResult, load_pretrained, save_pretrained
+from .pretrained import (LoadResult, consolidate_to_pretrained, load_pretrained,
+                         save_pretrained)
 from .save import save
 
 __all__ = ["save", "load", "import_deepspeed", "import_dcp", "export_dcp",
            "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult",
-           "consolidate", "consolidate_to_file", "verify", "CheckpointError",
-           "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
-           "SaveAbortedError", "UnsupportedVersionError"]
+           "consolidate_to_pretrained", "consolidate", "consolidate_to_file", "verify",
+           "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError",
+           "NotACheckpointError", "SaveAbortedError", "UnsupportedVersionError"]

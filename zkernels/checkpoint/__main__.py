@@ -9,6 +9,7 @@ from typing import List, Optional
 from .._cli import exit_quietly_on_broken_pipe
 from .consolidate import EXPORT_DTYPES, consolidate_to_file, verify
 from .errors import CheckpointError
+from .pretrained import consolidate_to_pretrained
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -22,11 +23,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                               "(plain tensors: torch.load(out, weights_only=True))")
     c.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None,
                    help="cast floating-point tensors (default: fp32 masters, rest as saved)")
+    c.add_argument("--hf", action="store_true",
+                   help="write OUT as a Hugging Face model folder (model.safetensors, or "
+                        "shards + model.safetensors.index.json), as zk.checkpoint."
+                        "save_pretrained writes it")
+    c.add_argument("--max-shard-size", default="5GB",
+                   help="with --hf: bytes per file ('5GB', '500MB', an int)")
+    c.add_argument("--config", default=None,
+                   help="with --hf: a config.json (or a model folder holding one) to copy "
+                        "beside the weights, so that from_pretrained loads OUT")
     v = sub.add_parser("verify", help="read every file and check every checksum")
     v.add_argument("path", help="checkpoint folder")
     args = ap.parse_args(argv)
     try:
-        if args.command == "consolidate":
+        if args.command == "consolidate" and args.hf:
+            consolidate_to_pretrained(args.path, args.out, args.max_shard_size, args.dtype,
+                                      args.config)
+        elif args.command == "consolidate":
+            if args.config is not None:
+                ap.error("--config applies to --hf output only")
             consolidate_to_file(args.path, args.out, args.dtype)
             print(f"wrote {args.out}")
         else:

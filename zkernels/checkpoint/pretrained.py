@@ -302,8 +302,101 @@ def _stream(view: OptimizerView, primary, tensors) -> Iterator[Tuple[str, torch.
         yield k, t
 
 
+class LayoutWriter:
+    """The Hugging Face layout's files for ``entries`` (``(key, dtype, shape)``, in the order
+    they will be fed) in ``folder``: one ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when they
+    exceed ``limit`` bytes. Each tensor may be fed in several chunks; a file is opened when
+    its first tensor arrives and closed at the next file's. The one writer of
+    :func:`save_pretrained` and ``python -m zkernels checkpoint consolidate --hf``."""
+
+    def __init__(self, folder: str, entries, limit: int, fsync: bool = True) -> None:
+        self.folder, self.entries, self.fsync = folder, list(entries), fsync
+        self.shards = _plan_shards(self.entries, limit)
+        n = len(self.shards)
+        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                              for i in range(n)]
+        self.dtypes = {k: d for k, d, _ in self.entries}
+        self.file_of = {self.entries[i][0]: s for s, idx in enumerate(self.shards) for i in idx}
+        self._writer: Optional[TensorFileWriter] = None
+        self._current = -1
+
+    def _open(self, s: int) -> None:
+        self._writer = TensorFileWriter(os.path.join(self.folder, self.names[s]),
+                                        [self.entries[i] for i in self.shards[s]],
+                                        {"format": "pt"}, checksum=False)
+        self._current = s
+
+    def feed(self, key: str, chunk: torch.Tensor) -> None:
+        s = self.file_of[key]
+        while s != self._current:
+            if self._writer is not None:
+                self._writer.close(self.fsync)
+                self._writer = None
+            self._open(self._current + 1)   # files of nothing but empty tensors included
+        self._writer.feed(key, chunk.to(self.dtypes[key]))
+
+    def close(self) -> None:
+        while True:
+            if self._writer is not None:
+                self._writer.close(self.fsync)
+                self._writer = None
+            if self._current + 1 >= len(self.shards):
+                break
+            self._open(self._current + 1)
+        if len(self.shards) > 1:
+            total = sum(math.prod(sh) * d.itemsize for _, d, sh in self.entries)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: self.names[self.file_of[k]] for k, _, _ in self.entries}}
+            with open(os.path.join(self.folder, INDEX), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+
+def prepare(path: str, keep_others: bool) -> str:
+    """Check ``path`` may be written and make an empty ``path.zk-tmp`` beside it."""
+    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
+    if os.path.lexists(path) and not keep_others:
+        if not os.path.isdir(path) or os.path.islink(path) or any(
+                not _OURS.match(f) for f in os.listdir(path)):
+            raise CheckpointError(f"{path} exists and holds more than a save_pretrained "
+                                  f"output: refusing to replace it")
+    if keep_others and os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a folder")
+    for p in (tmp, old):
+        if os.path.lexists(p):
+            shutil.rmtree(p)
+    os.makedirs(tmp)
+    return tmp
+
+
+def publish(tmp: str, path: str, keep_others: bool) -> None:
+    """Move the finished ``tmp`` to ``path``: the whole folder (``keep_others=False``), or
+    file by file into ``path``, after removing the files of this layout an earlier save left
+    there (stale shards, index, config), as transformers' ``save_pretrained`` does."""
+    old = path + OLD_SUFFIX
+    if not keep_others:
+        if os.path.lexists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        return
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(path):
+        if _OURS.match(f) and os.path.isfile(os.path.join(path, f)):
+            os.remove(os.path.join(path, f))
+    for f in os.listdir(tmp):
+        os.replace(os.path.join(tmp, f), os.path.join(path, f))
+    os.rmdir(tmp)
+
+
 def save_pretrained(opt, path: str, max_shard_size="5GB", dtype=None,
-                    fsync: bool = True) -> None:
+                    fsync: bool = True, keep_others: bool = False) -> None:
     """Write ``opt``'s model in the Hugging Face layout that ``from_pretrained`` and
     :func:`load_pretrained` read. Collective; rank 0 writes.
 
@@ -315,69 +408,37 @@ def save_pretrained(opt, path: str, max_shard_size="5GB", dtype=None,
 
     Args:
         path: the folder; if it exists it must be empty or hold only what an earlier
-            save_pretrained wrote (it is then replaced whole).
+            save_pretrained wrote (it is then replaced whole), unless ``keep_others``.
         max_shard_size: bytes per file, an int or ``"5GB"``-style.
         dtype: None (trainable parameters as their fp32 masters, the rest as they are) or a
             floating dtype (``torch.bfloat16``, ``"bf16"``) for every floating tensor.
+        keep_others: ``path`` may hold other files (a Trainer's output folder: checkpoints,
+            tokenizer, logs), which stay; this layout's files in it are replaced (see
+            :func:`publish`).
     """
     view = OptimizerView(opt)
     dtype = _resolve_dtype(dtype)
     limit = parse_size(max_shard_size)
     path = os.path.abspath(os.fspath(path))
-    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
+    tmp = path + TMP_SUFFIX
     intact = f"{path} is untouched"
     entries, primary, tensors = _save_entries(view, dtype)
-    shards = _plan_shards(entries, limit)
-    n = len(shards)
-    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                     for i in range(n)]
     error: Optional[BaseException] = None
     if view.leads:
         try:
-            if os.path.lexists(path):
-                if not os.path.isdir(path) or os.path.islink(path) or any(
-                        not _OURS.match(f) for f in os.listdir(path)):
-                    raise CheckpointError(f"{path} exists and holds more than a "
-                                          f"save_pretrained output: refusing to replace it")
-            for p in (tmp, old):
-                if os.path.lexists(p):
-                    shutil.rmtree(p)
-            os.makedirs(tmp)
+            prepare(path, keep_others)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     agree(view, error, f"preparing {tmp}", intact, SaveAbortedError)
 
     error = None
-    writer = None
+    writer = LayoutWriter(tmp, entries, limit, fsync) if view.leads else None
     try:
-        dtypes = {k: d for k, d, _ in entries}
-        file_of = {entries[i][0]: s for s, idx in enumerate(shards) for i in idx}
-        current = -1
-        for key, t in _stream(view, primary, tensors):
-            if not view.leads:
-                continue
-            s = file_of[key]
-            if s != current:
-                if writer is not None:
-                    writer.close(fsync)
-                current = s
-                writer = TensorFileWriter(os.path.join(tmp, names[s]),
-                                          [entries[i] for i in shards[s]], {"format": "pt"},
-                                          checksum=False)
-            writer.write(key, t.to(dtypes[key]))
+        for key, t in _stream(view, primary, tensors):   # every rank: the gathers
+            if writer is not None:
+                writer.feed(key, t)
         if writer is not None:
-            writer.close(fsync)
-            writer = None
-        if view.leads:
-            for s in range(current + 1, n):   # files of nothing but empty tensors
-                TensorFileWriter(os.path.join(tmp, names[s]), [entries[i] for i in shards[s]],
-                                 {"format": "pt"}, checksum=False).close(fsync)
-            if n > 1:
-                total = sum(math.prod(sh) * d.itemsize for _, d, sh in entries)
-                index = {"metadata": {"total_size": total},
-                         "weight_map": {k: names[file_of[k]] for k, _, _ in entries}}
-                with open(os.path.join(tmp, INDEX), "w") as f:
-                    json.dump(index, f, indent=2, sort_keys=True)
+            writer.close()
             _save_config(view.module, tmp)
     except BaseException as exc:  # noqa: BLE001
         if writer is not None:
@@ -388,11 +449,7 @@ def save_pretrained(opt, path: str, max_shard_size="5GB", dtype=None,
     error = None
     if view.leads:
         try:
-            if os.path.lexists(path):
-                os.rename(path, old)
-            os.rename(tmp, path)
-            if os.path.lexists(old):
-                shutil.rmtree(old)
+            publish(tmp, path, keep_others)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     agree(view, error, f"publishing {path}", intact, SaveAbortedError)
@@ -404,3 +461,55 @@ def _save_config(module, folder: str) -> None:
         config.save_pretrained(folder)
     elif hasattr(config, "to_json_file"):
         config.to_json_file(os.path.join(folder, "config.json"))
+
+
+def consolidate_to_pretrained(checkpoint: str, out: str, max_shard_size="5GB", dtype=None,
+                              config: Optional[str] = None, fsync: bool = True) -> None:
+    """A ``zkernels.checkpoint`` folder's full weights in the Hugging Face layout, on one
+    machine, with the writer :func:`save_pretrained` uses (tied keys once, under the first;
+    shards and index past ``max_shard_size``). Streams piece by piece: memory is the staging
+    buffers. ``config``: a ``config.json`` or a model folder whose ``config.json`` (and
+    ``generation_config.json``) are copied beside the weights, so that ``from_pretrained``
+    loads ``out`` (a checkpoint holds no model config)."""
+    from . import manifest
+    from ._read import CheckpointFiles
+    from .consolidate import _entries, _source_chunks
+    from .load import open_folder
+    dtype = _resolve_dtype(dtype)
+    configs = []
+    if config is not None:
+        config = os.fspath(config)
+        names = ("config.json", "generation_config.json")
+        configs = [os.path.join(config, n) for n in names
+                   if os.path.isfile(os.path.join(config, n))] if os.path.isdir(config) \
+            else [config]
+        if not configs or not all(os.path.isfile(c) for c in configs):
+            raise ValueError(f"config must be a config.json or a folder holding one, got "
+                             f"{config!r}")
+    folder = open_folder(checkpoint)
+    m = manifest.read(folder)
+    entries, seen = [], set()
+    for e, d, s in _entries(m, dtype):   # a tied tensor once, under its first key
+        src = e["source"]
+        ident = (src["kind"] == "param", src["of"] if src["kind"] == "param" else src["key"])
+        if ident not in seen:
+            seen.add(ident)
+            entries.append((e, d, s))
+    out = os.path.abspath(os.fspath(out))
+    tmp = prepare(out, keep_others=False)
+    writer = LayoutWriter(tmp, [(e["key"], d, s) for e, d, s in entries],
+                          parse_size(max_shard_size), fsync)
+    try:
+        with CheckpointFiles(folder, m) as files:
+            for e, _, _ in entries:
+                for chunk in _source_chunks(files, m, e["source"]):
+                    writer.feed(e["key"], chunk)
+        writer.close()
+        for c in configs:
+            shutil.copyfile(c, os.path.join(tmp, os.path.basename(c) if c.endswith(
+                "generation_config.json") else "config.json"))
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, out, keep_others=False)

@@ -5,7 +5,7 @@
     trainer = lightning.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2,
                                 precision="bf16-mixed", accumulate_grad_batches=2,
                                 gradient_clip_val=1.0)
-    trainer.fit(module)                  # module.configure_optimizers returns an AdamW
+    trainer.fit(module)                  # configure_optimizers: AdamW, SGD, ... (torch.optim)
 
 Needs ``lightning`` (``pip install zkernels[lightning]``); importing this module without it
 raises ImportError saying so. ``ZeroStrategy(stage=..., **options)`` takes
@@ -17,11 +17,14 @@ It subclasses ``DDPStrategy`` as Lightning's own ``DeepSpeedStrategy`` does: the
 launchers, cluster environments, process group and distributed sampler; what changes:
 - No DDP wrapper. ``setup`` runs ``configure_optimizers``, reads the optimizer it returns
   and builds a ZeroOptimizer over the LightningModule in its place (the model's parameters
-  become views of flat buffers, sharded at stage 3). Only ``torch.optim.AdamW``, and
-  ``torch.optim.Adam`` without weight decay (the same update), are taken, one optimizer:
-  each param group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` carry over, and any
-  other key a scheduler put there (``initial_lr``, ...); ``amsgrad``, ``maximize``,
-  ``capturable``, ``differentiable`` and Adam's L2 ``weight_decay`` are refused by name.
+  become views of flat buffers, sharded at stage 3). One optimizer: a ``torch.optim.AdamW``
+  (or ``Adam`` without L2 weight decay: the same update) whose groups the fused AdamW
+  computes runs as it (each group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` carry
+  over); any other ``torch.optim`` class (SGD, Adam with L2 decay, AdamW with ``amsgrad``,
+  RMSprop, ...) runs itself on the shards with each group's keywords (ZeroOptimizer's
+  ``optimizer=<class>``; element-wise classes only, others refused by name; declare one of
+  your own with ``ZeroStrategy(elementwise=True)``). Any other key a scheduler put in a group
+  (``initial_lr``, ...) carries over.
 - LR schedulers from ``configure_optimizers`` keep working: each is re-pointed at the
   ZeroOptimizer (it sets ``param_groups[i]["lr"]``, which ``step()`` reads).
 - ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` is ``max_grad_norm``: the
@@ -70,6 +73,7 @@ except ImportError as exc:   # lightning is an extra: say which one
 from .. import checkpoint as zk_checkpoint
 from ..zero import ZeroOptimizer
 from ..zero.planning.config import CONFIG_KWARGS, ZeroConfig
+from ..zero.planning.optimizer_spec import resolve_optimizer
 
 LIGHTNING_STATE = "lightning"   # the model_extra key holding Lightning's checkpoint dict
 _PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -77,6 +81,7 @@ _PRECISION_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed",
                       "16": "16-mixed", 16: "16-mixed"}
 # ZeroOptimizer arguments that Lightning owns (see the Note above), and where they come from.
 _OWNED = {"model": "the LightningModule", "lr": "configure_optimizers",
+          "optimizer": "configure_optimizers",
           "betas": "configure_optimizers", "eps": "configure_optimizers",
           "weight_decay": "configure_optimizers", "param_groups": "configure_optimizers",
           "max_grad_norm": "Trainer(gradient_clip_val=...)",
@@ -90,38 +95,68 @@ _IGNORED = ("foreach", "fused", "params", "decoupled_weight_decay")   # no effec
 _HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
 
-def zero_param_groups(optimizer: torch.optim.Optimizer) -> list:
-    """``optimizer``'s param groups as ZeroOptimizer ``param_groups`` (hyper-parameters and
-    the keys a scheduler added), refusing by name what ZeroOptimizer's AdamW cannot take.
-
-    Raises:
-        TypeError: not a ``torch.optim.AdamW`` / ``torch.optim.Adam``.
-        ValueError: a group option the update does not have (``amsgrad=True``, Adam's L2
-            ``weight_decay``, ...), naming the group and the key.
-    """
+def _fused_adamw_fits(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is an AdamW (or an Adam without L2 decay) whose every group
+    the fused AdamW computes: then that runs (its speed, bytes and checkpoints)."""
     kind = type(optimizer)
     if kind not in (torch.optim.AdamW, torch.optim.Adam):
-        raise TypeError(f"ZeroStrategy trains with zkernels' sharded AdamW: configure_optimizers "
-                        f"must return a torch.optim.AdamW (or Adam without weight decay), got "
-                        f"{kind.__module__}.{kind.__name__}")
-    groups = []
-    for i, g in enumerate(optimizer.param_groups):
-        for key, want in _MUST_BE.items():
-            if bool(g.get(key, want)) != want:
-                raise ValueError(f"ZeroStrategy: param_groups[{i}] of the {kind.__name__} sets "
-                                 f"{key}={g[key]!r}; zkernels' AdamW has no {key}")
+        return False
+    for g in optimizer.param_groups:
+        if any(bool(g.get(key, want)) != want for key, want in _MUST_BE.items()):
+            return False
         decoupled = kind is torch.optim.AdamW or g.get("decoupled_weight_decay", False)
         if not decoupled and g["weight_decay"] != 0:
-            raise ValueError(f"ZeroStrategy: param_groups[{i}] of the torch.optim.Adam sets "
-                             f"weight_decay={g['weight_decay']!r}, an L2 penalty on the gradient; "
-                             f"zkernels' update decays decoupled (AdamW): use torch.optim.AdamW")
+            return False
+    return True
+
+
+def class_keys(cls: type) -> set:
+    """The keywords ``cls.__init__`` takes besides ``params``: a torch class's group keys."""
+    return {n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")}
+
+
+def zero_param_groups(optimizer: torch.optim.Optimizer, elementwise: bool = False) -> list:
+    """``optimizer``'s param groups as ZeroOptimizer ``param_groups`` (hyper-parameters and
+    the keys a scheduler added). An AdamW (or Adam without L2 decay) the fused update computes
+    runs as the fused AdamW; any other ``torch.optim`` class runs itself on the shards: each
+    group gets ``"optimizer": <class>`` and the group's keywords (ZeroOptimizer takes an
+    element-wise class: [docs/training.md](optimizers); ``elementwise`` declares one of
+    your own).
+
+    Raises:
+        TypeError: not a ``torch.optim.Optimizer``.
+        ValueError: a class ZeroOptimizer refuses (LBFGS, SparseAdam, a class not known to be
+            element-wise ...), naming it and why; a tensor ``lr``.
+    """
+    kind = type(optimizer)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ZeroStrategy: configure_optimizers must return a torch.optim."
+                        f"Optimizer, got {kind.__module__}.{kind.__name__}")
+    fused = _fused_adamw_fits(optimizer)
+    if not fused:   # the class's own checks, by name, before any rank builds anything
+        resolve_optimizer(kind, {}, elementwise=elementwise, where="ZeroStrategy: ")
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
         if isinstance(g["lr"], torch.Tensor):
             raise ValueError(f"ZeroStrategy: param_groups[{i}] has a tensor lr; give a float")
-        group = {k: v for k, v in g.items() if k not in _MUST_BE and k not in _IGNORED}
+        if fused:
+            group = {k: v for k, v in g.items() if k not in _MUST_BE and k not in _IGNORED}
+            group["betas"] = tuple(g["betas"])
+        else:
+            group = {k: v for k, v in g.items() if k != "params"}
+            group["optimizer"] = kind
         group["params"] = list(g["params"])
-        group["betas"] = tuple(g["betas"])
         groups.append(group)
     return groups
+
+
+def _group_keys(group: dict) -> tuple:
+    """The keys of a :func:`zero_param_groups` group that ZeroOptimizer takes; the others
+    (``initial_lr`` and what else a scheduler keeps) are set on its groups afterwards."""
+    cls = group.get("optimizer")
+    if cls is None:
+        return _HPARAMS + ("params",)
+    return tuple(sorted(class_keys(cls))) + ("params", "optimizer")
 
 
 def _track_step_for_scheduler(opt: ZeroOptimizer) -> None:
@@ -291,7 +326,7 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"ZeroStrategy trains one optimizer; configure_optimizers returned "
                              f"{len(self.optimizers)}")
         source = self.optimizers[0]
-        groups = zero_param_groups(source)
+        groups = zero_param_groups(source, self.zero_options.get("elementwise", False))
         clip, algo = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         if clip and algo is not None and GradClipAlgorithmType(algo) != \
                 GradClipAlgorithmType.NORM:   # Lightning's default (None) is the norm
@@ -299,11 +334,11 @@ class ZeroStrategy(DDPStrategy):
                              f"Trainer(gradient_clip_algorithm="
                              f"{GradClipAlgorithmType(algo).value!r}) is not supported")
         precision = self.precision_plugin
-        extra = {g_key: [g.get(g_key) for g in groups] for g_key in
-                 sorted({k for g in groups for k in g if k not in _HPARAMS + ("params",)})}
+        extra = {g_key: [g.get(g_key) if g_key not in _group_keys(g) else None for g in groups]
+                 for g_key in sorted({k for g in groups for k in g if k not in _group_keys(g)})}
         opt = ZeroOptimizer(
             self.lightning_module, stage=self.stage,
-            param_groups=[{k: g[k] for k in _HPARAMS + ("params",)} for g in groups],
+            param_groups=[{k: g[k] for k in _group_keys(g) if k in g} for g in groups],
             max_grad_norm=float(clip) if clip else None,
             param_dtype=precision.param_dtype, **self.zero_options)
         for key, values in extra.items():   # initial_lr and whatever else a scheduler keeps

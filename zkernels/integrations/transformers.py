@@ -50,9 +50,15 @@ or a path to a JSON file of one): ``stage``, ``offload``, ``offload_dir``, ``off
   included, as DeepSpeed's integration loads its engine checkpoint). ``evaluate``/``predict``
   run the model as it is: at stage 3 forward gathers each unit, so every rank evaluates (as
   Trainer does under torchrun anyway).
-- :meth:`save_model` writes ``save_pretrained`` output (safetensors + config) from the full
-  parameters: at stage 3 gathered one unit at a time (``opt.gathered``'s machinery, so a rank
-  holds one unit beyond its shards), copied to the CPU on the saving ranks. Collective.
+- :meth:`save_model` writes through :func:`zkernels.checkpoint.save_pretrained` (safetensors
+  shards + index + config, streamed one unit at a time, rank 0 writing), into a folder that
+  may hold other files. Collective: every rank calls it (Trainer does at each checkpoint).
+- ``TrainingArguments(deepspeed=...)``: transformers' DeepSpeed set-up is undone and the
+  config read by zkernels (see [Note: taking TrainingArguments.deepspeed away from
+  transformers] in ``_hf_deepspeed.py``).
+- A model on the meta device is materialized by the ZeroOptimizer on ``args.device``, one
+  unit at a time; ``pretrained=`` loads a Hugging Face folder into the shards
+  (:func:`zkernels.checkpoint.load_pretrained`) right after the optimizer is built.
 """
 from __future__ import annotations
 
@@ -67,13 +73,16 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .. import checkpoint as zk_checkpoint
+from . import _hf_deepspeed
 from ..zero import LossScaleConfig, OffloadConfig, ZeroConfig, ZeroOptimizer
+from ..zero.parameters.meta_init import has_meta
 from ..zero.planning.config import CONFIG_KWARGS, parse_dtype
 
 logger = logging.getLogger(__name__)
 
 ZERO_CHECKPOINT_DIR = "zero"    # checkpoint-N/zero: the zkernels.checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"  # Trainer's file name for the LR scheduler's state
+TRAINING_ARGS_NAME = "training_args.bin"   # Trainer's file name for the arguments
 # ZeroOptimizer arguments that TrainingArguments or Trainer own (see the module docstring).
 _FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon",
               "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
@@ -81,8 +90,9 @@ _FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": 
 # The Trainer methods ZeroTrainer overrides; a Trainer without one would run its own version
 # inline (clipping local gradients, wrapping in DDP) and train wrongly rather than fail.
 _TRAINER_HOOKS = ("create_accelerator_and_postprocess", "_build_accelerator_args",
-                  "create_optimizer", "_wrap_model", "training_step", "_clip_grad_norm",
-                  "_get_grad_norm", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                  "create_optimizer", "create_scheduler", "_move_model_to_device",
+                  "_wrap_model", "training_step", "_clip_grad_norm", "_get_grad_norm",
+                  "_save_optimizer_and_scheduler", "_load_from_checkpoint",
                   "_load_optimizer_and_scheduler", "_load_best_model",
                   "_maybe_log_save_evaluate")
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -225,6 +235,9 @@ class _ZeroGrad(TrainerCallback):
 
 
 class ZeroTrainer(Trainer):
+    max_shard_size = "50GB"   # save_model's file size, transformers 5's save_pretrained default
+    save_dtype = None         # save_model: fp32 masters; torch.bfloat16 (or "bf16") to cast
+
     """``transformers.Trainer`` whose optimizer is a :class:`~zkernels.ZeroOptimizer`: any
     rung (stage 1/2/3, CPU or NVMe offload) with the model unwrapped. See the module
     docstring and [Note: what ZeroTrainer changes in Trainer].
@@ -235,22 +248,50 @@ class ZeroTrainer(Trainer):
             other optimizer raises TypeError.
         zero_config: ZeroOptimizer arguments besides those ``TrainingArguments`` set: a dict
             or the path of a JSON file of one (see :func:`read_zero_config`); default stage 1.
+            A DeepSpeed config (dict or path) is read as ``TrainingArguments(deepspeed=)``.
+        pretrained: a Hugging Face model folder (or one ``.safetensors``) loaded into the
+            shards once the optimizer is built; the model may be on the meta device.
 
     Raises:
-        ValueError: DeepSpeed or FSDP is enabled too, or one process drives several GPUs
+        ValueError: FSDP (or Accelerate's DeepSpeed) is enabled too, both ``deepspeed`` and
+            ``zero_config`` are given, a key of the DeepSpeed config cannot be honoured, or one
+            process drives several GPUs
             (``nn.DataParallel``: launch one process per GPU with torchrun instead).
         TypeError: ``optimizers`` holds something other than a ZeroOptimizer.
     """
 
-    def __init__(self, *args, zero_config=None, **kwargs) -> None:
+    def __init__(self, *args, zero_config=None, pretrained=None, **kwargs) -> None:
         missing = [m for m in _TRAINER_HOOKS if not callable(getattr(Trainer, m, None))]
         if missing:
             raise RuntimeError(f"ZeroTrainer needs a transformers.Trainer with {missing} "
                                f"(transformers 5; tested with 5.24), found transformers "
                                f"{_transformers_version()}: without them Trainer would clip "
                                f"and wrap the model itself")
+        # [Note: taking TrainingArguments.deepspeed away from transformers]
+        args = list(args)
+        in_kwargs = "args" in kwargs or len(args) < 2
+        targs = kwargs.get("args") if in_kwargs else args[1]
+        targs, ds_config = _hf_deepspeed.detach_deepspeed(targs)
+        if in_kwargs:
+            kwargs["args"] = targs
+        else:
+            args[1] = targs
+        if ds_config is None and _hf_deepspeed.is_deepspeed_config(
+                _hf_deepspeed.load_json_or_dict(zero_config)):
+            ds_config, zero_config = zero_config, None   # a DeepSpeed config as zero_config
+        elif ds_config is not None and zero_config is not None:
+            raise ValueError("ZeroTrainer got both TrainingArguments(deepspeed=...) and "
+                             "zero_config: give one (the DeepSpeed config is read as "
+                             "zero_config)")
+        self.deepspeed_config = ds_config
+        self.pretrained = None if pretrained is None else os.fspath(pretrained)
+        self._pretrained_into: Optional[ZeroOptimizer] = None   # the optimizer it went into
+        _hf_deepspeed.check_not_deepspeed_partitioned(
+            kwargs.get("model", args[0] if args else None))
         self.zero_config = read_zero_config(zero_config)
         super().__init__(*args, **kwargs)
+        if ds_config is not None:   # refuse what we cannot honour, by name, before training
+            _hf_deepspeed.read(ds_config, self.args, self.model, None)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("ZeroTrainer shards with zkernels: leave TrainingArguments' "
                              "deepspeed and fsdp unset")
@@ -295,15 +336,68 @@ class ZeroTrainer(Trainer):
             groups = [{"params": [p for n, p in named if n in decay],
                        "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-            self.optimizer = ZeroOptimizer(
-                model, param_groups=[g for g in groups if g["params"]],
-                **optimizer_kwargs(self.args, self.zero_config))
+            kwargs = optimizer_kwargs(self.args, self.zero_config)
+            if self.deepspeed_config is not None:   # its optimizer block, ZeroConfig, clipping
+                kwargs = _hf_deepspeed.optimizer_kwargs(self.deepspeed_config, self.args, model,
+                                                        kwargs)
+            groups = kwargs.pop("param_groups", [g for g in groups if g["params"]])
+            if has_meta(model) and "device" not in kwargs:   # built unit by unit, sharded
+                kwargs["device"] = self.args.device
+            self.optimizer = ZeroOptimizer(model, param_groups=groups, **kwargs)
         self._check_optimizer(self.optimizer, model)
+        if self.pretrained is not None and self._pretrained_into is not self.optimizer:
+            self._load_pretrained(self.optimizer)   # once per optimizer (given or built)
+            self._pretrained_into = self.optimizer
         # Accelerate's guard against preparing twice: prepare() returns both unchanged, so the
         # model is never wrapped in DDP and the optimizer is stepped directly.
         model._is_accelerate_prepared = True
         self.optimizer._is_accelerate_prepared = True
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """Trainer's schedule, or the DeepSpeed config's ``scheduler`` block (as transformers
+        runs it under ``deepspeed``)."""
+        if self.lr_scheduler is None and self.deepspeed_config is not None:
+            sched = _hf_deepspeed.scheduler(self.deepspeed_config, self.args, self.model,
+                                            self.optimizer if optimizer is None else optimizer,
+                                            num_training_steps)
+            if sched is not None:
+                self.lr_scheduler = sched
+                self._created_lr_scheduler = True
+                return sched
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _load_pretrained(self, opt: ZeroOptimizer) -> None:
+        """``pretrained``'s weights into the new optimizer's shards; keys the files lack keep
+        their initialized values and are reported, as ``from_pretrained`` reports them."""
+        result = zk_checkpoint.load_pretrained(opt, self.pretrained, strict=False)
+        if self.args.should_save and result.missing_keys:
+            logger.warning("Some weights of %s were not initialized from %s and are newly "
+                           "initialized: %s", type(opt.module).__name__, self.pretrained,
+                           result.missing_keys)
+        if self.args.should_save and result.unexpected_keys:
+            logger.warning("Some weights of %s were not used: %s", self.pretrained,
+                           result.unexpected_keys)
+
+    def _move_model_to_device(self, model: nn.Module, device) -> None:
+        if has_meta(model):
+            return   # materialized by the ZeroOptimizer, one unit at a time, on args.device
+        super()._move_model_to_device(model, device)
+
+    def _materialize(self) -> None:
+        """Build the optimizer now if the model is still on the meta device (or weights are
+        still to load): evaluation and prediction need real parameters."""
+        if (self.optimizer is None and has_meta(self.model)) or (
+                self.pretrained is not None and self._pretrained_into is not self.optimizer):
+            self.create_optimizer()
+
+    def evaluate(self, *args, **kwargs):
+        self._materialize()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._materialize()
+        return super().predict(*args, **kwargs)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         return model   # no nn.DataParallel, no DDP: the ZeroOptimizer reduces the gradients
@@ -340,16 +434,32 @@ class ZeroTrainer(Trainer):
     # -- saving and resuming ---------------------------------------------------------------
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Write ``save_pretrained`` output (weights as safetensors, config) of the full model
-        to ``output_dir`` on the saving rank(s). Collective once training has built the
-        ZeroOptimizer: every rank calls it."""
+        """Write the full model in the Hugging Face layout (``model.safetensors`` or shards of
+        ``max_shard_size`` plus ``model.safetensors.index.json``, ``config.json``) to
+        ``output_dir`` through :func:`zkernels.checkpoint.save_pretrained`, streamed one unit
+        at a time, with Trainer's tokenizer and ``training_args.bin`` beside it. Trainable
+        parameters are written as their fp32 masters (``save_dtype`` to cast). Collective
+        once training has built the ZeroOptimizer: every rank calls it (Trainer does, for its
+        checkpoints; a script must too, unguarded by ``is_world_process_zero``)."""
         if not isinstance(self.optimizer, ZeroOptimizer):
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = full_state_dict(self.optimizer, keep=self.args.should_save)
-        self._save(output_dir, state_dict=state_dict)   # returns at once off the saving ranks
+        zk_checkpoint.save_pretrained(self.optimizer, output_dir, keep_others=True,
+                                      max_shard_size=self.max_shard_size, dtype=self.save_dtype)
+        if self.args.should_save:
+            self._save_extras(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_extras(self, output_dir: str) -> None:
+        """What ``Trainer._save`` writes besides the weights: the tokenizer (or processor)
+        and the training arguments."""
+        tok = self.processing_class
+        if tok is None:
+            tok = getattr(self.data_collator, "tokenizer", None)
+        if tok is not None:
+            tok.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         zk_checkpoint.save(self.optimizer, os.path.join(output_dir, ZERO_CHECKPOINT_DIR))
