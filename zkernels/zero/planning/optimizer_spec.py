@@ -13,10 +13,12 @@ A group's optimizer is one of two update rules, chosen at construction:
 
 Names select a rule too: ``"adamw"``, and the lower-case names of :data:`ELEMENTWISE`
 (``"sgd"``, ``"adagrad"``, ...), which run the torch class. ``"lion"`` is refused by name
-until the fused Lion op exists. A class whose update needs more than one element (LBFGS's
-closure over the whole model, SparseAdam's sparse gradients, ``torch.optim.Muon``'s and
-``Adafactor``'s whole matrices) or any class neither listed nor declared is refused by name:
-it is never run silently on pieces.
+until the fused Lion op exists. The matrix classes of :data:`MATRIX` (``torch.optim.Muon``,
+``torch.optim.Adafactor``: Newton-Schulz and the row/column factors read the whole matrix)
+run on whole parameters, each updated by one owner rank ([Note: whole matrices on owners] in
+``state/matrix_rule.py``). A class whose update needs more than one element and is not
+there (LBFGS's closure over the whole model, SparseAdam's sparse gradients) or any class
+neither listed nor declared is refused by name: it is never run silently on pieces.
 
 State bytes per trainable element (fp32) follow the class and its hyperparameters
 (:func:`state_bytes`): SGD 4 with momentum and 0 without, Adam 8 (12 with amsgrad),
@@ -46,17 +48,21 @@ ELEMENTWISE: Dict[type, Callable[[dict], int]] = {
     _O.Rprop: lambda h: 8,
     _O.ASGD: lambda h: 4,
 }
-NAMES: Dict[str, type] = {c.__name__.lower(): c for c in ELEMENTWISE}
+# Whole-matrix torch.optim classes ([Note: whole matrices on owners]) and their fp32 bytes per
+# element: the owner's whole fp32 master (4) plus the class's state (Muon's momentum 4;
+# Adafactor's row/column factors, O(rows + columns), counted as 0). Averaged over the shard
+# group, as the owners are balanced.
+MATRIX: Dict[type, Callable[[dict], int]] = {
+    _O.Muon: lambda h: 8,
+    _O.Adafactor: lambda h: 4,
+}
+NAMES: Dict[str, type] = {c.__name__.lower(): c for c in (*ELEMENTWISE, *MATRIX)}
 ADAMW_STATE_BYTES = 8
 
 _REFUSED = {
     "LBFGS": "its step() re-evaluates a closure over the whole model and keeps a history of "
              "whole-model vectors: it cannot run on one rank's shard",
     "SparseAdam": "it takes sparse gradients; ZeRO reduces dense gradient shards",
-    "Muon": "Newton-Schulz orthogonalizes whole matrices (not element-wise); not supported "
-            "on shards yet",
-    "Adafactor": "its row/column factors need whole matrices (not element-wise); not "
-                 "supported on shards yet",
 }
 
 
@@ -79,12 +85,17 @@ class OptimizerSpec:
     def fused(self) -> bool:
         return self.cls is None
 
+    @property
+    def matrix(self) -> bool:
+        """Whether the class updates whole parameters on an owner rank (:data:`MATRIX`)."""
+        return self.cls in MATRIX
+
     def state_bytes(self, hparams: Optional[dict] = None) -> int:
         """fp32 state bytes per trainable element under ``hparams`` (default: the spec's)."""
         if self.cls is None:
             return ADAMW_STATE_BYTES
         h = {**self.defaults, **(hparams or {})}
-        rule = ELEMENTWISE.get(self.cls)
+        rule = ELEMENTWISE.get(self.cls) or MATRIX.get(self.cls)
         if rule is None:   # a declared class: its state measured after its first step
             return 0
         return rule(h)
@@ -135,13 +146,14 @@ def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
     if cls.__name__ in _REFUSED and cls not in ELEMENTWISE:
         raise ValueError(f"{where}optimizer=torch.optim.{cls.__name__} is refused: "
                          f"{_REFUSED[cls.__name__]}")
-    if cls not in ELEMENTWISE and not elementwise:
+    if cls not in ELEMENTWISE and cls not in MATRIX and not elementwise:
         raise ValueError(f"{where}optimizer={cls.__module__}.{cls.__name__} is not known to "
                          f"be element-wise (known: {', '.join(c.__name__ for c in ELEMENTWISE)}"
                          f"): ZeroOptimizer runs a class on pieces of parameters only when "
                          f"each element's update reads only its own gradient and state; pass "
                          f"elementwise=True if that holds for it")
-    probe = cls([torch.zeros(1, requires_grad=True)], **hparams)   # the class checks them
+    shape = (1, 1) if cls in MATRIX else (1,)   # (Muon takes only matrices)
+    probe = cls([torch.zeros(shape, requires_grad=True)], **hparams)   # the class checks them
     defaults = {k: v for k, v in probe.defaults.items()}
     return OptimizerSpec(cls.__name__, cls, defaults)
 
