@@ -222,10 +222,6 @@ class UpdateEngine:
                 master.copy_(initial_master)
         spec = self.specs[unit.group_index] if self.specs else None
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
-            if self.files is not None:
-                raise ValueError(f"offload='nvme' with optimizer=torch.optim.{spec.name} "
-                                 f"(param_groups[{unit.group_index}]) is not supported: its "
-                                 f"owners keep whole matrices in memory; use offload='cpu'")
             none = master.new_empty(0)
             rec = ShardState(unit, master, none, none)
             if self.matrix is None:

@@ -4,10 +4,11 @@ per step, by one owner rank of its shard group.
 [Note: whole matrices on owners]
 ``torch.optim.Muon`` orthogonalizes the whole momentum matrix (Newton-Schulz) and
 ``torch.optim.Adafactor`` keeps row and column factors and reads the parameter's norm: neither
-runs on pieces. So every parameter of such a group gets one *owner*: the rank of the shard
-group with the least cost so far, taken largest first within each unit as units are built
-(cost: ``m * n * min(m, n)`` for Muon's Newton-Schulz, the element count for Adafactor), the
-same on every rank. The owner keeps the parameter's whole fp32 master and the class's state
+runs on pieces. So every parameter of such a group gets one *owner* in its shard group,
+taken largest first within each unit as units are built (cost: ``m * n * min(m, n)`` for
+Muon's Newton-Schulz, the element count for Adafactor), the same on every rank: among the
+ranks that keep the most loaded rank's cost as low as the least loaded one taking it would,
+the one holding the largest piece of it (the least traffic). The owner keeps the parameter's whole fp32 master and the class's state
 (one instance of the class per param group, over the whole tensors it owns: the class's own
 code, shapes and ``state``); the other ranks keep only their pieces of the fp32 master, as for
 any parameter. Before the units update, one step moves:
@@ -138,8 +139,14 @@ class MatrixUpdate:
             new.append(_Item(unit.index, i, name, shape, lay.offsets[i], lay.numels[i],
                              unit.group_index, -1, pieces))
         for it in sorted(new, key=lambda it: -_cost(spec, it.shape)):
-            it.owner = min(range(self.world_size), key=lambda r: (self.load[r], r))
-            self.load[it.owner] += _cost(spec, it.shape)
+            c = _cost(spec, it.shape)
+            # Balanced first: a rank may take it only if the most loaded rank's cost does
+            # not grow beyond what the least loaded one taking it gives; among those, the
+            # rank holding the largest piece (the least traffic).
+            bound = max(max(self.load), min(self.load) + c)
+            it.owner = min((r for r in range(self.world_size) if self.load[r] + c <= bound),
+                           key=lambda r: (-it.pieces[r][2], self.load[r], r))
+            self.load[it.owner] += c
         for it in new:
             k = len(self.items)
             self.items.append(it)
