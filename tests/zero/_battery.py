@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,24 @@ OPTIMS = {
     # round-off of that gradient (4 ranks, AVX2) is amplified by lr / eps past tol(float32).
     "rmsprop": (torch.optim.RMSprop, dict(lr=LR, momentum=0.5, centered=True, eps=EPS)),
 }
+# Whole-matrix classes ([Note: whole matrices on owners]): the class on the blocks' 2-D
+# matrices (the standard recipe: not the embeddings), the fused AdamW (torch.optim.AdamW in
+# the oracle) on the rest.
+MATRIX_OPTIMS = {
+    "muon_adamw": (torch.optim.Muon, dict(lr=0.02)),
+    "adafactor_adamw": (torch.optim.Adafactor, dict(lr=0.01)),
+}
+
+
+def matrix_groups(model, optim: str) -> List[dict]:
+    """``[{matrices, the class}, {the rest, AdamW's hyperparameters}]`` (trainable only)."""
+    cls, hp = MATRIX_OPTIMS[optim]
+    mats, rest = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (mats if p.ndim == 2 and n.startswith("blocks.") else rest).append(p)
+    return [{"params": mats, "optimizer": cls, **hp},
+            {"params": rest, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +136,7 @@ class Row:
         """The ZeroOptimizer keywords of this rung (``folder``: the NVMe files' folder)."""
         kw = dict(stage=self.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                   param_dtype=self.param_dtype, max_grad_norm=self.clip)
-        if self.optim != "adamw":
+        if self.optim in OPTIMS:
             cls, hp = OPTIMS[self.optim]
             kw = dict(stage=self.stage, param_dtype=self.param_dtype,
                       max_grad_norm=self.clip, optimizer=cls, **hp)
@@ -181,6 +199,8 @@ def row_optimizer(row: Row, model, folder: Optional[str], **override):
     kw = {**row.optimizer_kw(folder), **override}
     if row.groups:
         kw["param_groups"] = split_groups(model, WD)
+    if row.optim in MATRIX_OPTIMS:
+        kw["param_groups"] = matrix_groups(model, row.optim)
     return zk.ZeroOptimizer(model, **kw)
 
 
@@ -203,6 +223,21 @@ def _train(model, opt, rank, batch):
 
 # -- the oracle ---------------------------------------------------------------------------------
 
+class _Both:
+    """Two torch optimizers stepped as one (the oracle of a matrix class + AdamW row)."""
+
+    def __init__(self, *opts) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+
 class Reference:
     """Single-process torch.optim.AdamW over ``model``'s initial values, fed the whole
     world's batch as the ranks compute it. ``step(batch)`` returns each rank's loss;
@@ -218,6 +253,10 @@ class Reference:
         params = split_groups(self.ref, WD) if row.groups else _trainable(self.ref)
         if row.optim == "adamw":
             self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        elif row.optim in MATRIX_OPTIMS:
+            mats, rest = matrix_groups(self.ref, row.optim)
+            cls = mats.pop("optimizer")
+            self.opt = _Both(cls(**mats), torch.optim.AdamW(**rest))
         else:
             cls, hp = OPTIMS[row.optim]
             self.opt = cls(params, **hp)
@@ -411,6 +450,11 @@ ROWS = [
     (R(2, offload="cpu", steps=4, optim="sgd_momentum"), ("parity",), OFFLOAD_FULL),
     (R(3, shard_size=2, steps=3, optim="adam"), ("parity",), HYBRID),
     (R(2, steps=2, optim="sgd_momentum"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
+    # whole-matrix classes on owners ([Note: whole matrices on owners]) beside the fused AdamW
+    (R(2, steps=4, optim="muon_adamw"), ("parity",), TORCH_OPTIM),
+    (R(3, steps=3, optim="muon_adamw", clip=0.05), ("parity",), TORCH_OPTIM),
+    (R(2, steps=3, optim="adafactor_adamw"), ("parity",), TORCH_OPTIM),
+    (R(2, steps=2, optim="muon_adamw"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
 ]
 
 

@@ -39,7 +39,9 @@ def _worst(got, want):
     return max((torch.tensor(p) - q).abs().max().item() for p, q in zip(got, want))
 
 
-@pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (3, None), (2, "cpu")])
+@pytest.mark.parametrize("stage, offload", [
+    (2, None), pytest.param(1, None, marks=pytest.mark.slow),
+    pytest.param(3, None, marks=pytest.mark.slow), pytest.param(2, "cpu", marks=pytest.mark.slow)])
 def test_muon_adamw_parity_two_ranks(stage, offload):
     res = run_ranks(mc.run, 2, "muon", stage, offload, timeout=300.0)
     want = mc.oracle("muon")
@@ -56,7 +58,8 @@ def test_muon_adamw_parity_two_ranks(stage, offload):
         assert 0 < extra <= psi_m // 2, (extra, psi_m)
 
 
-@pytest.mark.parametrize("kind", ["adafactor", "adafactor_all"])
+@pytest.mark.parametrize("kind", ["adafactor_all", pytest.param("adafactor",
+                                                                 marks=pytest.mark.slow)])
 def test_adafactor_parity_two_ranks(kind):
     res = run_ranks(mc.run, 2, kind, 2, timeout=300.0)
     want = mc.oracle(kind)
@@ -65,7 +68,7 @@ def test_adafactor_parity_two_ranks(kind):
         assert r["ns_calls"] == 0
 
 
-@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+@pytest.mark.parametrize("kind", ["muon", pytest.param("adafactor", marks=pytest.mark.slow)])
 def test_wrong_mapping_is_caught(kind):
     res = run_ranks(mc.wrong_mapping, 2, kind, timeout=300.0)
     want = mc.oracle(kind)
@@ -93,6 +96,7 @@ def saved(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 @pytest.mark.parametrize("stage, offload", [(3, None), (2, "cpu")])
 def test_checkpoint_resumes_at_one_rank(saved, kind, stage, offload):
@@ -103,12 +107,14 @@ def test_checkpoint_resumes_at_one_rank(saved, kind, stage, offload):
     assert _worst(zeroed, uninterrupted) > 1e-5, "the state must really be restored"
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_at_two_ranks_stage_one(saved):
     folder, uninterrupted = saved["muon"]
     for got in run_ranks(mc.resume, 2, folder, "muon", 1, None, timeout=300.0):
         _close(got, uninterrupted, **tol(torch.float32))
 
 
+@pytest.mark.slow
 def test_state_dict_in_the_class_format():
     res = run_ranks(mc.state_dict_round_trip, 2, "adafactor", timeout=300.0)
     for r in res:
