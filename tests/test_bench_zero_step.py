@@ -239,7 +239,7 @@ def test_optimizer_option(bench, capsys):
     sgd, muon = (dataclasses.replace(_ctx(m), optimizer=o) for o in ("sgd", "muon"))
     kw = m.configure("zk_stage2", sgd)
     assert kw["optimizer"] is torch.optim.SGD and kw["momentum"] == 0.9
-    assert m.configure("zk_stage3", muon)["optimizer"] is torch.optim.Muon
+    assert "optimizer" not in m.configure("zk_stage3", muon)   # Muon per group (its matrices)
     assert "optimizer" not in m.configure("zk_stage2", _ctx(m))  # adamw: today's default
     ds = m.configure("deepspeed_stage1", sgd)
     assert ds["zero_allow_untested_optimizer"] and "optimizer" not in ds  # client SGD
