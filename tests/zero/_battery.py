@@ -66,6 +66,38 @@ OPTIMS = {
     # round-off of that gradient (4 ranks, AVX2) is amplified by lr / eps past tol(float32).
     "rmsprop": (torch.optim.RMSprop, dict(lr=LR, momentum=0.5, centered=True, eps=EPS)),
 }
+# The fused ops by name ([Note: fused Lion and SGD]) and their oracles: the reference Lion
+# (zkernels.reference.lion_step on each whole parameter) and torch.optim.SGD.
+OPTIMS.update({
+    "lion": ("lion", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=WD)),
+    "sgd_fused": ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=WD)),
+})
+
+
+class RefLion(torch.optim.Optimizer):
+    """Lion in one process: ``zkernels.reference.lion_step`` on each whole parameter."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        from zkernels.reference import lion_step
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros(p.numel())
+                flat = p.detach().reshape(-1).clone()
+                lion_step(flat, p.grad.reshape(-1), st["exp_avg"], lr=g["lr"],
+                          beta1=g["betas"][0], beta2=g["betas"][1],
+                          weight_decay=g["weight_decay"])
+                p.copy_(flat.view_as(p))
+
+
+ORACLES = {"lion": RefLion, "sgd": torch.optim.SGD}
 # Whole-matrix classes ([Note: whole matrices on owners]): the class on the blocks' 2-D
 # matrices (the standard recipe: not the embeddings), the fused AdamW (torch.optim.AdamW in
 # the oracle) on the rest.
@@ -259,7 +291,7 @@ class Reference:
             self.opt = _Both(cls(**mats), torch.optim.AdamW(**rest))
         else:
             cls, hp = OPTIMS[row.optim]
-            self.opt = cls(params, **hp)
+            self.opt = ORACLES.get(cls, cls)(params, **hp)
         self.clipped = 0
 
     def step(self, batch):
@@ -380,6 +412,7 @@ OFFLOAD = {2: False, 1: True}             # offload: 1 rank in the full suite
 OFFLOAD_FULL = {2: True}   # a variant of a quick row: the full suite only (quick suite's time)
 HYBRID = {4: False}    # rows that need 4 ranks (2 groups of 2): run in test_hybrid.py's spawn
 TORCH_OPTIM = {2: False, 4: True}
+TORCH_OPTIM_FULL = {2: True, 4: True}   # more torch.optim rows: the full suite only
 
 R = Row
 # (row, checks, {world size: slow?}).
@@ -452,9 +485,15 @@ ROWS = [
     (R(2, steps=2, optim="sgd_momentum"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
     # whole-matrix classes on owners ([Note: whole matrices on owners]) beside the fused AdamW
     (R(2, steps=4, optim="muon_adamw"), ("parity",), TORCH_OPTIM),
-    (R(3, steps=3, optim="muon_adamw", clip=0.05), ("parity",), TORCH_OPTIM),
-    (R(2, steps=3, optim="adafactor_adamw"), ("parity",), TORCH_OPTIM),
+    (R(3, steps=3, optim="muon_adamw", clip=0.05), ("parity",), TORCH_OPTIM_FULL),
+    (R(2, steps=3, optim="adafactor_adamw"), ("parity",), TORCH_OPTIM_FULL),
     (R(2, steps=2, optim="muon_adamw"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
+    # the fused Lion and SGD ops by name, against the reference Lion and torch.optim.SGD
+    (R(2, steps=4, optim="lion"), ("parity",), TORCH_OPTIM),
+    (R(3, offload="cpu", steps=3, optim="lion", clip=0.05), ("parity",),
+     TORCH_OPTIM_FULL),
+    (R(1, steps=4, optim="sgd_fused"), ("parity",), TORCH_OPTIM_FULL),
+    (R(2, steps=2, optim="lion"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM_FULL),
 ]
 
 

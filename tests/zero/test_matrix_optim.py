@@ -58,8 +58,8 @@ def test_muon_adamw_parity_two_ranks(stage, offload):
         assert 0 < extra <= psi_m // 2, (extra, psi_m)
 
 
-@pytest.mark.parametrize("kind", ["adafactor_all", pytest.param("adafactor",
-                                                                 marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["adafactor_all", "adafactor"])
 def test_adafactor_parity_two_ranks(kind):
     res = run_ranks(mc.run, 2, kind, 2, timeout=300.0)
     want = mc.oracle(kind)
@@ -68,7 +68,8 @@ def test_adafactor_parity_two_ranks(kind):
         assert r["ns_calls"] == 0
 
 
-@pytest.mark.parametrize("kind", ["muon", pytest.param("adafactor", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
 def test_wrong_mapping_is_caught(kind):
     res = run_ranks(mc.wrong_mapping, 2, kind, timeout=300.0)
     want = mc.oracle(kind)

@@ -149,7 +149,9 @@ def test_declared_elementwise_class():
 @pytest.mark.parametrize("optimizer, kw, err, match", [
     (torch.optim.LBFGS, {}, ValueError, "LBFGS is refused: its step.. re-evaluates a closure"),
     (torch.optim.SparseAdam, {}, ValueError, "SparseAdam is refused: it takes sparse"),
-    ("lion", {}, ValueError, "optimizer='lion' needs the fused Lion op"),
+    ("lion", {"momentum": 0.9}, TypeError, "optimizer='lion' .the fused op. takes lr, betas"),
+    ("lion", {"betas": (1.5, 0.99)}, ValueError, "optimizer='lion': beta1"),
+    ("sgd", {"nesterov": True}, ValueError, "optimizer='sgd': nesterov needs momentum"),
     ("muonn", {}, ValueError, "optimizer='muonn' is not a known name"),
     (42, {}, TypeError, "optimizer must be a name"),
     ("adamw", {"momentum": 0.9}, TypeError, "optimizer='adamw' takes lr, betas.*momentum"),

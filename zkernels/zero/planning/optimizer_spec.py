@@ -11,9 +11,11 @@ A group's optimizer is one of two update rules, chosen at construction:
   are its parameters (views into the fp32 master shard), their gradients views of the
   (unscaled) gradient shard, and its state lives with the pieces (``state/torch_rule.py``).
 
-Names select a rule too: ``"adamw"``, and the lower-case names of :data:`ELEMENTWISE`
-(``"sgd"``, ``"adagrad"``, ...), which run the torch class. ``"lion"`` is refused by name
-until the fused Lion op exists. The matrix classes of :data:`MATRIX` (``torch.optim.Muon``,
+Names select a rule too: ``"adamw"``; ``"lion"`` and ``"sgd"``, the fused Lion and SGD ops
+(``zkernels.ops.lion_step`` / ``sgd_step``: reference, Triton, C++; [Note: fused Lion and
+SGD] in ``state/fused_rule.py``); and the lower-case names of the other classes of
+:data:`ELEMENTWISE` and :data:`MATRIX` (``"adagrad"``, ``"muon"``, ...), which run the torch
+class (``torch.optim.SGD`` itself: pass the class). The matrix classes of :data:`MATRIX` (``torch.optim.Muon``,
 ``torch.optim.Adafactor``: Newton-Schulz and the row/column factors read the whole matrix)
 run on whole parameters, each updated by one owner rank ([Note: whole matrices on owners] in
 ``state/matrix_rule.py``). A class whose update needs more than one element and is not
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from ... import ops as _ops
 
 # Element-wise torch.optim classes and their fp32 state bytes per element (hyperparameters).
 _O = torch.optim
@@ -56,7 +60,14 @@ MATRIX: Dict[type, Callable[[dict], int]] = {
     _O.Muon: lambda h: 8,
     _O.Adafactor: lambda h: 4,
 }
-NAMES: Dict[str, type] = {c.__name__.lower(): c for c in (*ELEMENTWISE, *MATRIX)}
+# The fused ops a name selects, with their hyperparameters' defaults (as torch's SGD; Lion's
+# as the Lion paper's).
+KERNELS: Dict[str, Dict[str, object]] = {
+    "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0),
+    "sgd": dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False),
+}
+NAMES: Dict[str, type] = {c.__name__.lower(): c for c in (*ELEMENTWISE, *MATRIX)
+                          if c.__name__.lower() not in KERNELS}
 ADAMW_STATE_BYTES = 8
 
 _REFUSED = {
@@ -71,8 +82,9 @@ class OptimizerSpec:
     """One param group's update rule (see [Note: optimizer rules]).
 
     Attributes:
-        name: ``"adamw"`` (the fused AdamW) or the torch class's name (``"SGD"``).
-        cls: the torch class (None for the fused AdamW).
+        name: ``"adamw"`` (the fused AdamW), ``"lion"`` / ``"sgd"`` (the fused ops) or the
+            torch class's name (``"SGD"``).
+        cls: the torch class (None for the fused ops).
         defaults: the class's hyperparameters with the given keywords applied (what its
             param groups carry); for the fused AdamW empty (the groups carry lr, betas, ...).
     """
@@ -83,7 +95,13 @@ class OptimizerSpec:
 
     @property
     def fused(self) -> bool:
-        return self.cls is None
+        """The fused AdamW (today's default rule)."""
+        return self.cls is None and self.name == "adamw"
+
+    @property
+    def kernel(self) -> Optional[str]:
+        """``"lion"`` or ``"sgd"`` where the group runs that fused op, else None."""
+        return self.name if self.cls is None and self.name in KERNELS else None
 
     @property
     def matrix(self) -> bool:
@@ -92,6 +110,9 @@ class OptimizerSpec:
 
     def state_bytes(self, hparams: Optional[dict] = None) -> int:
         """fp32 state bytes per trainable element under ``hparams`` (default: the spec's)."""
+        if self.kernel is not None:   # Lion's exp_avg; SGD's momentum buffer when it has one
+            h = {**self.defaults, **(hparams or {})}
+            return 4 if self.kernel == "lion" or h.get("momentum", 0) else 0
         if self.cls is None:
             return ADAMW_STATE_BYTES
         h = {**self.defaults, **(hparams or {})}
@@ -104,15 +125,12 @@ class OptimizerSpec:
 def _class_of(optimizer, where: str):
     if isinstance(optimizer, str):
         key = optimizer.lower()
-        if key == "adamw":
-            return None
-        if key == "lion":
-            raise ValueError(f"{where}optimizer='lion' needs the fused Lion op, which this "
-                             f"build does not have yet")
+        if key == "adamw" or key in KERNELS:
+            return key
         if key not in NAMES:
             raise ValueError(f"{where}optimizer={optimizer!r} is not a known name: expected "
-                             f"'adamw' or one of {sorted(NAMES)}, or a torch.optim.Optimizer "
-                             f"subclass")
+                             f"'adamw', 'lion', 'sgd' or one of {sorted(NAMES)}, or a "
+                             f"torch.optim.Optimizer subclass")
         return NAMES[key]
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -138,11 +156,13 @@ def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
         TypeError: not a name or an Optimizer subclass; keywords the class does not take.
     """
     cls = _class_of(optimizer, where)
-    if cls is None:
+    if cls == "adamw":
         if hparams:
             raise TypeError(f"{where}optimizer='adamw' takes lr, betas, eps and weight_decay; "
                             f"got unexpected keywords {sorted(hparams)}")
         return OptimizerSpec("adamw")
+    if isinstance(cls, str):
+        return _kernel_spec(cls, hparams, where)
     if cls.__name__ in _REFUSED and cls not in ELEMENTWISE:
         raise ValueError(f"{where}optimizer=torch.optim.{cls.__name__} is refused: "
                          f"{_REFUSED[cls.__name__]}")
@@ -157,6 +177,32 @@ def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
     defaults = {k: v for k, v in probe.defaults.items()}
     return OptimizerSpec(cls.__name__, cls, defaults)
 
+
+
+def _kernel_spec(name: str, hparams: dict, where: str) -> OptimizerSpec:
+    """The fused Lion / SGD op's spec; its hyperparameters checked by the op on one element."""
+    defaults = KERNELS[name]
+    extra = sorted(set(hparams) - set(defaults))
+    if extra:
+        raise TypeError(f"{where}optimizer={name!r} (the fused op) takes "
+                        f"{', '.join(defaults)}; got unexpected keywords {extra}")
+    h = {**defaults, **hparams}
+    p, g = torch.zeros(1), torch.zeros(1)   # (the op's own checks: one element on the CPU)
+    try:
+        if name == "lion":
+            b1, b2 = h["betas"]
+            _ops.lion_step(p, g, torch.zeros(1), lr=float(h["lr"]), beta1=float(b1),
+                           beta2=float(b2), weight_decay=float(h["weight_decay"]))
+        else:
+            _ops.sgd_step(p, g, torch.zeros(1) if h["momentum"] else None, lr=float(h["lr"]),
+                          momentum=float(h["momentum"]), dampening=float(h["dampening"]),
+                          weight_decay=float(h["weight_decay"]), nesterov=bool(h["nesterov"]),
+                          step=1)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{where}optimizer={name!r}: {exc}") from exc
+    if name == "lion":
+        h["betas"] = tuple(h["betas"])
+    return OptimizerSpec(name, None, h)
 
 
 def fused_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:

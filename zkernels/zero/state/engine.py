@@ -74,6 +74,7 @@ from .nvme_files import NvmeFiles
 from .live_ranges import clip, live_segments
 from .shard_state import ShardState
 from .swap import aligned_empty
+from .fused_rule import FusedShardRule
 from .matrix_rule import MatrixUnitRule, MatrixUpdate
 from .torch_rule import TorchShardRule
 from .transfer import Copier
@@ -228,6 +229,12 @@ class UpdateEngine:
                 self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs)
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
+        elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)
+            none = master.new_empty(0)
+            rec = ShardState(unit, master, none, none)
+            rec.rule = FusedShardRule(spec, master, [(s, k) for _, _, s, k in
+                                                     unit.param_slices_in_shard()],
+                                      self.step_ops)
         elif spec is not None and not spec.fused:   # the class allocates its own state
             none = master.new_empty(0)
             rec = ShardState(unit, master, none, none)
