@@ -8,10 +8,10 @@ runs on pieces. So every parameter of such a group gets one *owner* in its shard
 taken largest first within each unit as units are built (cost: ``m * n * min(m, n)`` for
 Muon's Newton-Schulz, the element count for Adafactor), the same on every rank: among the
 ranks that keep the most loaded rank's cost as low as the least loaded one taking it would,
-the one holding the largest piece of it (the least traffic). The owner keeps the parameter's whole fp32 master and the class's state
-(one instance of the class per param group, over the whole tensors it owns: the class's own
-code, shapes and ``state``); the other ranks keep only their pieces of the fp32 master, as for
-any parameter. Before the units update, one step moves:
+the one holding the largest piece of it (the least traffic). The owner keeps the parameter's
+whole fp32 master and the class's state (one instance of the class per param group, over the
+whole tensors it owns: the class's own code, shapes and ``state``); the other ranks keep only
+their pieces of the fp32 master, as for any parameter. Before the units update, one step moves:
 
 1. *to the owners*: each rank sends the owner of every matrix its piece of the reduced
    gradient shard (fp32), all owners at once: one ``all_to_all`` of N equal chunks (each

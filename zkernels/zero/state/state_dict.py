@@ -98,8 +98,8 @@ def state_dict(opt) -> Dict[str, Any]:
         zero = {"world_size": comm.world_size, "rank": comm.rank, "stage": opt.stage,
                 "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
                 "optimizers": _optimizers(opt), "pieces": got["pieces"],
-                "masters": got["masters"], "owned": got["owned"], "steps": {u.index: opt.state_step(u)
-                                                     for u in opt.units}, **opt.counters()}
+                "masters": got["masters"], "owned": got["owned"],
+                "steps": {u.index: opt.state_step(u) for u in opt.units}, **opt.counters()}
         out = {"state": got["state"], "param_groups": groups, "zero": zero}
         _add_frozen(opt, out)
         return out
