@@ -168,3 +168,40 @@ def state_dict_round_trip(rank, ws, kind):
               for k, v in sd["state"].items()}
     same = [torch.equal(p, q) for p, q in zip(params(m, opt), params(m2, opt2))]
     return {"same": same, "keys": keys, "shapes": shapes}
+
+
+def fp32_newton_schulz():
+    """Patch torch's Newton-Schulz to run in fp32 (torch's runs in bf16) in this process."""
+    def ns(grad, coefficients, steps, eps):
+        a, b, c = coefficients
+        x = grad.float()
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            g = x @ x.T
+            x = torch.addmm(x, torch.addmm(g, g, g, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    _muon._zeropower_via_newtonschulz = ns
+
+
+def hybrid_parity(rank, ws, fp32_ns):
+    """The battery's parity of Muon + AdamW with hybrid sharding (2 groups of 2): each
+    step's worst parameter error over tol(float32), and the last step's extra bytes sent
+    beside Ψ_m (the exchanges run within each shard group)."""
+    from tests.zero import _battery as b
+    from tests.zero import test_battery as tb
+    if fp32_ns:
+        fp32_newton_schulz()
+    extra = {}
+
+    def measure(opt, ws, stage, offload, K):   # (instead of the AdamW traffic formula)
+        sent = opt.stats()["comm_bytes"]
+        base = sum(4 * u.layout.padded_numel for u in opt.units) * (K - 1) // K
+        extra["bytes"] = sent["reduce_scatter"] + sent["all_gather"] - 2 * base
+        extra["psi_m"] = 4 * sum(it.numel for it in opt.shard_update.matrix.items)
+
+    tb.hybrid_traffic_memory = measure
+    res = tb.parity(rank, ws, row=b.Row(2, shard_size=2, steps=3, optim="muon_adamw"))
+    return {"params": [c["params"] for c in res["compare"]], **extra}
