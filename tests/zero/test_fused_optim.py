@@ -101,3 +101,27 @@ def test_state_dict_round_trip():
     with pytest.raises(ValueError, match="holds sgd state for param_groups.0. but this "
                                          "optimizer runs lion"):
         lion.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("name, hp", [("lion", LION), ("sgd", SGD)])
+def test_checkpoint_resumes_at_another_stage_and_offload(tmp_path, name, hp):
+    """zk.checkpoint saves the pieces' state under torch's keys with their step; it resumes
+    at stage 3 and with CPU offload as if never stopped, and the state is really restored."""
+    m = _model()
+    opt = zk.ZeroOptimizer(m, stage=2, optimizer=name, **hp)
+    _train(m, opt, steps=2)
+    zk.checkpoint.save(opt, str(tmp_path / "ck"))
+    _train(m, opt, steps=2)
+    for stage, offload, zero in ((3, None, False), (2, "cpu", False), (3, None, True)):
+        m2 = _model(seed=4)
+        opt2 = zk.ZeroOptimizer(m2, stage=stage, offload=offload, optimizer=name, **hp)
+        zk.checkpoint.load(opt2, str(tmp_path / "ck"))
+        if zero:
+            for rec in opt2.shard_update.states:
+                for t in rec.rule.flat.values():
+                    t.zero_()
+        _train(m2, opt2, steps=2)
+        worst = _worst(m, m2, opt2)
+        assert (worst > 1e-6) if zero else (worst <= tol(torch.float32)["atol"]), \
+            (stage, offload, zero, worst)
+        opt2.close()
