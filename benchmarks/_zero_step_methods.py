@@ -18,8 +18,8 @@ in fp32 the parameter is its own master copy (master = 0 for torch).
 ``--optimizer`` sets ``Context.optimizer`` for every row: ``adamw`` (the default), ``sgd``
 (torch.optim.SGD, momentum 0.9: ``ZeroOptimizer(optimizer=torch.optim.SGD)``, DeepSpeed with it
 as client optimizer) or ``muon`` (torch.optim.Muon, lr 0.02, on the 2-D non-embedding matrices
-and AdamW on the rest: :class:`MuonAdamW` for the torch rows, DeepSpeed's ``"type": "Muon"``;
-zkernels refuses Muon by name, and its rows say so).
+and AdamW on the rest: :class:`MuonAdamW` for the torch rows, DeepSpeed's ``"type": "Muon"``,
+zkernels' param groups with ``torch.optim.Muon`` on the matrices, on their owners).
 
 [Note: shard size in a row]
 A keyword whose value is ``K`` takes ``--shard-size`` at build time; such a row needs it.
@@ -312,9 +312,14 @@ class ZkMethod(_Method):
         import zkernels
 
         self.model, self.located = model, "offload" in kw
+        opts = self.options(ctx, **kw)
+        if ctx.optimizer == "muon":   # Muon on the matrices (on their owners), AdamW the rest
+            mats, rest = muon_groups(model)
+            opts["param_groups"] = [{"params": mats["params"], "optimizer": torch.optim.Muon,
+                                     "lr": MUON_LR}, {"params": rest["params"]}]
         try:
-            self.opt = zkernels.ZeroOptimizer(model, **self.options(ctx, **kw))
-        except ValueError as exc:  # the refusal by name (Muon), reported as the row's result
+            self.opt = zkernels.ZeroOptimizer(model, **opts)
+        except ValueError as exc:  # a refusal by name (NVMe), reported as the row's result
             if ctx.optimizer != "muon":
                 raise
             raise MethodUnavailable(f"zkernels refuses it: {exc}") from exc
@@ -338,7 +343,7 @@ class ZkMethod(_Method):
         kw["lr"] = ctx.lr
         if ctx.optimizer != "adamw":
             kw.update({"optimizer": torch.optim.SGD, "momentum": SGD_MOMENTUM}
-                      if ctx.optimizer == "sgd" else {"optimizer": torch.optim.Muon})
+                      if ctx.optimizer == "sgd" else {})   # (muon: per group, at __init__)
         if ctx.param_dtype is not None:
             kw["param_dtype"] = ctx.param_dtype
         if "offload" in kw:

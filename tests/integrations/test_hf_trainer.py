@@ -92,6 +92,16 @@ def test_zero_config_errors(tmp_path):
     kw = optimizer_kwargs(args, {})
     assert kw["optimizer"] is torch.optim.SGD and kw["lr"] == 0.1
     assert kw["momentum"] == 0.9 and kw["nesterov"] is True and "betas" not in kw
+    # lion_32bit: the fused Lion, betas from adam_beta1/2 as Trainer's Lion takes them
+    args = TrainingArguments(output_dir=str(tmp_path), optim="lion_32bit", report_to=[],
+                             use_cpu=True, learning_rate=1e-4, adam_beta2=0.98)
+    kw = optimizer_kwargs(args, {})
+    assert kw["optimizer"] == "lion" and kw["betas"] == (0.9, 0.98) and "eps" not in kw
+    for refused in ("lion_8bit", "paged_lion_32bit"):
+        args = TrainingArguments(output_dir=str(tmp_path), optim=refused, report_to=[],
+                                 use_cpu=True)
+        with pytest.raises(ValueError, match=f"optim.*'{refused}'"):
+            optimizer_kwargs(args, {})
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
                              max_grad_norm=0.0, learning_rate=5e-4, weight_decay=0.01)
     kw = optimizer_kwargs(args, {"stage": 2})

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,56 @@ OPTIMS = {
     # round-off of that gradient (4 ranks, AVX2) is amplified by lr / eps past tol(float32).
     "rmsprop": (torch.optim.RMSprop, dict(lr=LR, momentum=0.5, centered=True, eps=EPS)),
 }
+# The fused ops by name ([Note: fused Lion and SGD]) and their oracles: the reference Lion
+# (zkernels.reference.lion_step on each whole parameter) and torch.optim.SGD.
+OPTIMS.update({
+    "lion": ("lion", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=WD)),
+    "sgd_fused": ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=WD)),
+})
+
+
+class RefLion(torch.optim.Optimizer):
+    """Lion in one process: ``zkernels.reference.lion_step`` on each whole parameter."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        from zkernels.reference import lion_step
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros(p.numel())
+                flat = p.detach().reshape(-1).clone()
+                lion_step(flat, p.grad.reshape(-1), st["exp_avg"], lr=g["lr"],
+                          beta1=g["betas"][0], beta2=g["betas"][1],
+                          weight_decay=g["weight_decay"])
+                p.copy_(flat.view_as(p))
+
+
+ORACLES = {"lion": RefLion, "sgd": torch.optim.SGD}
+# Whole-matrix classes ([Note: whole matrices on owners]): the class on the blocks' 2-D
+# matrices (the standard recipe: not the embeddings), the fused AdamW (torch.optim.AdamW in
+# the oracle) on the rest.
+MATRIX_OPTIMS = {
+    "muon_adamw": (torch.optim.Muon, dict(lr=0.02)),
+    "adafactor_adamw": (torch.optim.Adafactor, dict(lr=0.01)),
+}
+
+
+def matrix_groups(model, optim: str) -> List[dict]:
+    """``[{matrices, the class}, {the rest, AdamW's hyperparameters}]`` (trainable only)."""
+    cls, hp = MATRIX_OPTIMS[optim]
+    mats, rest = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (mats if p.ndim == 2 and n.startswith("blocks.") else rest).append(p)
+    return [{"params": mats, "optimizer": cls, **hp},
+            {"params": rest, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +168,7 @@ class Row:
         """The ZeroOptimizer keywords of this rung (``folder``: the NVMe files' folder)."""
         kw = dict(stage=self.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                   param_dtype=self.param_dtype, max_grad_norm=self.clip)
-        if self.optim != "adamw":
+        if self.optim in OPTIMS:
             cls, hp = OPTIMS[self.optim]
             kw = dict(stage=self.stage, param_dtype=self.param_dtype,
                       max_grad_norm=self.clip, optimizer=cls, **hp)
@@ -181,6 +231,8 @@ def row_optimizer(row: Row, model, folder: Optional[str], **override):
     kw = {**row.optimizer_kw(folder), **override}
     if row.groups:
         kw["param_groups"] = split_groups(model, WD)
+    if row.optim in MATRIX_OPTIMS:
+        kw["param_groups"] = matrix_groups(model, row.optim)
     return zk.ZeroOptimizer(model, **kw)
 
 
@@ -203,6 +255,21 @@ def _train(model, opt, rank, batch):
 
 # -- the oracle ---------------------------------------------------------------------------------
 
+class _Both:
+    """Two torch optimizers stepped as one (the oracle of a matrix class + AdamW row)."""
+
+    def __init__(self, *opts) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+
 class Reference:
     """Single-process torch.optim.AdamW over ``model``'s initial values, fed the whole
     world's batch as the ranks compute it. ``step(batch)`` returns each rank's loss;
@@ -218,9 +285,13 @@ class Reference:
         params = split_groups(self.ref, WD) if row.groups else _trainable(self.ref)
         if row.optim == "adamw":
             self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        elif row.optim in MATRIX_OPTIMS:
+            mats, rest = matrix_groups(self.ref, row.optim)
+            cls = mats.pop("optimizer")
+            self.opt = _Both(cls(**mats), torch.optim.AdamW(**rest))
         else:
             cls, hp = OPTIMS[row.optim]
-            self.opt = cls(params, **hp)
+            self.opt = ORACLES.get(cls, cls)(params, **hp)
         self.clipped = 0
 
     def step(self, batch):
@@ -341,6 +412,7 @@ OFFLOAD = {2: False, 1: True}             # offload: 1 rank in the full suite
 OFFLOAD_FULL = {2: True}   # a variant of a quick row: the full suite only (quick suite's time)
 HYBRID = {4: False}    # rows that need 4 ranks (2 groups of 2): run in test_hybrid.py's spawn
 TORCH_OPTIM = {2: False, 4: True}
+TORCH_OPTIM_FULL = {2: True, 4: True}   # more torch.optim rows: the full suite only
 
 R = Row
 # (row, checks, {world size: slow?}).
@@ -411,6 +483,17 @@ ROWS = [
     (R(2, offload="cpu", steps=4, optim="sgd_momentum"), ("parity",), OFFLOAD_FULL),
     (R(3, shard_size=2, steps=3, optim="adam"), ("parity",), HYBRID),
     (R(2, steps=2, optim="sgd_momentum"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
+    # whole-matrix classes on owners ([Note: whole matrices on owners]) beside the fused AdamW
+    (R(2, steps=4, optim="muon_adamw"), ("parity",), TORCH_OPTIM),
+    (R(3, steps=3, optim="muon_adamw", clip=0.05), ("parity",), TORCH_OPTIM_FULL),
+    (R(2, steps=3, optim="adafactor_adamw"), ("parity",), TORCH_OPTIM_FULL),
+    (R(2, steps=2, optim="muon_adamw"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
+    # the fused Lion and SGD ops by name, against the reference Lion and torch.optim.SGD
+    (R(2, steps=4, optim="lion"), ("parity",), TORCH_OPTIM),
+    (R(3, offload="cpu", steps=3, optim="lion", clip=0.05), ("parity",),
+     TORCH_OPTIM_FULL),
+    (R(1, steps=4, optim="sgd_fused"), ("parity",), TORCH_OPTIM_FULL),
+    (R(2, steps=2, optim="lion"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM_FULL),
 ]
 
 

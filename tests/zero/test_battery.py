@@ -82,9 +82,16 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
         model.blocks[0].fc.weight.register_hook(neighbour)
     if fault == _battery.MAPPING_FAULT:
         for rec in opt.shard_update.states:   # every piece reads its neighbour's gradient
+            if rec.rule is None:   # (a fused AdamW group beside a matrix class's)
+                continue
             step = rec.rule.step
             rec.rule.step = lambda g, group, scale, live=None, step=step: \
                 step(g.roll(1), group, scale, live)
+        mx = opt.shard_update.matrix   # the owners' whole matrices read them off by one too
+        if mx is not None:
+            mstep = mx.step
+            mx.step = lambda comm, meter, shards, *a: mstep(comm, meter,
+                                                           [g.roll(1) for g in shards], *a)
     grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0
     buffers_before = opt.stats()["memory_bytes"]["buffers"]
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.

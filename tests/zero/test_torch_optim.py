@@ -149,8 +149,10 @@ def test_declared_elementwise_class():
 @pytest.mark.parametrize("optimizer, kw, err, match", [
     (torch.optim.LBFGS, {}, ValueError, "LBFGS is refused: its step.. re-evaluates a closure"),
     (torch.optim.SparseAdam, {}, ValueError, "SparseAdam is refused: it takes sparse"),
-    ("lion", {}, ValueError, "optimizer='lion' needs the fused Lion op"),
-    ("muon", {}, ValueError, "optimizer='muon' is not a known name"),
+    ("lion", {"momentum": 0.9}, TypeError, "optimizer='lion' .the fused op. takes lr, betas"),
+    ("lion", {"betas": (1.5, 0.99)}, ValueError, "optimizer='lion': beta1"),
+    ("sgd", {"nesterov": True}, ValueError, "optimizer='sgd': nesterov needs momentum"),
+    ("muonn", {}, ValueError, "optimizer='muonn' is not a known name"),
     (42, {}, TypeError, "optimizer must be a name"),
     ("adamw", {"momentum": 0.9}, TypeError, "optimizer='adamw' takes lr, betas.*momentum"),
     (torch.optim.SGD, {"momentum": -1.0}, ValueError, "momentum"),
@@ -161,10 +163,12 @@ def test_refused_by_name(optimizer, kw, err, match):
         zk.ZeroOptimizer(_model(), stage=2, optimizer=optimizer, **kw)
 
 
-@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
-def test_muon_refused_by_name():
-    with pytest.raises(ValueError, match="Muon is refused: Newton-Schulz"):
-        resolve_optimizer(torch.optim.Muon, {})
+def test_matrix_classes_resolve_as_whole_matrix_rules():
+    """Muon and Adafactor run on whole matrices (tests/zero/test_matrix_optim.py), by class
+    or by name."""
+    assert resolve_optimizer(torch.optim.Muon, {}).matrix
+    assert resolve_optimizer("adafactor", {"lr": 0.01}).matrix
+    assert not resolve_optimizer(torch.optim.SGD, {}).matrix
 
 
 def test_group_optimizer_refused_names_the_group():

@@ -47,7 +47,10 @@ keys ``read_rule_state`` gives), and the piece's 0-dim state (``step``, NAdam's
 Loading reads the saved fields into zeroed flat buffers of the unit's shard at any world
 size, gives every piece its parameter's saved scalars (the pieces of a parameter agree) and
 hands the unit back with ``write_rule_state``. One optimizer's checkpoint into another is
-refused by name (``load.check_compatible``).
+refused by name (``load.check_compatible``). The fused Lion and SGD give their pieces the
+same way (``exp_avg``, ``momentum_buffer``, ``step``); Muon's and Adafactor's owners send each
+rank its pieces of their state, every tensor broadcast to the parameter's shape, and gather
+them back on load ([Note: whole matrices on owners] in ``zkernels/zero/state/matrix_rule.py``).
 """
 from __future__ import annotations
 

@@ -137,6 +137,12 @@ class HybridComm:
         self.progress()
         return self.shard.all_gather(output, input, tag=tag)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
+                   tag: Optional[str] = None) -> Handle:
+        """Within the shard group (the whole-matrix optimizers' exchanges)."""
+        self.progress()
+        return self.shard.all_to_all(output, input, tag=tag)
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum",
                    tag: Optional[str] = None) -> Handle:
         """Within the shard group (the norm's sum of squares, the stage-3 path checks)."""

@@ -99,6 +99,13 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 # TrainingArguments.optim choices that run a torch.optim class on the shards: the class and
 # its keywords are Trainer's own (``Trainer.get_optimizer_cls_and_kwargs``: lr, optim_args).
 _TORCH_OPTIMS = ("sgd", "adagrad", "rmsprop")
+# ... and those that run a fused op: Lion in fp32 state (Trainer's bitsandbytes Lion with
+# betas (adam_beta1, adam_beta2)) is zkernels' fused Lion. Not mapped (refused by name):
+# the 8-bit and paged variants (other state), and "adafactor", Trainer's
+# transformers.optimization.Adafactor, whose update (no parameter-scale step, update
+# clipping) is not torch.optim.Adafactor's: pass optimizer=torch.optim.Adafactor in
+# zero_config's param groups to run that one.
+_FUSED_OPTIMS = {"lion_32bit": "lion"}
 
 
 def _transformers_version() -> str:
@@ -149,10 +156,11 @@ def optimizer_kwargs(args, zero_config: Dict[str, Any]) -> Dict[str, Any]:
             ``_TORCH_OPTIMS`` (the torch class on the shards).
     """
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in _ADAMW and optim not in _TORCH_OPTIMS:
-        raise ValueError(f"ZeroTrainer updates with zkernels' sharded AdamW or a torch.optim "
-                         f"class on the shards: TrainingArguments.optim must be one of "
-                         f"{_ADAMW + tuple(_TORCH_OPTIMS)}, got {optim!r}")
+    known = _ADAMW + tuple(_TORCH_OPTIMS) + tuple(_FUSED_OPTIMS)
+    if optim not in known:
+        raise ValueError(f"ZeroTrainer updates with zkernels' sharded AdamW, fused Lion or a "
+                         f"torch.optim class on the shards: TrainingArguments.optim must be "
+                         f"one of {known}, got {optim!r}")
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     max_norm = args.max_grad_norm
     config = ZeroConfig.from_kwargs(param_dtype=param_dtype, **{
@@ -163,6 +171,9 @@ def optimizer_kwargs(args, zero_config: Dict[str, Any]) -> Dict[str, Any]:
         from transformers import Trainer
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
         hparams = dict(optimizer=cls, weight_decay=args.weight_decay, **kwargs)
+    if optim in _FUSED_OPTIMS:
+        hparams = dict(optimizer=_FUSED_OPTIMS[optim], lr=args.learning_rate,
+                       betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
     return dict(**hparams, max_grad_norm=float(max_norm) if max_norm and max_norm > 0 else None,
                 config=config, **{k: v for k, v in zero_config.items()
                                   if k not in CONFIG_KWARGS})

@@ -133,6 +133,15 @@ class CheckpointSource(Protocol):
                          states: List[dict]) -> None:
         """Restore :meth:`read_rule_state`'s state and rebuild the unit's compute shard."""
 
+    def read_owned_state(self, unit: CheckpointUnit) -> Dict[str, dict]:
+        """A whole-matrix class's unit ([Note: whole matrices on owners]): the class's own
+        state of each of its parameters this rank owns, by name; empty for other units."""
+
+    def write_owned_state(self, unit: CheckpointUnit, step: int, master: torch.Tensor,
+                          states: Dict[str, dict]) -> None:
+        """Restore :meth:`read_owned_state` (same world size: same owners) and the master
+        shard, and rebuild the unit's compute shard."""
+
     def publish(self, units: Sequence[CheckpointUnit]) -> None:
         """Make every rank's parameters follow these units' shards. Collective."""
 

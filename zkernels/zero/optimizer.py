@@ -258,6 +258,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.shard_update.close()
             raise
+        if self.shard_update.matrix is not None:   # [Note: whole matrices on owners]
+            self.shard_update.matrix.checkpoint_comm = self.checkpoint_comm
         if self.shard_update.resumed:
             # The engine adopted a kept state and rewrote this rank's compute shards from its
             # master: every rank's copy of the full parameters must follow (collective at
@@ -384,6 +386,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _update(self, shards, grad_scale, live) -> None:
         handles = []
+        if self.shard_update.matrix is not None:   # whole matrices, on their owners first
+            self.shard_update.matrix.step(self.comm, self.meter, shards, grad_scale, live,
+                                          self.param_groups)
         for u in self.shard_update.update_order(self.units):
             self.shard_update.update(u, shards[u.index], self.param_groups[u.group_index],
                                      grad_scale, live[u.index])
@@ -541,6 +546,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         self.shard_update.load_rule_state(unit, step, master, states,
                                           self.param_groups[unit.group_index])
+
+    def read_owned_state(self, unit):
+        """The torch format state of ``unit``'s parameters this rank owns (whole-matrix
+        classes: [Note: whole matrices on owners]), by name; empty for other units."""
+        m = self.shard_update.matrix
+        if m is None or unit.index not in m.records:
+            return {}
+        return m.owned_states(unit.index)
+
+    def write_owned_state(self, unit, step: int, master: torch.Tensor, states) -> None:
+        """Restore :meth:`read_owned_state` and the master shard; rebuild the compute shard."""
+        self.shard_update.load_owned_state(unit, step, master, states,
+                                           self.param_groups[unit.group_index])
 
     def publish(self, units) -> None:
         """Every rank's parameters follow these units' shards (collective, unmetered)."""

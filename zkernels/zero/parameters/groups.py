@@ -242,7 +242,7 @@ def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
             check_hparams(f"param_groups[{i}]: ", g["lr"], g["betas"], g["eps"],
                           g["weight_decay"])
         elif param_groups is not None:   # the class checks the group's values
-            resolve_optimizer(spec.cls, {k: g[k] for k in spec.defaults if k in g},
+            resolve_optimizer(spec.cls or spec.name, {k: g[k] for k in spec.defaults if k in g},
                               True, where=f"param_groups[{i}]: ")
         specs.append(spec)
     return groups, defaults, specs

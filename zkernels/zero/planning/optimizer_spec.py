@@ -11,12 +11,16 @@ A group's optimizer is one of two update rules, chosen at construction:
   are its parameters (views into the fp32 master shard), their gradients views of the
   (unscaled) gradient shard, and its state lives with the pieces (``state/torch_rule.py``).
 
-Names select a rule too: ``"adamw"``, and the lower-case names of :data:`ELEMENTWISE`
-(``"sgd"``, ``"adagrad"``, ...), which run the torch class. ``"lion"`` is refused by name
-until the fused Lion op exists. A class whose update needs more than one element (LBFGS's
-closure over the whole model, SparseAdam's sparse gradients, ``torch.optim.Muon``'s and
-``Adafactor``'s whole matrices) or any class neither listed nor declared is refused by name:
-it is never run silently on pieces.
+Names select a rule too: ``"adamw"``; ``"lion"`` and ``"sgd"``, the fused Lion and SGD ops
+(``zkernels.ops.lion_step`` / ``sgd_step``: reference, Triton, C++; [Note: fused Lion and
+SGD] in ``state/fused_rule.py``); and the lower-case names of the other classes of
+:data:`ELEMENTWISE` and :data:`MATRIX` (``"adagrad"``, ``"muon"``, ...), which run the torch
+class (``torch.optim.SGD`` itself: pass the class). The matrix classes of :data:`MATRIX`
+(``torch.optim.Muon``, ``torch.optim.Adafactor``: Newton-Schulz and the row/column factors
+read the whole matrix) run on whole parameters, each updated by one owner rank ([Note: whole matrices on owners] in
+``state/matrix_rule.py``). A class whose update needs more than one element and is not
+there (LBFGS's closure over the whole model, SparseAdam's sparse gradients) or any class
+neither listed nor declared is refused by name: it is never run silently on pieces.
 
 State bytes per trainable element (fp32) follow the class and its hyperparameters
 (:func:`state_bytes`): SGD 4 with momentum and 0 without, Adam 8 (12 with amsgrad),
@@ -26,9 +30,11 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
+
+from ... import ops as _ops
 
 # Element-wise torch.optim classes and their fp32 state bytes per element (hyperparameters).
 _O = torch.optim
@@ -46,17 +52,28 @@ ELEMENTWISE: Dict[type, Callable[[dict], int]] = {
     _O.Rprop: lambda h: 8,
     _O.ASGD: lambda h: 4,
 }
-NAMES: Dict[str, type] = {c.__name__.lower(): c for c in ELEMENTWISE}
+# Whole-matrix torch.optim classes ([Note: whole matrices on owners]) and their fp32 bytes per
+# element: the owner's whole fp32 master (4) plus the class's state (Muon's momentum 4;
+# Adafactor's row/column factors, O(rows + columns), counted as 0). Averaged over the shard
+# group, as the owners are balanced.
+MATRIX: Dict[type, Callable[[dict], int]] = {
+    _O.Muon: lambda h: 8,
+    _O.Adafactor: lambda h: 4,
+}
+# The fused ops a name selects, with their hyperparameters' defaults (as torch's SGD; Lion's
+# as the Lion paper's).
+KERNELS: Dict[str, Dict[str, object]] = {
+    "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0),
+    "sgd": dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False),
+}
+NAMES: Dict[str, type] = {c.__name__.lower(): c for c in (*ELEMENTWISE, *MATRIX)
+                          if c.__name__.lower() not in KERNELS}
 ADAMW_STATE_BYTES = 8
 
 _REFUSED = {
     "LBFGS": "its step() re-evaluates a closure over the whole model and keeps a history of "
              "whole-model vectors: it cannot run on one rank's shard",
     "SparseAdam": "it takes sparse gradients; ZeRO reduces dense gradient shards",
-    "Muon": "Newton-Schulz orthogonalizes whole matrices (not element-wise); not supported "
-            "on shards yet",
-    "Adafactor": "its row/column factors need whole matrices (not element-wise); not "
-                 "supported on shards yet",
 }
 
 
@@ -65,8 +82,9 @@ class OptimizerSpec:
     """One param group's update rule (see [Note: optimizer rules]).
 
     Attributes:
-        name: ``"adamw"`` (the fused AdamW) or the torch class's name (``"SGD"``).
-        cls: the torch class (None for the fused AdamW).
+        name: ``"adamw"`` (the fused AdamW), ``"lion"`` / ``"sgd"`` (the fused ops) or the
+            torch class's name (``"SGD"``).
+        cls: the torch class (None for the fused ops).
         defaults: the class's hyperparameters with the given keywords applied (what its
             param groups carry); for the fused AdamW empty (the groups carry lr, betas, ...).
     """
@@ -77,14 +95,28 @@ class OptimizerSpec:
 
     @property
     def fused(self) -> bool:
-        return self.cls is None
+        """The fused AdamW (today's default rule)."""
+        return self.cls is None and self.name == "adamw"
+
+    @property
+    def kernel(self) -> Optional[str]:
+        """``"lion"`` or ``"sgd"`` where the group runs that fused op, else None."""
+        return self.name if self.cls is None and self.name in KERNELS else None
+
+    @property
+    def matrix(self) -> bool:
+        """Whether the class updates whole parameters on an owner rank (:data:`MATRIX`)."""
+        return self.cls in MATRIX
 
     def state_bytes(self, hparams: Optional[dict] = None) -> int:
         """fp32 state bytes per trainable element under ``hparams`` (default: the spec's)."""
+        if self.kernel is not None:   # Lion's exp_avg; SGD's momentum buffer when it has one
+            h = {**self.defaults, **(hparams or {})}
+            return 4 if self.kernel == "lion" or h.get("momentum", 0) else 0
         if self.cls is None:
             return ADAMW_STATE_BYTES
         h = {**self.defaults, **(hparams or {})}
-        rule = ELEMENTWISE.get(self.cls)
+        rule = ELEMENTWISE.get(self.cls) or MATRIX.get(self.cls)
         if rule is None:   # a declared class: its state measured after its first step
             return 0
         return rule(h)
@@ -93,15 +125,12 @@ class OptimizerSpec:
 def _class_of(optimizer, where: str):
     if isinstance(optimizer, str):
         key = optimizer.lower()
-        if key == "adamw":
-            return None
-        if key == "lion":
-            raise ValueError(f"{where}optimizer='lion' needs the fused Lion op, which this "
-                             f"build does not have yet")
+        if key == "adamw" or key in KERNELS:
+            return key
         if key not in NAMES:
             raise ValueError(f"{where}optimizer={optimizer!r} is not a known name: expected "
-                             f"'adamw' or one of {sorted(NAMES)}, or a torch.optim.Optimizer "
-                             f"subclass")
+                             f"'adamw', 'lion', 'sgd' or one of {sorted(NAMES)}, or a "
+                             f"torch.optim.Optimizer subclass")
         return NAMES[key]
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -127,24 +156,53 @@ def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
         TypeError: not a name or an Optimizer subclass; keywords the class does not take.
     """
     cls = _class_of(optimizer, where)
-    if cls is None:
+    if cls == "adamw":
         if hparams:
             raise TypeError(f"{where}optimizer='adamw' takes lr, betas, eps and weight_decay; "
                             f"got unexpected keywords {sorted(hparams)}")
         return OptimizerSpec("adamw")
+    if isinstance(cls, str):
+        return _kernel_spec(cls, hparams, where)
     if cls.__name__ in _REFUSED and cls not in ELEMENTWISE:
         raise ValueError(f"{where}optimizer=torch.optim.{cls.__name__} is refused: "
                          f"{_REFUSED[cls.__name__]}")
-    if cls not in ELEMENTWISE and not elementwise:
+    if cls not in ELEMENTWISE and cls not in MATRIX and not elementwise:
         raise ValueError(f"{where}optimizer={cls.__module__}.{cls.__name__} is not known to "
                          f"be element-wise (known: {', '.join(c.__name__ for c in ELEMENTWISE)}"
                          f"): ZeroOptimizer runs a class on pieces of parameters only when "
                          f"each element's update reads only its own gradient and state; pass "
                          f"elementwise=True if that holds for it")
-    probe = cls([torch.zeros(1, requires_grad=True)], **hparams)   # the class checks them
+    shape = (1, 1) if cls in MATRIX else (1,)   # (Muon takes only matrices)
+    probe = cls([torch.zeros(shape, requires_grad=True)], **hparams)   # the class checks them
     defaults = {k: v for k, v in probe.defaults.items()}
     return OptimizerSpec(cls.__name__, cls, defaults)
 
+
+
+def _kernel_spec(name: str, hparams: dict, where: str) -> OptimizerSpec:
+    """The fused Lion / SGD op's spec; its hyperparameters checked by the op on one element."""
+    defaults = KERNELS[name]
+    extra = sorted(set(hparams) - set(defaults))
+    if extra:
+        raise TypeError(f"{where}optimizer={name!r} (the fused op) takes "
+                        f"{', '.join(defaults)}; got unexpected keywords {extra}")
+    h = {**defaults, **hparams}
+    p, g = torch.zeros(1), torch.zeros(1)   # (the op's own checks: one element on the CPU)
+    try:
+        if name == "lion":
+            b1, b2 = h["betas"]
+            _ops.lion_step(p, g, torch.zeros(1), lr=float(h["lr"]), beta1=float(b1),
+                           beta2=float(b2), weight_decay=float(h["weight_decay"]))
+        else:
+            _ops.sgd_step(p, g, torch.zeros(1) if h["momentum"] else None, lr=float(h["lr"]),
+                          momentum=float(h["momentum"]), dampening=float(h["dampening"]),
+                          weight_decay=float(h["weight_decay"]), nesterov=bool(h["nesterov"]),
+                          step=1)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{where}optimizer={name!r}: {exc}") from exc
+    if name == "lion":
+        h["betas"] = tuple(h["betas"])
+    return OptimizerSpec(name, None, h)
 
 
 def fused_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:

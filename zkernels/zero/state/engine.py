@@ -74,6 +74,8 @@ from .nvme_files import NvmeFiles
 from .live_ranges import clip, live_segments
 from .shard_state import ShardState
 from .swap import aligned_empty
+from .fused_rule import FusedShardRule
+from .matrix_rule import MatrixUnitRule, MatrixUpdate
 from .torch_rule import TorchShardRule
 from .transfer import Copier
 
@@ -187,6 +189,8 @@ class UpdateEngine:
         self.grad_ops = host_ops if self.grad_sink is not None else ops
         self.resumed = files is not None and files.resumed
         self.states: List[ShardState] = []
+        # Whole-matrix classes' owners and exchanges ([Note: whole matrices on owners]).
+        self.matrix: Optional[MatrixUpdate] = None
         self.sub_group_numel = config.sub_group_numel if placement == "cpu" else 0
         self._slots: List[_Slot] = []
         self._buffers: List[torch.Tensor] = []   # the host memory behind the slots
@@ -218,7 +222,20 @@ class UpdateEngine:
             if not master.is_meta:
                 master.copy_(initial_master)
         spec = self.specs[unit.group_index] if self.specs else None
-        if spec is not None and not spec.fused:   # the class allocates its own state
+        if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
+            none = master.new_empty(0)
+            rec = ShardState(unit, master, none, none)
+            if self.matrix is None:
+                self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs)
+            self.matrix.add_unit(rec)
+            rec.rule = MatrixUnitRule(self.matrix, unit.index)
+        elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)
+            none = master.new_empty(0)
+            rec = ShardState(unit, master, none, none)
+            rec.rule = FusedShardRule(spec, master, [(s, k) for _, _, s, k in
+                                                     unit.param_slices_in_shard()],
+                                      self.step_ops)
+        elif spec is not None and not spec.fused:   # the class allocates its own state
             none = master.new_empty(0)
             rec = ShardState(unit, master, none, none)
             rec.rule = TorchShardRule(spec, master, [(s, k) for _, _, s, k in
@@ -536,6 +553,8 @@ class UpdateEngine:
         self._settle_all()
         rec = self.states[unit.index]
         rec.set_step(step, param_steps)
+        if rec.rule is not None:   # a whole-matrix owner re-reads its master at the next step
+            rec.rule.master_written()
         src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:
@@ -557,6 +576,16 @@ class UpdateEngine:
         rec.step = int(step)
         rec.master.copy_(master)
         rec.rule.load(states, group)
+        self._write_compute(unit, rec.master)
+
+    def load_owned_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
+                         states, group: dict) -> None:
+        """A whole-matrix class's unit: its master shard and the owned parameters' state in
+        the class's format (``MatrixUpdate.load_owned``); rebuild its compute shard."""
+        rec = self.states[unit.index]
+        rec.step = int(step)
+        rec.master.copy_(master)
+        self.matrix.load_owned(unit.index, states, group)
         self._write_compute(unit, rec.master)
 
     # -- accounting and lifetime --------------------------------------------------------

@@ -65,10 +65,12 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
         return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None),
                             specs=specs)
     if offload == "nvme" and any(not s.fused for s in specs):
-        name = next(s.name for s in specs if not s.fused)
-        raise ValueError(f"offload='nvme' runs the fused AdamW only: torch.optim.{name}'s "
-                         f"state is created by the class in memory and is not streamed "
-                         f"through the NVMe slots; use offload='cpu'")
+        spec = next(s for s in specs if not s.fused)
+        what = f"the fused {'Lion' if spec.kernel == 'lion' else 'SGD'} op's" \
+            if spec.kernel else f"torch.optim.{spec.name}'s"
+        raise ValueError(f"offload='nvme' runs the fused AdamW only: {what} state is kept "
+                         f"in memory and is not streamed through the NVMe slots; use "
+                         f"offload='cpu'")
     config = offload_config or OffloadConfig()
     copier = Copier(device, config.pin_memory)
     store = files = None

@@ -16,6 +16,8 @@ from typing import Any, Dict
 
 import torch
 
+from ..planning.optimizer_spec import MATRIX
+
 
 def _fingerprint(opt) -> list:
     return [list(u.layout.numels) for u in opt.units]
@@ -29,7 +31,9 @@ def _fingerprint(opt) -> list:
 # of the flattened parameter; a fused AdamW group's entries have "exp_avg", "exp_avg_sq" and
 # "step"); "param_groups" carry the class's hyperparameters. "zero" adds each group's
 # optimizer ("optimizers") and the fp32 master shards by unit ("masters"). A parameter no
-# element of which lives on this rank has no entry. Loading one optimizer's state into
+# element of which lives on this rank has no entry. A whole-matrix class's parameter (Muon,
+# Adafactor: [Note: whole matrices on owners]) has its class's own entry, whole, on its owner
+# only ("owned": its indices; "pieces" [0, numel]). Loading one optimizer's state into
 # another is refused by name.
 
 
@@ -45,8 +49,16 @@ def _param_index(opt) -> Dict[str, int]:
 
 
 def _pieces_state(opt) -> Dict[str, Any]:
-    index, state, pieces, masters = _param_index(opt), {}, {}, {}
+    index, state, pieces, masters, owned = _param_index(opt), {}, {}, {}, []
     for u in opt.units:
+        if _matrix(opt, u):
+            whole = opt.read_owned_state(u)
+            masters[u.index] = opt.read_state(u)[1][0].detach().clone()
+            for name, st in whole.items():
+                k = index[name]
+                state[k], pieces[k] = st, [0, int(u.layout.numels[u.names.index(name)])]
+                owned.append(k)
+            continue
         step, master, states = opt.read_rule_state(u)
         masters[u.index] = master.detach().clone()
         for (name, a, _, n), st in zip(u.param_slices_in_shard(), states):
@@ -56,7 +68,12 @@ def _pieces_state(opt) -> Dict[str, Any]:
             entry.setdefault("step", torch.tensor(float(step)))
             state[k] = entry
             pieces[k] = [a, a + n]
-    return {"state": state, "pieces": pieces, "masters": masters}
+    return {"state": state, "pieces": pieces, "masters": masters, "owned": owned}
+
+
+def _matrix(opt, unit) -> bool:
+    """A whole-matrix class's unit (its name in ``optimizer_spec.MATRIX``)."""
+    return opt.optimizer_names[unit.group_index] in {c.__name__ for c in MATRIX}
 
 
 def state_dict(opt) -> Dict[str, Any]:
@@ -81,8 +98,8 @@ def state_dict(opt) -> Dict[str, Any]:
         zero = {"world_size": comm.world_size, "rank": comm.rank, "stage": opt.stage,
                 "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
                 "optimizers": _optimizers(opt), "pieces": got["pieces"],
-                "masters": got["masters"], "steps": {u.index: opt.state_step(u)
-                                                     for u in opt.units}, **opt.counters()}
+                "masters": got["masters"], "owned": got["owned"],
+                "steps": {u.index: opt.state_step(u) for u in opt.units}, **opt.counters()}
         out = {"state": got["state"], "param_groups": groups, "zero": zero}
         _add_frozen(opt, out)
         return out
@@ -156,6 +173,11 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
         if "optimizers" in zero:   # [Note: the state_dict of a torch class]
             index = _param_index(opt)
             for u in opt.units:
+                if _matrix(opt, u):
+                    opt.write_owned_state(u, zero["steps"][u.index], zero["masters"][u.index],
+                                          {n: sd["state"][index[n]] for n in u.names
+                                           if index[n] in sd["state"]})
+                    continue
                 states = [{k: v for k, v in sd["state"][index[name]].items()
                            if not (k == "step" and opt.optimizer_names[u.group_index]
                                    == "adamw")}

@@ -122,6 +122,9 @@ class TorchShardRule:
                     new[k] = t.clone() if isinstance(t, torch.Tensor) else t
             self.inner.state[p] = new
 
+    def master_written(self) -> None:
+        """The master was written from outside a step (nothing to do: pieces read it)."""
+
     def held(self) -> List[torch.Tensor]:
         """The flat state buffers (for ``stats()``)."""
         return list(self.flat.values())
