@@ -63,6 +63,17 @@ def split_offload(offload):
     return kind, extra == "params"
 
 
+def offload_kwargs(offload):
+    """ZeroOptimizer's offload keywords for a case's offload (see :func:`split_offload`), an
+    NVMe case in a new temporary folder of this rank."""
+    kind, params = split_offload(offload)
+    out = {"offload": kind, "offload_params": params}
+    if kind == "nvme":
+        import tempfile
+        out["offload_dir"] = tempfile.mkdtemp(prefix="zk-nvme-")
+    return out
+
+
 def build(seed, *, stage, dtype, bucket_bytes, offload=None, offload_dir=None):
     offload, offload_params = split_offload(offload)
     model = make_model(seed)

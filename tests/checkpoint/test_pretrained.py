@@ -17,7 +17,7 @@ import torch
 
 import zkernels as zk
 from tests._dist import run_ranks
-from tests.checkpoint._ranks import plain, tensors
+from tests.checkpoint._ranks import offload_kwargs, plain, tensors
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -89,7 +89,7 @@ def load_cases(rank, ws, cases):
     for kind, dtype, stage, offload, folder in cases:
         model = make_model(kind, 1)
         opt = zk.ZeroOptimizer(model, stage=stage, lr=1e-3, bucket_bytes=BUCKET,
-                               offload=offload, ops_backend="reference")
+                               ops_backend="reference", **offload_kwargs(offload))
         # A step first: the moments and step count are not zero before the load.
         model(torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
         opt.step()
@@ -131,7 +131,9 @@ def tensor_bytes(folder):
 
 
 CASES = [("llama", "fp32", 1, None), ("llama", "bf16", 2, None), ("gpt2", "fp32", 3, None),
-         ("gpt2", "bf16", 1, None), ("llama", "bf16", 3, None), ("gpt2", "fp32", 2, "cpu")]
+         ("gpt2", "bf16", 1, None), ("llama", "bf16", 3, None), ("gpt2", "fp32", 2, "cpu"),
+         ("llama", "bf16", 3, "nvme"), ("gpt2", "fp32", 3, "cpu+params"),
+         ("llama", "fp32", 3, "nvme+params")]
 
 
 def test_load_pretrained_matches_load_state_dict_and_reads_each_byte_once(files):

@@ -4,7 +4,8 @@ zkernels/zero/parameters/meta_init.py): materialized unit by unit on ``device=``
 Oracles:
 - the same meta model materialized eagerly in one process (``materialize_eagerly``, the
   per-unit seeds of rank 0's generator): every parameter and buffer bit for bit, at 1, 2 and 4
-  gloo ranks, stages 1-3, cpu offload and hybrid sharding (values are copied, never computed,
+  gloo ranks, stages 1-3, cpu and NVMe offload (with the parameters offloaded too) and
+  hybrid sharding (values are copied, never computed,
   so equality is exact). Each rank seeds its generator differently, so a build that drew the
   seed per rank instead of agreeing on rank 0's would fail here;
 - transformers' own init for a meta Llama's rotary ``inv_freq`` buffer (non-persistent): the
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 import zkernels as zk
 from tests._dist import run_ranks
-from tests.checkpoint._ranks import plain, tensors
+from tests.checkpoint._ranks import offload_kwargs, plain, tensors
 from zkernels.zero.parameters import meta_init
 from zkernels.zero.parameters.meta_init import materialize_eagerly
 
@@ -87,7 +88,9 @@ def values(model):
 # (kind, stage, offload, shard_size, param_init)
 CASES = [("toy", 1, None, None, toy_init), ("toy", 2, None, None, toy_init),
          ("toy", 3, None, None, toy_init), ("toy", 3, "cpu", None, toy_init),
-         ("llama", 3, None, None, None), ("gpt2", 2, None, None, None)]
+         ("llama", 3, None, None, None), ("gpt2", 2, None, None, None),
+         ("toy", 3, "nvme", None, toy_init), ("llama", 3, "cpu+params", None, None),
+         ("toy", 2, "nvme", None, toy_init)]
 HYBRID = [("toy", 3, None, 2, toy_init), ("llama", 3, None, 2, None)]
 
 
@@ -98,9 +101,9 @@ def build_cases(rank, ws, cases):
     for kind, stage, offload, shard_size, init in cases:
         torch.manual_seed(RANK_SEED + rank)
         model = build(kind)
-        opt = zk.ZeroOptimizer(model, stage=stage, offload=offload, shard_size=shard_size,
-                               device="cpu", param_init=init, lr=1e-2,
-                               ops_backend="reference")
+        opt = zk.ZeroOptimizer(model, stage=stage, shard_size=shard_size, device="cpu",
+                               param_init=init, lr=1e-2, ops_backend="reference",
+                               **offload_kwargs(offload))
         with opt.gathered():
             built = values(model)
         x = (torch.randn(2, 6) if kind == "toy" else torch.arange(8).view(1, 8) % 64)
@@ -227,7 +230,7 @@ def test_materialized_model_is_taken_as_today():
 SHARD = "20KB"
 
 
-def load_and_train(rank, ws, stage, folder):
+def load_and_train(rank, ws, stage, folder, shard_size=None):
     """Meta build + load_pretrained, and the eagerly built model + load_state_dict of the same
     files, both trained 2 steps on the same batches; return both."""
     from safetensors.torch import load_file
@@ -239,7 +242,7 @@ def load_and_train(rank, ws, stage, folder):
         if path == "meta":
             model = build("llama")
             opt = zk.ZeroOptimizer(model, stage=stage, device="cpu", lr=1e-2,
-                                   ops_backend="reference")
+                                   shard_size=shard_size, ops_backend="reference")
             zk.checkpoint.load_pretrained(opt, folder)
         else:
             model = hf("llama")
@@ -247,7 +250,8 @@ def load_and_train(rank, ws, stage, folder):
             for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
                 sd.update(load_file(f))
             model.load_state_dict({k: v.float() for k, v in sd.items()})
-            opt = zk.ZeroOptimizer(model, stage=stage, lr=1e-2, ops_backend="reference")
+            opt = zk.ZeroOptimizer(model, stage=stage, lr=1e-2, shard_size=shard_size,
+                                   ops_backend="reference")
         for step in range(2):
             ids = (torch.arange(8).view(1, 8) * (rank + 2) + step) % 64
             model(ids, labels=ids).loss.backward()
@@ -258,12 +262,16 @@ def load_and_train(rank, ws, stage, folder):
     return plain(out)
 
 
-@pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow)])
-def test_meta_build_then_load_pretrained_trains_like_load_state_dict(tmp_path, stage):
+@pytest.mark.parametrize("stage, ws, shard_size", [
+    (3, 2, None), pytest.param(1, 2, None, marks=pytest.mark.slow),
+    pytest.param(3, 4, 2, marks=pytest.mark.slow, id="3-hybrid")])
+def test_meta_build_then_load_pretrained_trains_like_load_state_dict(tmp_path, stage, ws,
+                                                                     shard_size):
     torch.manual_seed(3)
     src = hf("llama").to(torch.bfloat16)
     src.save_pretrained(str(tmp_path), max_shard_size=SHARD)
-    res = tensors(run_ranks(load_and_train, 2, stage, str(tmp_path), timeout=400.0)[0])
+    res = tensors(run_ranks(load_and_train, ws, stage, str(tmp_path), shard_size,
+                            timeout=600.0)[0])
     assert set(res["meta"]) == set(res["eager"])
     for n, v in res["eager"].items():
         assert torch.equal(res["meta"][n], v), n
