@@ -438,7 +438,7 @@ class ShardedGradReducer(_Reducer):
 
     def held_grads(self) -> List[torch.Tensor]:
         """Gradient storage on the device (a host sink reports its own, see ``state/grad_sink.py``)."""
-        return list(self.sink.shards) if self.sink.on_device else []
+        return self.sink.held() if self.sink.on_device else []
 
 
 def _pool(policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
