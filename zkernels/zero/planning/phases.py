@@ -27,7 +27,9 @@ What the code holds, and so what is counted:
   largest file, at most f·Ψ/N: read through ``safe_open``'s memory map, they count in RSS
   until the file closes, and the loader keeps one file open at a time; see [Note: measuring
   peak RSS honestly] in ``zkernels/bench/peak_rss.py``).
-  Stages 1-2 hold their whole compute copy (pΨ) too.
+  Stages 1-2 hold their whole compute copy (pΨ) too, and then publish every bucket at once
+  (``publish``: pΨ, the all-gathers in flight together, each staged by gloo through a buffer
+  of its size; an in-place NCCL all-gather needs none, so there this overcounts).
 - **train**: :func:`estimate_memory`'s peak (``device_bytes + host_bytes``), by kind.
 - **save** (``zk.checkpoint.save_pretrained``): what training holds between steps
   (``held_device_bytes`` + host bytes), plus one unit's (bucket's) fp32 masters all-gathered
@@ -154,6 +156,7 @@ def estimate_phases(model_or_num_params: Union[torch.nn.Module, int, float], wor
     load = dict(states=states,
                 read_buffer=f * (min(max_tensor, _ceil(unit, n)) + 2 * _row(max_tensor)),
                 unit_copy=FP32 * _ceil(unit, n),
+                publish=0 if STAGES[est.stage].shards_params else est.params_bytes,
                 file_pages=_ceil(min(f * psi, file_bytes if file_bytes is not None
                                      else f * psi), n))
     train = {}
