@@ -190,7 +190,7 @@ def render_phases(phases, unit_name: str = "GB") -> str:
     (``build``), loading pretrained files (``load``), training (``train``) and saving."""
     unit = _UNITS[unit_name.lower()]
     cols = ["rung"] + list(PHASES)
-    body = [[f"  {name}"] + [_fmt(ph.peak_bytes(k), unit) for k in PHASES]
+    body = [[name] + [_fmt(ph.peak_bytes(k), unit) for k in PHASES]
             for name, ph in phases]
     widths = [max(len(r[i]) for r in body + [cols]) for i in range(len(cols))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
