@@ -398,7 +398,8 @@ class ShardedGradReducer(_Reducer):
     def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
                  precision: MixedPrecision, ops: OpSet,
                  grad_sink: Optional["GradSink"] = None, hooks: bool = True) -> None:
-        self.sink = grad_sink if grad_sink is not None else DeviceGradShards(buckets)
+        self.sink = grad_sink if grad_sink is not None else \
+            DeviceGradShards(buckets, lazy=policy.shards_params)
         pool = _pool(policy, buckets, comm, precision)
         scale = 1.0 / num_averaged(comm)
         super().__init__([GradBucket(b, pool, ops, scale, self.sink, hooks) for b in buckets],

@@ -7,9 +7,9 @@ it is built (a meta model's own dtype: fp32 unless it is a bf16/fp16 model), f =
 element in the files read (``file_dtype``; default m), U_i = elements of unit i (stage 3: the
 units of ``unit_plan.plan_units``, built in backward order, the root last; stages 1-2: the
 buckets), S = what a rank holds once built: what the training estimate holds between steps
-(params, master, optimizer states, offload's staging, stages 1-2's reduce buffers, stage 1's
-gradient buffers and CPU offload's host gradient shards; in memory, so NVMe's files are not),
-less stages 2-3's device gradient shards, which the first backward allocates ([Note: device
+(params, master, optimizer states, offload's staging, stages 1-2's reduce buffers and
+gradients, CPU offload's host gradient shards; in memory, so NVMe's files are not), less
+stage 3's device gradient shards, which the first backward allocates ([Note: device
 gradient shards allocated lazily] in ``state/grad_sink.py``).
 What the code holds, and so what is counted:
 
@@ -146,10 +146,10 @@ def estimate_phases(model_or_num_params: Union[torch.nn.Module, int, float], wor
     t = est.trainable_numel
     psi = est.num_params
     # What a rank holds once built, in memory (device and host; NVMe's files are not): what
-    # it holds between steps (stage 3's reduce buffers are not held), less stages 2-3's
-    # device gradient shards, which the first backward allocates.
+    # it holds between steps (stage 3's reduce buffers are not held), less stage 3's device
+    # gradient shards, which the first backward allocates.
     states = est.held_device_bytes + est.host_bytes - \
-        (est.by_location["device"].get("grads", 0) if STAGES[est.stage].shards_grads else 0)
+        (est.by_location["device"].get("grads", 0) if STAGES[est.stage].shards_params else 0)
     max_tensor = _largest_tensor(model_or_num_params, estimate_kwargs)
     unit = _unit_numel(est, model_or_num_params, estimate_kwargs)
     build = _build(est, model_or_num_params, states, m, n, t, unit)

@@ -5,13 +5,16 @@ stream, see [Note: CPU offload step] in ``engine.py``). The gradient strategies
 reduced) -> Optional[fence]``, ``collect()``, ``reset()``.
 
 [Note: device gradient shards allocated lazily]
-The device shards (the gradient strategy's default sink, stages 2-3 without offload) are
+At stage 3 the device shards (the gradient strategy's default sink, without CPU offload) are
 allocated by the first reduce-scatter that fills them, or by :meth:`GradShards.collect`,
-not when the optimizer is built: building and loading a model hold no gradient (12Ψ/N at
-stage 3 in fp32, not 16Ψ/N), as FSDP2 and DeepSpeed, whose gradients appear in the first
-backward. From the first step on nothing changes: the shards stay allocated between steps,
-and ``zero_grad`` only marks them unfilled. Host shards (CPU offload) are the update
-engine's, handed to its state records at construction, and stay eager.
+not when the optimizer is built: building and loading a model hold no gradient (12Ψ/N in
+fp32, not 16Ψ/N), as with FSDP2 and DeepSpeed, whose gradients appear in the first backward.
+From the first step on nothing changes: the shards stay allocated between steps, and
+``zero_grad`` only marks them unfilled. Stage 2 keeps them eager: its replicated parameters
+dominate the build anyway, and its last buckets are reduced inside ``step()``, whose memory
+must not grow on the first step (``tests/zero/test_offload.py``'s NVMe RSS bound). Host
+shards (CPU offload) are the update engine's, handed to its state records at construction,
+and stay eager.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class GradShards:
     Args:
         units: units to hold a device shard for now (the gradient strategy's default sink);
             the update engine instead :meth:`add` s one per state record.
+        lazy: allocate the device shards of ``units`` when first filled (stage 3: see [Note:
+            device gradient shards allocated lazily]).
         copier: None (shards on the device) or the offload's
             :class:`~zkernels.zero.state.transfer.Copier` (shards in host RAM, each reduced
             shard copied there off the compute stream).
@@ -40,7 +45,8 @@ class GradShards:
         exposed_s: host time :meth:`collect` waited for copies (not hidden behind backward).
     """
 
-    def __init__(self, units: Sequence = (), copier: Optional[Copier] = None) -> None:
+    def __init__(self, units: Sequence = (), copier: Optional[Copier] = None,
+                 lazy: bool = False) -> None:
         self._copier = copier
         self.on_device = copier is None
         self.shards: List[torch.Tensor] = []
@@ -49,8 +55,11 @@ class GradShards:
         self.exposed_s = 0.0
         self._later = {}   # unit index -> (numel, device) of a shard not allocated yet
         for u in units:
-            self._later[len(self.shards)] = (u.layout.shard_numel, u.device)
-            self._append(None)
+            if lazy:
+                self._later[len(self.shards)] = (u.layout.shard_numel, u.device)
+                self._append(None)
+            else:
+                self.add(u.layout.shard_numel, u.device)
 
     def add(self, numel: int, device: torch.device) -> torch.Tensor:
         """A new shard for the next unit index (returned: the record keeps it)."""
