@@ -118,6 +118,9 @@ def test_demo_every_rung_by_default(tmp_path):
         build, build_est = r["build_peak_bytes"], r["estimate"]["build_peak"]
         if r["offload"] == "nvme":
             assert build_est <= build <= 1.5 * build_est, (name, build, build_est)
+        elif r["stage"] == 0:   # DDP's broadcast buffer may or may not overlap its buckets
+            params = r["estimate"]["params"]
+            assert build_est - params <= build <= build_est, (name, build, build_est)
         else:
             assert abs(build - build_est) <= 0.12 * build_est, (name, build, build_est)
     # Where each rung keeps what (the ladder's point), measured:

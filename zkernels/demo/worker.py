@@ -26,7 +26,10 @@ parallel, which builds ``GPT(cfg)`` whole and wraps it in DDP). The "build" colu
 peak of tensor bytes a rank allocated while doing so (``zkernels.bench.peak_tensors``:
 torch's allocators, every device; [Note: tracked tensor bytes] there), beside the estimate:
 ``estimate_phases``' build and load peaks less the mapped file pages, which are not tensors;
-for data parallel the model and DDP's gradient buckets (params + grads).
+for data parallel the model, DDP's gradient buckets and the buffer DDP's construction
+broadcasts rank 0's parameters through (coalesced, up to pΨ; whether it is freed before the
+buckets are allocated varies from run to run, so data parallel's figure is an upper bound:
+measured between params + grads and this).
 
 [Note: the demo's NVMe budget]
 The NVMe rung caps its host RAM at ``OffloadConfig(nvme_buffer_bytes=2 MiB)`` instead of the
@@ -258,8 +261,8 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
 
 def _build_estimate(model, rung: Rung, world_size: int, est, kw) -> int:
     """Tensor bytes at the build's peak (see [Note: the demo's build peak])."""
-    if rung.stage == 0:
-        return est.params_bytes + est.grads_bytes
+    if rung.stage == 0:   # the model, DDP's buckets, and its initial broadcast's buffer
+        return 2 * est.params_bytes + est.grads_bytes
     ph = estimate_phases(model, world_size, rung.stage, **kw)
     return max(ph.peak_bytes("build"), ph.peak_bytes("load") - ph.by_phase["load"]["file_pages"])
 
