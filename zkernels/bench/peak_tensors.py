@@ -8,7 +8,8 @@ tensors instead: ``torch.profiler`` with ``profile_memory=True`` records every a
 free of torch's allocators (CPU and CUDA) as ``[memory]`` events with signed byte counts; the
 running sum over the block, in time order, peaks at what the block added at its worst
 moment. Storage that existed before the block is not counted (a reference model kept beside
-it costs nothing here); memory-mapped file pages are not tensors and are not counted either.
+it costs nothing here). Tensors safetensors hands out while a file is open are counted (they
+are freed when the file is closed), though their pages are the file's.
 """
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ class TensorPeak:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                          if torch.cuda.is_available() else [])
         self._prof = profile(activities=acts, profile_memory=True)
-        self._prof.__enter__()
+        with _quiet_stderr():
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._prof.__exit__(*exc)
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
         events = [e for e in self._prof.profiler.kineto_results.events()
                   if e.name() == "[memory]"]
         cur = peak = 0
@@ -44,6 +47,24 @@ class TensorPeak:
             peak = max(peak, cur)
         self.peak_bytes, self.net_bytes = peak, cur
         self._prof = None
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: Kineto writes a line to it at every profiler start and
+    stop, whatever its log level (only those two calls are wrapped, not the measured block)."""
+    import os
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 @contextlib.contextmanager

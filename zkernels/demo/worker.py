@@ -25,7 +25,9 @@ The ZeRO rungs are built as a model that does not fit would be: the GPT on the m
 parallel, which builds ``GPT(cfg)`` whole and wraps it in DDP). The "build" column is the
 peak of tensor bytes a rank allocated while doing so (``zkernels.bench.peak_tensors``:
 torch's allocators, every device; [Note: tracked tensor bytes] there), beside the estimate:
-``estimate_phases``' build and load peaks less the mapped file pages, which are not tensors;
+the larger of ``estimate_phases``' build and load peaks (the file pages included: the tensors
+safetensors hands out for the rows read are counted by the profiler and stay allocated until
+the file is closed, which the demo's one fp32 file is at the end of the load);
 for data parallel the model, DDP's gradient buckets and the buffer DDP's construction
 broadcasts rank 0's parameters through (coalesced, up to pΨ; whether it is freed before the
 buckets are allocated varies from run to run, so data parallel's figure is an upper bound:
@@ -263,8 +265,8 @@ def _build_estimate(model, rung: Rung, world_size: int, est, kw) -> int:
     """Tensor bytes at the build's peak (see [Note: the demo's build peak])."""
     if rung.stage == 0:   # the model, DDP's buckets, and its initial broadcast's buffer
         return 2 * est.params_bytes + est.grads_bytes
-    ph = estimate_phases(model, world_size, rung.stage, **kw)
-    return max(ph.peak_bytes("build"), ph.peak_bytes("load") - ph.by_phase["load"]["file_pages"])
+    ph = estimate_phases(model, world_size, rung.stage, file_dtype=torch.float32, **kw)
+    return max(ph.peak_bytes("build"), ph.peak_bytes("load"))
 
 
 def write_initial_weights(args, rank: int) -> str:
