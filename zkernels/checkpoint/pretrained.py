@@ -24,8 +24,8 @@ copies them in; each unit's state is handed back before the next is touched. So 
 about its share of the file's bytes, and the buffer is one piece. One file is open at a time:
 ``safe_open`` memory-maps it, and the pages a rank reads count in its RSS until the file is
 closed, so keeping every file open would add the rank's share of all of them (2Ψ/N for bf16
-files) to its peak; closed as the next opens, they add at most its share of one file. Buffers and stages 1-2's
-frozen parameters (whole on every rank) are read whole. Because it writes shards unit by
+files) to its peak; closed as the next opens, they add at most its share of one file.
+Buffers and stages 1-2's frozen parameters (whole on every rank) are read whole. Because it writes shards unit by
 unit and never needs the model's full parameters, the same walk serves a model whose
 parameters were never materialized.
 ``save_pretrained`` all-gathers one unit's fp32 masters (a frozen unit's values) at a time

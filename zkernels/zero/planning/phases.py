@@ -18,8 +18,9 @@ What the code holds, and so what is counted:
   and its shard cloned (``flat_copy``: 4·U_i + 4·U_i/N) while the units built before it hold
   their states (``states``: S·(elements built so far)/T). The peak is the largest of these
   over the build order, or S itself once every unit is built (for a parameter count: S
-  less the largest unit's share, plus that unit's cost). Stages 1-2 materialize the whole model first (mΨ) and then flatten bucket by
-  bucket (4·B, the bucket's fp32 buffer, which becomes the compute copy), with the states.
+  less the largest unit's share, plus that unit's cost). Stages 1-2 materialize the whole
+  model first (mΨ) and then flatten bucket by bucket (4·B, the bucket's fp32 buffer, which
+  becomes the compute copy), with the states.
 - **load** (``zk.checkpoint.load_pretrained``): every state S, plus the read buffer (the rows
   of one file tensor covering one piece of this rank's shard, at most the largest tensor's
   shard plus two rows, in f), one unit's fp32 shard copied as its state is written back
