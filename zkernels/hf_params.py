@@ -49,6 +49,13 @@ def gathered_from_hf_config(cfg: dict, num_params: int) -> int:
     return num_params - layers + 2 * largest
 
 
+def largest_unit_from_hf_config(cfg: dict, num_params: int) -> int:
+    """Parameters of stage 3's largest unit for the decoder ``cfg`` describes: the root unit
+    (everything outside the layers) or the largest layer, whichever is larger."""
+    _, layers, largest = _formula(cfg)
+    return max(num_params - layers, largest)
+
+
 def _formula(cfg: dict) -> Tuple[int, int, int]:
     """(Ψ, parameters of all layers, of the largest layer) by [Note: counting from
     config.json]."""

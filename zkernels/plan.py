@@ -38,9 +38,11 @@ from dataclasses import asdict
 from typing import List, NamedTuple, Optional
 
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
-from .hf_params import count_hf_config, gathered_from_hf_config, params_from_hf_config
+from .hf_params import (count_hf_config, gathered_from_hf_config, largest_unit_from_hf_config,
+                        params_from_hf_config)
 from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
 from .zero.planning.optimizer_spec import fused_optimizer
+from .zero.planning.phases import PHASES, estimate_phases
 from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
 
 __all__ = ["ladder_table", "load_model_spec", "main", "params_from_hf_config", "parse_bytes",
@@ -162,6 +164,38 @@ def render(rows, choice, unit_name: str = "GB", reduce_dtype=None,
                                for i, (c, w) in enumerate(zip(r, widths)))
     out = [line(cols), line(["-" * w for w in widths])] + [line(r) for r in body]
     return "\n".join(out)
+
+
+def phase_rows(model, world_size: int, rows, *, file_dtype, max_unit_numel=None, **kw):
+    """``[(rung name, PhaseEstimate)]`` for the ZeRO rungs of ``rows`` (not data parallel,
+    not the quantized rows): bytes per rank while building on the meta device and loading
+    ``file_dtype`` files, training and saving (see [Note: memory while building, loading and
+    saving] in ``zero/planning/phases.py``). ``kw``: ``ladder_table``'s estimate keywords;
+    ``max_unit_numel``: stage 3's largest unit for a parameter count (a module counts its
+    own; None: not counted)."""
+    out = []
+    for e in rows:
+        if e.stage == 0 or e.quantize_weights is not None or e.quantize_grads is not None:
+            continue
+        unit = {"max_unit_numel": max_unit_numel} \
+            if max_unit_numel is not None and isinstance(model, int) else {}
+        out.append((e.name, estimate_phases(model, world_size, e.stage, offload=e.offload,
+                                            offload_params=e.offload_params,
+                                            file_dtype=file_dtype, **unit, **kw)))
+    return out
+
+
+def render_phases(phases, unit_name: str = "GB") -> str:
+    """The start-up table: per ZeRO rung, the peak per rank while building on the meta device
+    (``build``), loading pretrained files (``load``), training (``train``) and saving."""
+    unit = _UNITS[unit_name.lower()]
+    cols = ["rung"] + list(PHASES)
+    body = [[name] + [_fmt(ph.peak_bytes(k), unit) for k in PHASES]
+            for name, ph in phases]
+    widths = [max(len(r[i]) for r in body + [cols]) for i in range(len(cols))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                               for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in body])
 
 
 def _compression_lines(rows, link_gbps: float) -> str:
@@ -329,6 +363,8 @@ def parse_args(argv):
                     "adam, adagrad, rmsprop, ...): its state bytes per parameter")
     ap.add_argument("--momentum", type=float, default=None, help="the optimizer's momentum "
                     "(sgd, rmsprop): SGD keeps a 4 B/param buffer only with momentum")
+    ap.add_argument("--file-dtype", default="bf16", help="dtype of the pretrained files "
+                    "the start-up table loads (default bf16)")
     ap.add_argument("--json", type=output_file, default=None, metavar="PATH",
                     help="also write the rows as JSON to this file (its folder must exist)")
     args = ap.parse_args(argv)
@@ -336,6 +372,23 @@ def parse_args(argv):
         ap.error(f"--shard-size must divide --world-size ({args.world_size}), got "
                  f"{args.shard_size}")
     return args
+
+
+def _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered):
+    """:func:`phase_rows` with ``main``'s keywords (a config.json's largest unit)."""
+    unit = None
+    if args.model is not None and args.model.endswith(".json"):
+        with open(args.model) as f:
+            unit = largest_unit_from_hf_config(json.load(f), model)
+    kw = dict(param_dtype=pdt, reduce_dtype=rdt, grad_shard_dtype=gdt,
+              bucket_bytes=args.bucket_bytes, shard_size=args.shard_size,
+              gathered_numel=gathered, optimizer=args.optimizer,
+              optimizer_kwargs={} if args.momentum is None else {"momentum": args.momentum})
+    if frozen is not None:
+        kw.update(frozen_numel=frozen, frozen_dtype=parse_dtype(args.frozen_dtype,
+                                                                "--frozen-dtype"))
+    return phase_rows(model, args.world_size, rows, file_dtype=parse_dtype(
+        args.file_dtype, "--file-dtype"), max_unit_numel=unit, **kw)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -366,6 +419,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered,
             optimizer=args.optimizer, optimizer_kwargs=(
                 {} if args.momentum is None else {"momentum": args.momentum}))
+        phases = _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
         return 2
@@ -396,6 +450,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(render(rows, choice, args.unit, rdt, args.link_gbps))
     if args.link_gbps is not None:
         print(_compression_lines(rows, args.link_gbps))
+    print(f"\nPeak per rank ({args.unit}) while building on the meta device, loading "
+          f"{args.file_dtype} files (zk.checkpoint.load_pretrained), training and saving "
+          f"(save_pretrained); the model built in fp32"
+          f"{'' if how or not isinstance(model, int) else ', its units not counted for --params'}:")
+    print(render_phases(phases, args.unit))
     if isinstance(choice, Exception):
         print(f"\nnothing fits: {choice}")
     elif choice is not None:
@@ -409,6 +468,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                              "trainable_numel": e.trainable_numel,
                                              "reduce_dtype": r}
                                 for e in rows],
+                       "phases": {name: ph.by_phase for name, ph in phases},
                        "chosen": None if choice is None or isinstance(choice, Exception)
                        else list(choice[0])}, f, indent=1)
         os.replace(tmp, args.json)

@@ -21,8 +21,11 @@ Memory is bounded by one unit. ``load_pretrained`` walks the optimizer's units
 get_slice``, only the rows of the tensor that cover the range (a 2-D weight cut
 mid-row costs at most one extra row at each end), converts them to the master's dtype and
 copies them in; each unit's state is handed back before the next is touched. So a rank reads
-about its share of the file's bytes, and the buffer is one piece. Buffers and stages 1-2's
-frozen parameters (whole on every rank) are read whole. Because it writes shards unit by
+about its share of the file's bytes, and the buffer is one piece. One file is open at a time:
+``safe_open`` memory-maps it, and the pages a rank reads count in its RSS until the file is
+closed, so keeping every file open would add the rank's share of all of them (2Ψ/N for bf16
+files) to its peak; closed as the next opens, they add at most its share of one file.
+Buffers and stages 1-2's frozen parameters (whole on every rank) are read whole. Because it writes shards unit by
 unit and never needs the model's full parameters, the same walk serves a model whose
 parameters were never materialized.
 ``save_pretrained`` all-gathers one unit's fp32 masters (a frozen unit's values) at a time
@@ -107,17 +110,30 @@ def _read_rows(sl, r0: int, r1: int) -> torch.Tensor:
 
 
 class _Reader:
-    """Open safetensors files (lazily, each once) and element ranges of their tensors."""
+    """Open safetensors files, one at a time, and element ranges of their tensors.
+
+    Only the file being read is open: opening another closes it, which unmaps the pages this
+    rank touched (a memory-mapped file's pages count in its RSS while mapped; see [Note:
+    pretrained weights, names and memory]). A file is reopened if needed again (the root
+    unit's embedding and head are in the first and last files), which costs one header read.
+    """
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
-        self._stack = stack
         self._open: Dict[str, object] = {}
+        stack.callback(self.close)
 
     def handle(self, path: str):
         if path not in self._open:
             from safetensors import safe_open
-            self._open[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            self.close()
+            f = safe_open(path, framework="pt")
+            self._open[path] = f.__enter__()
         return self._open[path]
+
+    def close(self) -> None:
+        while self._open:
+            _, f = self._open.popitem()
+            f.__exit__(None, None, None)
 
     def shape(self, path: str, key: str) -> Tuple[int, ...]:
         return tuple(self.handle(path).get_slice(key).get_shape())

@@ -144,6 +144,12 @@ def _columns(header: List[str], body: List[List[str]], left: int) -> List[str]:
     return [line(header), line(["-" * w for w in widths])] + [line(x) for x in body]
 
 
+def _build_cells(rung: dict, unit: int) -> List[str]:
+    """The peak while building, measured and estimated ('-' for results without them)."""
+    meas, est = rung.get("build_peak_bytes"), rung["estimate"].get("build_peak")
+    return ["-" if v is None else _size(v, unit) for v in (meas, est)]
+
+
 def render_table(results: dict) -> Tuple[str, dict]:
     """The comparison tables (text) and a summary dict: max loss difference across rungs over
     all steps, max parameter difference from the first rung, measured/estimated ratios (see
@@ -160,9 +166,10 @@ def render_table(results: dict) -> Tuple[str, dict]:
     chosen = plan.get("name") if plan else None
     mark = any(r["name"] == chosen for r in rungs)
     evals = _has_eval(rungs)
+    builds = any(r.get("build_peak_bytes") is not None for r in rungs)
     cols = ["rung", f"loss@{meta['args']['steps']}"] + (["eval loss"] if evals else []) + \
         ["step ms", "x" + _short(rungs[0]), "sent/step", "est"] + \
-        [c for p in PLACES for c in (p, "est")]
+        (["build", "est"] if builds else []) + [c for p in PLACES for c in (p, "est")]
     rows = []
     for r in rungs:
         paired = r.get("step_time_ratio_paired")
@@ -170,7 +177,8 @@ def render_table(results: dict) -> Tuple[str, dict]:
         cells = [name, f"{r['final_loss']:.6f}"] + \
             ([f"{r['eval_loss']:.6f}"] if evals else []) + \
             [f"{1e3 * r['step_time_s']:.1f}", "-" if paired is None else f"{paired:.3f}",
-             _size(r["comm_bytes"], unit), _size(r["estimate"]["comm_bytes"], unit)]
+             _size(r["comm_bytes"], unit), _size(r["estimate"]["comm_bytes"], unit)] + \
+            (_build_cells(r, unit) if builds else [])
         for place in PLACES:
             cells += [_size(held(r, place)["total"], unit),
                       _size(held(r, place, estimate=True)["total"], unit)]
@@ -206,6 +214,10 @@ def render_table(results: dict) -> Tuple[str, dict]:
                                                   for r in rungs
                                                   if held(r, place, estimate=True)["total"]}
                                           for place in PLACES},
+                   build_peak_ratio={r["name"]: r["build_peak_bytes"] /
+                                     r["estimate"]["build_peak"] for r in rungs
+                                     if r.get("build_peak_bytes") is not None and
+                                     r["estimate"].get("build_peak")},
                    eval_loss_vs_first={r["name"]: r["eval_loss"] / rungs[0]["eval_loss"] - 1
                                        for r in rungs[1:]} if evals else None,
                    plan=plan)
@@ -216,7 +228,10 @@ def render_table(results: dict) -> Tuple[str, dict]:
         return textwrap.fill(note, width, subsequent_indent="  ", break_on_hyphens=False)
     text = [wrap(f"{rungs[0]['num_params']:,} params, {meta['world_size']} ranks on "
                  f"{meta['device']}, {_dtype(meta)}, {steps} steps per rung. {unit_name} per "
-                 f"rank sent per step and held between steps, measured beside estimate_memory's (est)")]
+                 f"rank sent per step and held between steps, measured beside estimate_memory's (est)"
+                 + ("; build: tensor bytes at the peak while building the rung (ZeRO: on the "
+                    "meta device, then load_pretrained), beside estimate_phases' (est)"
+                    if builds else ""))]
     text += table
     notes = []
     plan_line = _plan_line(plan, [r["name"] for r in rungs])

@@ -17,6 +17,22 @@ params + grads + AdamW states (+ nothing else model-sized). Bytes sent are count
 hook from each bucket's size, ring convention (an all-reduce of B bytes sends 2·B·(N−1)/N),
 the convention ``ZeroOptimizer.stats()`` uses for its reduce-scatters and all-gathers.
 
+[Note: the demo's build peak]
+The ZeRO rungs are built as a model that does not fit would be: the GPT on the meta device,
+``ZeroOptimizer(..., device=, param_init=None)`` materializing it unit by unit, then
+``zk.checkpoint.load_pretrained`` of the seed's initial weights, which rank 0 wrote once to
+``init.safetensors`` in ``--out`` (so every rung starts from the same values as data
+parallel, which builds ``GPT(cfg)`` whole and wraps it in DDP). The "build" column is the
+peak of tensor bytes a rank allocated while doing so (``zkernels.bench.peak_tensors``:
+torch's allocators, every device; [Note: tracked tensor bytes] there), beside the estimate:
+the larger of ``estimate_phases``' build and load peaks (the file pages included: the tensors
+safetensors hands out for the rows read are counted by the profiler and stay allocated until
+the file is closed, which the demo's one fp32 file is at the end of the load);
+for data parallel the model, DDP's gradient buckets and the buffer DDP's construction
+broadcasts rank 0's parameters through (coalesced, up to pΨ; whether it is freed before the
+buckets are allocated varies from run to run, so data parallel's figure is an upper bound:
+measured between params + grads and this).
+
 [Note: the demo's NVMe budget]
 The NVMe rung caps its host RAM at ``OffloadConfig(nvme_buffer_bytes=2 MiB)`` instead of the
 default 64 MiB (NVMe offload sizes its arena to the largest unit's shard, capped by the
@@ -38,7 +54,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..bench.peak_tensors import TensorPeak
 from ..zero.planning.estimate import estimate_memory
+from ..zero.planning.phases import estimate_phases
 from ..zero.stats import KINDS
 from .data import VOCAB_SIZE, get_batch, load_corpus
 from .model import GPT, GPTConfig
@@ -166,7 +184,7 @@ class _ZeroRung:
     """``ZeroOptimizer`` at ``rung``'s stage and offload (NVMe: files under ``offload_dir``,
     through :data:`NVME_BUFFER_BYTES` of host RAM, see [Note: the demo's NVMe budget])."""
 
-    def __init__(self, model, args, rung: Rung, offload_dir: str):
+    def __init__(self, model, args, rung: Rung, offload_dir: str, device=None):
         try:
             from zkernels import ZeroOptimizer
             from zkernels.zero.planning.offload_config import OffloadConfig
@@ -182,7 +200,8 @@ class _ZeroRung:
             offload_dir=offload_dir if nvme else None,
             offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUFFER_BYTES) if nvme else None,
             param_dtype=PARAM_DTYPES[args.param_dtype],
-            quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads)
+            quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
+            **({} if device is None else dict(device=device, param_init=None)))
 
     def step(self, x, y):
         loss = self.model(x, y)
@@ -217,12 +236,11 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
     measurements: between steps (no transient; reduce buffers only where they are held between
     steps, not stage 3's), the host's staging and bounces counted as buffers."""
     zero = rung.stage != 0
-    est = estimate_memory(model, world_size, rung.stage, offload=rung.offload,
-                          offload_params=rung.offload_params, bucket_bytes=args.bucket_bytes,
-                          nvme_buffer_bytes=NVME_BUFFER_BYTES,
-                          param_dtype=PARAM_DTYPES[args.param_dtype] if zero else None,
-                          quantize_weights=rung.quantize_weights,
-                          quantize_grads=rung.quantize_grads)
+    kw = dict(offload=rung.offload, offload_params=rung.offload_params,
+              bucket_bytes=args.bucket_bytes, nvme_buffer_bytes=NVME_BUFFER_BYTES,
+              param_dtype=PARAM_DTYPES[args.param_dtype] if zero else None,
+              quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads)
+    est = estimate_memory(model, world_size, rung.stage, **kw)
     where = {}
     for place, kinds in est.by_location.items():
         kinds = dict(kinds)
@@ -239,17 +257,53 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
                 transient=est.transient_bytes, host=est.host_bytes,
                 disk=est.disk_bytes, comm_bytes=est.comm_bytes,
                 host_device_bytes=est.host_device_bytes, by_location=where,
-                num_params=est.num_params)
+                num_params=est.num_params, build_peak=_build_estimate(model, rung,
+                                                                      world_size, est, kw))
 
 
-def _build_rung(rung: Rung, args, device, world_size: int, offload_dir: str):
-    """The rung's model (same seed: same initial weights), trainer and estimate (taken from
-    the model before stage 3 shards it)."""
-    torch.manual_seed(args.seed)
-    model = GPT(model_config(args)).to(device)
-    est = _estimate(model, rung, world_size, args)
-    trainer = _DDPRung(model, args, device) if rung.stage == 0 else \
-        _ZeroRung(model, args, rung, offload_dir)
+def _build_estimate(model, rung: Rung, world_size: int, est, kw) -> int:
+    """Tensor bytes at the build's peak (see [Note: the demo's build peak])."""
+    if rung.stage == 0:   # the model, DDP's buckets, and its initial broadcast's buffer
+        return 2 * est.params_bytes + est.grads_bytes
+    ph = estimate_phases(model, world_size, rung.stage, file_dtype=torch.float32, **kw)
+    return max(ph.peak_bytes("build"), ph.peak_bytes("load"))
+
+
+def write_initial_weights(args, rank: int) -> str:
+    """Rank 0 writes the seed's initial GPT to ``--out``/init.safetensors (tied tensors once);
+    every rank returns its path once it exists (collective)."""
+    path = os.path.join(args.out, "init.safetensors")
+    if rank == 0:
+        from safetensors.torch import save_file
+        torch.manual_seed(args.seed)
+        tensors, seen = {}, set()
+        for k, t in GPT(model_config(args)).state_dict().items():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                tensors[k] = t.contiguous()
+        save_file(tensors, path)
+    dist.barrier()
+    return path
+
+
+def _build_rung(rung: Rung, args, device, world_size: int, offload_dir: str, init_path: str):
+    """The rung's model (same initial weights), trainer and estimate (taken from the model's
+    shapes before it is built), and the peak of tensor bytes while building (see [Note: the
+    demo's build peak])."""
+    with torch.device("meta"):
+        shapes = GPT(model_config(args))
+    est = _estimate(shapes, rung, world_size, args)
+    from .. import checkpoint
+    with TensorPeak() as peak:
+        if rung.stage == 0:
+            torch.manual_seed(args.seed)
+            model = GPT(model_config(args)).to(device)
+            trainer = _DDPRung(model, args, device)
+        else:
+            model = shapes
+            trainer = _ZeroRung(model, args, rung, offload_dir, device=device)
+            checkpoint.load_pretrained(trainer.opt, init_path)
+    est["build_peak_measured"] = peak.peak_bytes
     return model, trainer, est
 
 
@@ -286,9 +340,10 @@ def run_rungs(rungs, args, tokens, device, rank: int, world_size: int, offload_d
     (ZeRO) rung first loads its checkpoint from ``--ckpt-dir`` (saved at any world size) and
     continues from its step; with ``--ckpt-dir``, each saves there at the end."""
     built = []
+    init_path = write_initial_weights(args, rank)
     try:
         for r in rungs:
-            built.append(_build_rung(r, args, device, world_size, offload_dir))
+            built.append(_build_rung(r, args, device, world_size, offload_dir, init_path))
         return _train(rungs, built, args, tokens, device, rank, world_size)
     finally:
         for _model, trainer, _est in built:
@@ -366,7 +421,8 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
             comm_bytes=int(st["comm_bytes"]["total"]),
             memory_bytes=st["memory_bytes"],
             memory_bytes_by_location=st["memory_bytes_by_location"],
-            offload_bytes=offload, estimate=est, num_params=est["num_params"]), params))
+            offload_bytes=offload, estimate=est, num_params=est["num_params"],
+            build_peak_bytes=est.pop("build_peak_measured")), params))
     return out
 
 

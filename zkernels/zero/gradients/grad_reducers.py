@@ -408,7 +408,8 @@ class ShardedGradReducer(_Reducer):
     def __init__(self, policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
                  precision: MixedPrecision, ops: OpSet,
                  grad_sink: Optional["GradSink"] = None, hooks: bool = True) -> None:
-        self.sink = grad_sink if grad_sink is not None else DeviceGradShards(buckets)
+        self.sink = grad_sink if grad_sink is not None else \
+            DeviceGradShards(buckets, lazy=policy.shards_params)
         pool = _pool(policy, buckets, comm, precision)
         scale = 1.0 / num_averaged(comm)
         super().__init__([GradBucket(b, pool, ops, scale, self.sink, hooks) for b in buckets],
@@ -448,7 +449,7 @@ class ShardedGradReducer(_Reducer):
 
     def held_grads(self) -> List[torch.Tensor]:
         """Gradient storage on the device (a host sink reports its own, see ``state/grad_sink.py``)."""
-        return list(self.sink.shards) if self.sink.on_device else []
+        return self.sink.held() if self.sink.on_device else []
 
 
 def _pool(policy: StagePolicy, buckets: Sequence[FlatParamUnit], comm: Comm,
