@@ -57,7 +57,7 @@ def nvme_and_cpu(rank, world_size, stage, case):
         m = model()
         opt = build(m, stage, offload, case)
         train(m, opt)
-        out[offload] = params(m, opt)
+        out[offload] = [p.tolist() for p in params(m, opt)]   # (lists travel between ranks)
         if offload == "nvme":
             out["disk"] = opt.stats()["memory_bytes_by_location"]["disk"]["optimizer_states"]
             out["units"] = len(opt.shard_update.states)
