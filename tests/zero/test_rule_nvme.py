@@ -93,6 +93,12 @@ def test_host_ram_holds_one_unit_and_files_are_counted(case):
     assert names == [f"unit{i:05d}.rule-{key}.swap" for i in range(len(recs))]
     on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in names)
     assert mem["disk"]["optimizer_states"] == on_disk >= sum(r.numel * 4 for r in recs)
+    est = zk.estimate_memory(m, 1, 2, optimizer=rc.CASES[case][0], nvme_master=False,
+                             optimizer_kwargs=rc.CASES[case][1], offload="nvme",
+                             bucket_bytes=512).by_location
+    shards = sum(r.numel * 4 for r in recs)   # (the estimate leaves out the units' padding)
+    assert 0 <= shards - est["disk"]["optimizer_states"] <= 64 * len(recs)
+    assert est["host"]["staging"] >= max(h for _, h in seen)
     opt.close()
 
 

@@ -185,7 +185,8 @@ def test_nvme_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="swaps the fused SGD op's state.*nvme_master=False"):
         zk.ZeroOptimizer(_model(), stage=2, optimizer="sgd", offload="nvme",
                          offload_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="offload='nvme' runs the fused AdamW only"):
+    with pytest.raises(ValueError, match="offload='nvme' runs optimizer sgd only with "
+                                         "nvme_master=False"):
         zk.estimate_memory(10 ** 6, 2, 2, optimizer="sgd", offload="nvme")
 
 
