@@ -144,3 +144,48 @@ def test_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"does not run torch.optim.Muon.*offload='cpu'"):
         zk.ZeroOptimizer(w, stage=2, optimizer=torch.optim.Muon, lr=0.02, offload="nvme",
                          offload_dir=str(tmp_path), offload_config=rc.NVME)
+
+
+@pytest.mark.parametrize("variant", ["mixed_groups", "bf16", "offload_params", "unused"])
+def test_nvme_variants_match_cpu_offload(variant):
+    """An SGD group beside a fused AdamW group (the AdamW files stream past the rule's
+    units), bf16 compute parameters, stage 3's parameter files, a parameter without a
+    gradient at one step: the same parameters as offload="cpu", bit for bit."""
+    got = {}
+    for offload in ("nvme", "cpu"):
+        m = rc.model()
+        kw = dict(optimizer=torch.optim.SGD, lr=0.05, momentum=0.9)
+        if variant == "mixed_groups":
+            kw = dict(param_groups=[{"params": list(m[0].parameters()), "lr": 1e-2},
+                                    {"params": list(m[2].parameters()),
+                                     "optimizer": torch.optim.SGD, "lr": 0.05,
+                                     "momentum": 0.9}])
+        stage = 3 if variant == "offload_params" else 2
+        cut = dict(units=[torch.nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
+        extra = dict(offload_dir=rc.tempfile.mkdtemp(), offload_config=rc.NVME) \
+            if offload == "nvme" else {}
+        opt = zk.ZeroOptimizer(m, stage=stage, offload=offload, **cut, **extra, **kw,
+                               param_dtype=torch.bfloat16 if variant == "bf16" else None,
+                               offload_params=variant == "offload_params")
+        for s in range(3):
+            x = torch.randn(6, 12, generator=torch.Generator().manual_seed(50 + s))
+            opt.zero_grad()
+            if variant == "unused" and s == 1:   # layer 0 has no gradient at step 1
+                h = torch.relu(x @ m[0].weight.detach().t() + m[0].bias.detach())
+                loss = m[2](h).pow(2).mean()
+            else:
+                loss = m(x.to(torch.bfloat16) if variant == "bf16" else x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+        got[offload] = rc.params(m, opt)
+        if offload == "nvme":
+            if variant == "mixed_groups":   # an AdamW unit right before a rule's unit
+                rules = [r.rule is None for r in opt.shard_update.states]
+                assert any(a and not b for a, b in zip(rules, rules[1:])), rules
+            kinds = {n.split(".")[1] for n in os.listdir(opt.shard_update.files.folder)
+                     if n.endswith(".swap")}
+            assert "rule-momentum_buffer" in kinds
+            assert ("exp_avg" in kinds) == (variant == "mixed_groups")
+        opt.close()
+    for a, b in zip(got["nvme"], got["cpu"]):
+        assert torch.equal(a, b), (variant, (a.float() - b.float()).abs().max().item())
