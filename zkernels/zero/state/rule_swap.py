@@ -18,7 +18,9 @@ rules in ``placement.py``). A class creates its state lazily at its first step, 
 file is created when the key first appears (after the unit's first step, or at a load).
 Reads and writes are synchronous (no prefetch of the next unit: the class's step is the
 bottleneck on the host, and a prefetch would hold two units' state). The gradient shard comes
-to the host for the step (NVMe keeps it on the device). 0-dim state (``step``) stays in RAM.
+to the host for the step by the copier (NVMe keeps it on the device; counted in
+``stats()["offload"]`` as AdamW's slices are, and so are the files' reads and writes). 0-dim
+state (``step``) stays in RAM.
 Checkpoints read the state through :meth:`SwappedRule.piece_states` (copies, the buffers are
 dropped again) and load through :meth:`SwappedRule.load` (written to the files).
 """
@@ -96,13 +98,11 @@ class SwappedRule:
     def step(self, grad: torch.Tensor, group: dict, grad_scale,
              live: Optional[List[bool]] = None) -> None:
         """The rule's step with its state read in before and written back after."""
-        if grad.device.type != "cpu":
-            host = torch.empty(grad.shape, dtype=grad.dtype)
-            self.copier.to_host(host, grad).wait()
-            grad = host
+        host = torch.empty(grad.shape, dtype=grad.dtype)   # (counted, as AdamW's slices)
+        self.copier.to_host(host, grad).wait()
         self._bring_in()
         try:
-            self.rule.step(grad, group, grad_scale, live)
+            self.rule.step(host, group, grad_scale, live)
         finally:
             self._write_out()
 
