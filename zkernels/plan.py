@@ -94,7 +94,8 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
     once (its transient column; a module counts its own units). ``optimizer``,
     ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element; a
-    torch class has no NVMe rungs: NVMe offload runs the fused AdamW only)."""
+    torch class has no NVMe rungs: they keep the master on disk, which runs the fused AdamW
+    only; ``offload="nvme"`` with ``nvme_master=False`` runs the others)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
               shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,

@@ -494,6 +494,12 @@ ROWS = [
      TORCH_OPTIM_FULL),
     (R(1, steps=4, optim="sgd_fused"), ("parity",), TORCH_OPTIM_FULL),
     (R(2, steps=2, optim="lion"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM_FULL),
+    # NVMe offload with a rule's state in files ([Note: rule state on NVMe]; the master in
+    # host RAM): a torch class and the fused Lion
+    (R(2, offload="nvme", nvme_master=False, steps=4, optim="adagrad", clip=0.05),
+     ("parity",), TORCH_OPTIM_FULL),
+    (R(3, offload="nvme", nvme_master=False, steps=3, optim="lion", micro=2), ("parity",),
+     TORCH_OPTIM_FULL),
 ]
 
 

@@ -180,10 +180,13 @@ def test_group_optimizer_refused_names_the_group():
 
 
 def test_nvme_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="offload='nvme' runs the fused AdamW only.*SGD"):
+    """(offload='nvme' runs these classes with the master in host RAM:
+    tests/zero/test_rule_nvme.py)"""
+    with pytest.raises(ValueError, match="swaps the fused SGD op's state.*nvme_master=False"):
         zk.ZeroOptimizer(_model(), stage=2, optimizer="sgd", offload="nvme",
                          offload_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="offload='nvme' runs the fused AdamW only"):
+    with pytest.raises(ValueError, match="offload='nvme' runs optimizer sgd only with "
+                                         "nvme_master=False"):
         zk.estimate_memory(10 ** 6, 2, 2, optimizer="sgd", offload="nvme")
 
 

@@ -339,6 +339,7 @@ class _Counts:
     num_buckets: int
     gathered: int           # stage 3's elements gathered at once
     state_bytes: int = ADAM_STATE_BYTES   # optimizer state per trainable element
+    rule: bool = False      # a torch class or fused Lion/SGD (NVMe: swapped per unit)
 
     @property
     def offload(self) -> Optional[str]:
@@ -459,6 +460,12 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         # when the update writes host parameter shards).
         host["staging"] = 2 * p * min(opts.sub_group_numel, c.shard) \
             if c.mixed and not c.offload_params else 0
+    elif c.offload == "nvme" and c.rule:
+        # A rule's state in files, one unit's read into host RAM for its step with the
+        # unit's gradient shard ([Note: rule state on NVMe] in state/rule_swap.py).
+        disk["optimizer_states"] = device.pop("optimizer_states")
+        host["master"] = device.pop("master")
+        host["staging"] = (c.state_bytes + c.g) * unit_shard if c.state_bytes else 0
     elif c.offload == "nvme":
         on_disk = ("master",) if opts.nvme_master else ()
         for k in on_disk + ("optimizer_states",):
@@ -582,14 +589,17 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     cfg = _model_param_dtype(model_or_num_params, cfg)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else \
         resolve_optimizer(optimizer, dict(optimizer_kwargs or {}), where="estimate_memory: ")
-    if not spec.fused and cfg.offload.kind == "nvme":
-        raise ValueError(f"estimate_memory: offload='nvme' runs the fused AdamW only (got "
-                         f"optimizer {spec.name}); use offload='cpu'")
+    if not spec.fused and cfg.offload.kind == "nvme" and \
+            (spec.matrix or cfg.offload.options.nvme_master):
+        raise ValueError(f"estimate_memory: offload='nvme' runs optimizer {spec.name} only "
+                         f"with nvme_master=False (its master in host RAM)" if not spec.matrix
+                         else f"estimate_memory: offload='nvme' does not run optimizer "
+                         f"{spec.name} (whole-matrix state in memory); use offload='cpu'")
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
                 frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
-    c = replace(c, state_bytes=spec.state_bytes())
+    c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused)
     kinds = dict(_states(c), buffers=_buffers(c), transient=_transient(c))
     device, host, disk = _offload_split(c, kinds)
     comm, across, h2d, disk_io = _traffic(c, disk)

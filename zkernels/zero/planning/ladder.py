@@ -129,7 +129,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     est = None
     tries = ladder_rows(rungs, offload_params)
     if not fused_optimizer(model_kw.get("optimizer", "adamw"),
-                           model_kw.get("optimizer_kwargs")):   # NVMe runs AdamW only
+                           model_kw.get("optimizer_kwargs")):   # (NVMe rungs: nvme_master, AdamW only)
         tries = [t for t in tries if t[1] != "nvme"]
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "

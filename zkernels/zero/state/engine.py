@@ -76,6 +76,7 @@ from .shard_state import ShardState
 from .swap import aligned_empty
 from .fused_rule import FusedShardRule
 from .matrix_rule import MatrixUnitRule, MatrixUpdate
+from .rule_swap import SwappedRule
 from .torch_rule import TorchShardRule
 from .transfer import Copier
 
@@ -245,9 +246,13 @@ class UpdateEngine:
                              self._alloc(n, "exp_avg_sq", unit.device))
         if self.grad_sink is not None:
             rec.grad = self.grad_sink.add(n, torch.device("cpu"))
-        self._ensure_slots(n, unit)
+        swapped = self.files is not None and rec.rule is not None
+        if swapped:   # the rule's state in files, in RAM for its step ([Note: rule state on NVMe])
+            rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier)
+        else:
+            self._ensure_slots(n, unit)
         self.states.append(rec)
-        if self.files is not None:
+        if self.files is not None and not swapped:
             # (a kept run's unit count; each parameter resumes at it: the run folder's
             # manifest keeps one count per unit)
             rec.set_step(self.files.open(rec))
@@ -445,7 +450,8 @@ class UpdateEngine:
                 a, b = ranges[j + 1]
                 self._read_into(nxt, rec, a, b)
                 nxt.busy.append(self.copier.to_host(nxt.grad[:b - a], grad[a:b]))
-            elif rec.unit_index + 1 < len(self.states):
+            elif rec.unit_index + 1 < len(self.states) and \
+                    self.states[rec.unit_index + 1].rule is None:   # (a rule reads its own)
                 following = self.states[rec.unit_index + 1]
                 nxt = self._take_slot()
                 self._read_into(nxt, following, *self._ranges(following.numel)[0])

@@ -115,3 +115,12 @@ class FusedShardRule:
 
     def held(self) -> List[torch.Tensor]:
         return list(self.flat.values())
+
+    def detach(self) -> Dict[str, torch.Tensor]:
+        """Give up the flat buffers (returned; [Note: rule state on NVMe] in rule_swap.py)."""
+        flat, self.flat = self.flat, {}
+        return flat
+
+    def attach(self, flat: Dict[str, torch.Tensor]) -> None:
+        """Adopt flat buffers (:meth:`detach`'s, read back)."""
+        self.flat = dict(flat)

@@ -105,6 +105,26 @@ class NvmeFiles:
         self._files.append(rec.files)
         return self._steps[index] if self.resumed else 0
 
+    def create_file(self, index: int, kind: str, numel: int) -> SwapFile:
+        """A new fp32 swap file of unit ``index`` beside the AdamW kinds (a rule's state key:
+        ``rule_swap.py``), counted by :meth:`disk_bytes` and :meth:`check_sizes` and removed
+        with the folder (its data written by the caller).
+
+        Raises:
+            OffloadIOError: no space for it, or it cannot be created.
+        """
+        need = round_up(numel * 4) + IO_ALIGN
+        st = os.statvfs(self.folder)
+        if st.f_bavail * st.f_frsize < need:
+            raise OffloadIOError(f"no space left under offload_dir: unit {index}'s {kind} "
+                                 f"needs {need} bytes in {self.folder}, "
+                                 f"{st.f_bavail * st.f_frsize} are free")
+        path = os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
+        f = SwapFile.create(path, numel, kind, index, self.rank, self.world_size,
+                            self.direct_io)
+        self._files.append({kind: f})
+        return f
+
     def adopt(self, num_units: int) -> None:
         """Resuming: every unit's files checked out; the folder now belongs to this run.
 

@@ -53,6 +53,30 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
     return _ops.for_device("cpu", backend, arg_name="ops_backend")
 
 
+def check_nvme_rules(specs, config: OffloadConfig) -> None:
+    """``offload="nvme"`` takes the fused AdamW, the torch.optim classes and the fused Lion /
+    SGD (their state swapped per unit: [Note: rule state on NVMe] in ``rule_swap.py``); the
+    whole-matrix classes and a rule with the master on disk are refused by name.
+
+    Raises:
+        ValueError: naming the optimizer and what to use instead.
+    """
+    for spec in specs:
+        if spec.fused:
+            continue
+        what = f"the fused {'Lion' if spec.kernel == 'lion' else 'SGD'} op" \
+            if spec.kernel else f"torch.optim.{spec.name}"
+        if spec.matrix:
+            raise ValueError(f"offload='nvme' does not run {what}: its whole-matrix state "
+                             f"lives on owner ranks in memory and is not swapped to files; "
+                             f"use offload='cpu'")
+        if config.nvme_master:
+            raise ValueError(f"offload='nvme' swaps {what}'s state through files but steps "
+                             f"its master in host RAM: pass offload_config=OffloadConfig("
+                             f"nvme_master=False) (a master on disk, the default, runs the "
+                             f"fused AdamW only)")
+
+
 def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optional[str],
                 offload_dir, rank: int, world_size: int,
                 offload_config: Optional[OffloadConfig], offload_params: bool = False,
@@ -64,14 +88,9 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
     if offload is None:
         return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None),
                             specs=specs)
-    if offload == "nvme" and any(not s.fused for s in specs):
-        spec = next(s for s in specs if not s.fused)
-        what = f"the fused {'Lion' if spec.kernel == 'lion' else 'SGD'} op's" \
-            if spec.kernel else f"torch.optim.{spec.name}'s"
-        raise ValueError(f"offload='nvme' runs the fused AdamW only: {what} state is kept "
-                         f"in memory and is not streamed through the NVMe slots; use "
-                         f"offload='cpu'")
     config = offload_config or OffloadConfig()
+    if offload == "nvme":
+        check_nvme_rules(specs, config)
     copier = Copier(device, config.pin_memory)
     store = files = None
     try:

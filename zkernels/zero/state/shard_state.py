@@ -36,7 +36,9 @@ class ShardState:
             (device or host RAM), else None.
         files: NVMe offload: the unit's swap files by kind ("master", "exp_avg", ...).
         rule: a torch.optim class's :class:`~zkernels.zero.state.torch_rule.TorchShardRule`
-            (which holds that class's state; ``exp_avg``/``exp_avg_sq`` are then empty), or
+            (which holds that class's state; ``exp_avg``/``exp_avg_sq`` are then empty), the
+            fused Lion/SGD's or a whole-matrix class's rule; with NVMe offload wrapped in a
+            :class:`~zkernels.zero.state.rule_swap.SwappedRule` (its state in files); or
             None for the fused AdamW.
     """
 

@@ -128,3 +128,25 @@ class TorchShardRule:
     def held(self) -> List[torch.Tensor]:
         """The flat state buffers (for ``stats()``)."""
         return list(self.flat.values())
+
+    def detach(self) -> Dict[str, torch.Tensor]:
+        """Give up the flat buffers (returned): the pieces' entries become meta placeholders
+        until :meth:`attach` ([Note: rule state on NVMe] in ``rule_swap.py``)."""
+        flat, self.flat = self.flat, {}
+        if self.inner is not None:
+            for p in self.pieces:
+                st = self.inner.state[p]
+                for k in flat:
+                    if k in st:
+                        st[k] = torch.empty(st[k].shape, dtype=st[k].dtype, device="meta")
+        return flat
+
+    def attach(self, flat: Dict[str, torch.Tensor]) -> None:
+        """Adopt flat buffers (:meth:`detach`'s, read back): the pieces' entries view them."""
+        self.flat = dict(flat)
+        if self.inner is not None:
+            for p, (s, n) in zip(self.pieces, self.slices):
+                st = self.inner.state[p]
+                for k, t in self.flat.items():
+                    if k in st:
+                        st[k] = t[s:s + n].view(st[k].shape)

@@ -1,0 +1,65 @@
+"""Rank bodies of tests/zero/test_rule_nvme.py: one optimizer trained with offload="nvme"
+(its rule state in swap files: [Note: rule state on NVMe] in zkernels/zero/state/rule_swap.py)
+and with offload="cpu" on the same data, several units per rank."""
+import tempfile
+
+import torch
+import torch.nn as nn
+
+import zkernels as zk
+from zkernels.zero import OffloadConfig
+
+LION = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+SGD = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+CASES = {
+    "sgd_class": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1,
+                                        weight_decay=0.01)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05)),
+    "lion": ("lion", LION),
+    "sgd": ("sgd", SGD),
+}
+NVME = OffloadConfig(nvme_master=False)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 5))
+
+
+def train(m, opt, steps=3, first=0):
+    for s in range(first, first + steps):
+        x = torch.randn(6, 12, generator=torch.Generator().manual_seed(50 + s))
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+
+def build(m, stage, offload, case, **kw):
+    """Several units per rank: small buckets at stage 2, one unit per Linear at stage 3."""
+    opt, hp = CASES[case]
+    cut = dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
+    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=NVME) \
+        if offload == "nvme" else {}
+    return zk.ZeroOptimizer(m, stage=stage, offload=offload, optimizer=opt, **cut, **extra,
+                            **hp, **kw)
+
+
+def params(m, opt):
+    with opt.gathered():
+        return [p.detach().clone() for p in m.parameters()]
+
+
+def nvme_and_cpu(rank, world_size, stage, case):
+    """Every rank trains the same batches (the mean gradient is the one-process gradient):
+    the NVMe run's parameters, the CPU run's, and the NVMe run's bytes on disk."""
+    out = {}
+    for offload in ("nvme", "cpu"):
+        m = model()
+        opt = build(m, stage, offload, case)
+        train(m, opt)
+        out[offload] = [p.tolist() for p in params(m, opt)]   # (lists travel between ranks)
+        if offload == "nvme":
+            out["disk"] = opt.stats()["memory_bytes_by_location"]["disk"]["optimizer_states"]
+            out["units"] = len(opt.shard_update.states)
+        opt.close()
+    return out

@@ -1,0 +1,191 @@
+"""offload="nvme" with a torch.optim class and the fused Lion / SGD (issue 26): the rule's
+state lives in swap files and is in host RAM only for its unit's step ([Note: rule state on
+NVMe] in zkernels/zero/state/rule_swap.py). Against one oracle, the same optimizer with
+offload="cpu" (the same host arithmetic: bit for bit), at 1 and 2 ranks, stages 2 and 3;
+the one-process torch.optim class (or reference Lion) as a sanity row; host RAM bounded by
+one unit's state; the files counted by stats(); checkpoints in and out; refusals by name."""
+import functools
+import os
+
+import pytest
+import torch
+
+import zkernels as zk
+from tests.conftest import tol
+from tests.zero import _rule_nvme_checks as rc
+from tests.zero._battery import RefLion
+from tests.zero._harness import rank_fixture
+from zkernels.zero import OffloadConfig
+from zkernels.zero.state.rule_swap import SwappedRule
+
+ROWS = {f"{case}_s{stage}": functools.partial(rc.nvme_and_cpu, stage=stage, case=case)
+        for case in rc.CASES for stage in (2, 3)}
+ranks = rank_fixture(ROWS, timeout=300.0)
+
+
+def _oracle(case):
+    m = rc.model()
+    opt, hp = rc.CASES[case]
+    cls = RefLion if opt == "lion" else torch.optim.SGD if opt == "sgd" else opt
+    rc.train(m, cls(m.parameters(), **hp))
+    return [p.detach() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("row", list(ROWS))
+def test_nvme_matches_cpu_offload_and_the_class(ranks, row, world_size):
+    case = row.rsplit("_s", 1)[0]
+    want = _oracle(case)
+    for r, got in enumerate(ranks(row, world_size)):
+        got = {k: [torch.tensor(p) for p in v] if k in ("nvme", "cpu") else v
+               for k, v in got.items()}
+        assert got["units"] >= 2, "the row must cover several units per rank"
+        for a, b in zip(got["nvme"], got["cpu"]):
+            assert torch.equal(a, b), (row, r, (a - b).abs().max().item())
+        for a, b in zip(got["nvme"], want):
+            torch.testing.assert_close(a, b, **tol(torch.float32))
+        assert got["disk"] > 0
+
+
+def test_nvme_row_catches_a_lost_state():
+    """The state really lives in the files: zeroing one file's data between steps makes the
+    NVMe run differ from the CPU run."""
+    got = {}
+    for offload in ("nvme", "cpu"):
+        m = rc.model()
+        opt = rc.build(m, 2, offload, "sgd_class")
+        rc.train(m, opt, steps=2)
+        if offload == "nvme":
+            rule = opt.shard_update.states[0].rule
+            f = rule.swaps["momentum_buffer"]
+            os.pwrite(f.fd, bytes(f.numel * 4), 4096)   # (buffered or O_DIRECT: aligned)
+        rc.train(m, opt, steps=2, first=2)
+        got[offload] = rc.params(m, opt)
+        opt.close()
+    assert any(not torch.equal(a, b) for a, b in zip(got["nvme"], got["cpu"]))
+
+
+@pytest.mark.parametrize("case", ["sgd_class", "lion"])
+def test_host_ram_holds_one_unit_and_files_are_counted(case):
+    m = rc.model()
+    opt = rc.build(m, 2, "nvme", case)
+    recs = opt.shard_update.states
+    assert all(isinstance(r.rule, SwappedRule) for r in recs) and len(recs) >= 2
+    seen = []
+    for rec in recs:
+        inner = rec.rule.rule
+
+        def spy(*a, _inner=inner, _rec=rec, _step=inner.step, **k):
+            others = [t for r in recs if r is not _rec for t in r.rule.held()]
+            seen.append((sum(t.numel() * 4 for t in others),
+                         sum(t.numel() * 4 for t in _rec.rule.held())))
+            return _step(*a, **k)
+        inner.step = spy
+    rc.train(m, opt, steps=2)
+    assert len(seen) == 2 * len(recs)
+    assert all(o == 0 for o, _ in seen), "another unit's state was in host RAM"
+    assert max(h for _, h in seen) == max(r.numel for r in recs) * 4   # one key: one buffer
+    mem = opt.stats()["memory_bytes_by_location"]
+    assert mem["host"]["optimizer_states"] == 0
+    folder = opt.shard_update.files.folder
+    names = sorted(n for n in os.listdir(folder) if ".rule-" in n)
+    key = "momentum_buffer" if case == "sgd_class" else "exp_avg"
+    assert names == [f"unit{i:05d}.rule-{key}.swap" for i in range(len(recs))]
+    on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in names)
+    assert mem["disk"]["optimizer_states"] == on_disk >= sum(r.numel * 4 for r in recs)
+    est = zk.estimate_memory(m, 1, 2, optimizer=rc.CASES[case][0], nvme_master=False,
+                             optimizer_kwargs=rc.CASES[case][1], offload="nvme",
+                             bucket_bytes=512).by_location
+    shards = sum(r.numel * 4 for r in recs)   # (the estimate leaves out the units' padding)
+    assert 0 <= shards - est["disk"]["optimizer_states"] <= 64 * len(recs)
+    assert est["host"]["staging"] >= max(h for _, h in seen)
+    opt.close()
+
+
+@pytest.mark.parametrize("case", ["adagrad", "sgd"])
+def test_checkpoint_from_nvme_continues_with_cpu_offload(tmp_path, case):
+    """zk.checkpoint.save of an NVMe run loads into a CPU-offload run (and an NVMe run, by
+    opt.state_dict) that continue bit for bit as the NVMe run does."""
+    m = rc.model()
+    opt = rc.build(m, 2, "nvme", case)
+    rc.train(m, opt, steps=2)
+    zk.checkpoint.save(opt, str(tmp_path / "ck"))
+    sd = opt.state_dict()
+    rc.train(m, opt, steps=2, first=2)
+    want = rc.params(m, opt)
+    opt.close()
+    for offload, how in (("cpu", "checkpoint"), ("nvme", "state_dict"), ("cpu", "zeroed")):
+        m2 = rc.model(seed=4)
+        opt2 = rc.build(m2, 3 if how == "checkpoint" else 2, offload, case)
+        if how == "state_dict":
+            opt2.load_state_dict(sd)
+        else:
+            zk.checkpoint.load(opt2, str(tmp_path / "ck"))
+        if how == "zeroed":
+            for rec in opt2.shard_update.states:
+                for t in rec.rule.flat.values():
+                    t.zero_()
+        rc.train(m2, opt2, steps=2, first=2)
+        got = rc.params(m2, opt2)
+        same = all(torch.equal(a, b) for a, b in zip(got, want))
+        assert same != (how == "zeroed"), (offload, how)
+        opt2.close()
+
+
+def test_refused_by_name(tmp_path):
+    m = rc.model()
+    with pytest.raises(ValueError, match=r"swaps torch.optim.SGD's state.*nvme_master=False"):
+        zk.ZeroOptimizer(m, stage=2, optimizer=torch.optim.SGD, lr=0.1, offload="nvme",
+                         offload_dir=str(tmp_path), offload_config=OffloadConfig())
+    with pytest.raises(ValueError, match=r"swaps the fused Lion op.s state.*nvme_master=False"):
+        zk.ZeroOptimizer(m, stage=2, optimizer="lion", offload="nvme",
+                         offload_dir=str(tmp_path), offload_config=OffloadConfig())
+    w = torch.nn.Linear(8, 8, bias=False)
+    with pytest.raises(ValueError, match=r"does not run torch.optim.Muon.*offload='cpu'"):
+        zk.ZeroOptimizer(w, stage=2, optimizer=torch.optim.Muon, lr=0.02, offload="nvme",
+                         offload_dir=str(tmp_path), offload_config=rc.NVME)
+
+
+@pytest.mark.parametrize("variant", ["mixed_groups", "bf16", "offload_params", "unused"])
+def test_nvme_variants_match_cpu_offload(variant):
+    """An SGD group beside a fused AdamW group (the AdamW files stream past the rule's
+    units), bf16 compute parameters, stage 3's parameter files, a parameter without a
+    gradient at one step: the same parameters as offload="cpu", bit for bit."""
+    got = {}
+    for offload in ("nvme", "cpu"):
+        m = rc.model()
+        kw = dict(optimizer=torch.optim.SGD, lr=0.05, momentum=0.9)
+        if variant == "mixed_groups":
+            kw = dict(param_groups=[{"params": list(m[0].parameters()), "lr": 1e-2},
+                                    {"params": list(m[2].parameters()),
+                                     "optimizer": torch.optim.SGD, "lr": 0.05,
+                                     "momentum": 0.9}])
+        stage = 3 if variant == "offload_params" else 2
+        cut = dict(units=[torch.nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
+        extra = dict(offload_dir=rc.tempfile.mkdtemp(), offload_config=rc.NVME) \
+            if offload == "nvme" else {}
+        opt = zk.ZeroOptimizer(m, stage=stage, offload=offload, **cut, **extra, **kw,
+                               param_dtype=torch.bfloat16 if variant == "bf16" else None,
+                               offload_params=variant == "offload_params")
+        for s in range(3):
+            x = torch.randn(6, 12, generator=torch.Generator().manual_seed(50 + s))
+            opt.zero_grad()
+            if variant == "unused" and s == 1:   # layer 0 has no gradient at step 1
+                h = torch.relu(x @ m[0].weight.detach().t() + m[0].bias.detach())
+                loss = m[2](h).pow(2).mean()
+            else:
+                loss = m(x.to(torch.bfloat16) if variant == "bf16" else x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+        got[offload] = rc.params(m, opt)
+        if offload == "nvme":
+            if variant == "mixed_groups":   # an AdamW unit right before a rule's unit
+                rules = [r.rule is None for r in opt.shard_update.states]
+                assert any(a and not b for a, b in zip(rules, rules[1:])), rules
+            kinds = {n.split(".")[1] for n in os.listdir(opt.shard_update.files.folder)
+                     if n.endswith(".swap")}
+            assert "rule-momentum_buffer" in kinds
+            assert ("exp_avg" in kinds) == (variant == "mixed_groups")
+        opt.close()
+    for a, b in zip(got["nvme"], got["cpu"]):
+        assert torch.equal(a, b), (variant, (a.float() - b.float()).abs().max().item())

@@ -1,0 +1,136 @@
+"""A rule's state in swap files (``offload="nvme"`` with a torch.optim class or the fused
+Lion / SGD): in host RAM only while its unit updates.
+
+[Note: rule state on NVMe]
+A :class:`~zkernels.zero.state.torch_rule.TorchShardRule` or
+:class:`~zkernels.zero.state.fused_rule.FusedShardRule` keeps its element-wise state as flat
+[shard_numel] fp32 buffers, one per state key (``rule.flat``). With NVMe offload
+:class:`SwappedRule` wraps the rule: each key's buffer is one swap file of the run's folder
+(``unit00003.rule-momentum_buffer.swap``, the format of ``swap.py``, registered with
+``NvmeFiles`` so ``stats()`` counts it on disk, the size check before a step covers it and
+the folder's removal takes it). Before the unit's step the files are read into fresh aligned
+host buffers, which the rule adopts (``attach``); after the step they are written back and
+dropped (``detach``: a torch class's state entries become meta placeholders, so a read
+without the files fails loudly instead of restarting the state). So host RAM holds one unit's
+state at a time, bounded by the largest unit shard times the class's state size, on top of
+the fp32 master, which stays where NVMe keeps it (host RAM; ``nvme_master`` is refused for
+rules in ``placement.py``). A class creates its state lazily at its first step, so a key's
+file is created when the key first appears (after the unit's first step, or at a load).
+Reads and writes are synchronous (no prefetch of the next unit: the class's step is the
+bottleneck on the host, and a prefetch would hold two units' state). The gradient shard comes
+to the host for the step by the copier (NVMe keeps it on the device; counted in
+``stats()["offload"]`` as AdamW's slices are, and so are the files' reads and writes). 0-dim
+state (``step``) stays in RAM.
+Checkpoints read the state through :meth:`SwappedRule.piece_states` (copies, the buffers are
+dropped again) and load through :meth:`SwappedRule.load` (written to the files).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from .nvme_files import NvmeFiles
+from .swap import SwapFile, aligned_empty, round_up
+
+
+class SwappedRule:
+    """A rule whose flat state lives in files (see [Note: rule state on NVMe]).
+
+    Args:
+        rule: the :class:`TorchShardRule` or :class:`FusedShardRule` (``flat``, ``step``,
+            ``piece_states``, ``load``, ``attach``, ``detach``).
+        files: the run's :class:`NvmeFiles` (folder, I/O pool, rank).
+        unit_index: the unit (file names and headers).
+        numel: the unit's shard elements.
+        copier: brings a device gradient shard to the host.
+
+    Attributes:
+        swaps: state key -> its :class:`SwapFile`.
+    """
+
+    def __init__(self, rule, files: NvmeFiles, unit_index: int, numel: int, copier) -> None:
+        self.rule, self.files, self.unit, self.numel = rule, files, unit_index, numel
+        self.copier = copier
+        self.swaps: Dict[str, SwapFile] = {}
+        self._bufs: Dict[str, torch.Tensor] = {}   # key -> padded aligned buffer (in RAM)
+
+    @property
+    def inner(self):
+        return self.rule
+
+    # -- in and out ---------------------------------------------------------------------
+
+    def _bring_in(self) -> None:
+        futs, flat = [], {}
+        for k, f in self.swaps.items():
+            buf = aligned_empty(f.data_bytes)
+            futs.append(self.files.io.read(f, buf, 0, f.data_bytes))
+            self._bufs[k] = buf
+            flat[k] = buf.view(torch.float32)[:self.numel]
+        for fu in futs:
+            fu.result()
+        self.rule.attach(flat)
+
+    def _write_out(self) -> None:
+        """Write every key's buffer to its file (creating the files of new keys), then drop
+        the buffers."""
+        flat = self.rule.detach()
+        futs = []
+        for k, t in flat.items():
+            buf = self._bufs.get(k)
+            if buf is None or buf.data_ptr() != t.data_ptr():   # a key the rule just made
+                buf = aligned_empty(round_up(self.numel * 4))
+                buf.view(torch.float32)[self.numel:].zero_()
+                buf.view(torch.float32)[:self.numel].copy_(t)
+            if k not in self.swaps:
+                self.swaps[k] = self.files.create_file(self.unit, f"rule-{k}", self.numel)
+            futs.append(self.files.io.write(self.swaps[k], buf, 0, self.swaps[k].data_bytes))
+        try:
+            for fu in futs:
+                fu.result()
+        finally:
+            self._bufs = {}
+
+    # -- the rule's interface -----------------------------------------------------------
+
+    def step(self, grad: torch.Tensor, group: dict, grad_scale,
+             live: Optional[List[bool]] = None) -> None:
+        """The rule's step with its state read in before and written back after."""
+        host = torch.empty(grad.shape, dtype=grad.dtype)   # (counted, as AdamW's slices)
+        self.copier.to_host(host, grad).wait()
+        self._bring_in()
+        try:
+            self.rule.step(host, group, grad_scale, live)
+        finally:
+            self._write_out()
+
+    def piece_states(self) -> List[Dict[str, torch.Tensor]]:
+        """Each piece's state (copies: the buffers go back to disk)."""
+        self._bring_in()
+        try:
+            return [{k: t.clone() if isinstance(t, torch.Tensor) else t
+                     for k, t in st.items()} for st in self.rule.piece_states()]
+        finally:
+            self.rule.detach()
+            self._bufs = {}
+
+    def load(self, states, group: dict) -> None:
+        """Set each piece's state (written to the files)."""
+        self._bring_in()
+        try:
+            self.rule.load(states, group)
+        finally:
+            self._write_out()
+
+    def master_written(self) -> None:
+        self.rule.master_written()
+
+    def held(self) -> List[torch.Tensor]:
+        """The state buffers in host RAM now (empty between steps)."""
+        return list(self.rule.flat.values())
+
+    def disk_bytes(self) -> int:
+        """Bytes of this unit's state files (headers included)."""
+        return sum(os.fstat(f.fd).st_size for f in self.swaps.values() if f.fd >= 0)
