@@ -523,6 +523,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (``param_steps`` None: every parameter's count is ``step``)."""
         self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq, param_steps)
 
+    def state_format(self, unit):
+        """``{"dtype": "bf16" | "int8", "block_size": int}`` of a unit whose moments are
+        low-bit (``state_dtype``), or None (fp32 moments)."""
+        fmt = self.state_formats[unit.group_index]
+        return None if fmt is None else {"dtype": fmt.name, "block_size": fmt.block_size}
+
+    def read_lowbit_state(self, unit):
+        """A low-bit unit's moments as trained (live tensors: bf16, or int8/uint8 codes and
+        fp32 block scales), or None (fp32 moments: :meth:`read_state` has them)."""
+        return self.shard_update.lowbit_tensors(unit.index)
+
+    def write_lowbit_state(self, unit, tensors) -> None:
+        """Restore a low-bit unit's moments, bit for bit, from tensors of its own format
+        (after :meth:`write_state` restored its master and counts)."""
+        self.shard_update.load_lowbit(unit.index, tensors)
+
     @property
     def optimizer_names(self):
         """Each param group's optimizer: "adamw" (the fused AdamW) or the torch class name."""

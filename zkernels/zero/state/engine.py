@@ -597,6 +597,32 @@ class UpdateEngine:
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)
 
+    def lowbit_tensors(self, unit_index: int) -> Optional[Dict[str, torch.Tensor]]:
+        """A low-bit unit's live moments as trained (``exp_avg``, ``exp_avg_sq`` and, int8,
+        ``exp_avg_scales``, ``exp_avg_sq_scales``), or None where its moments are fp32."""
+        rec = self.states[unit_index]
+        if rec.fmt is None:
+            return None
+        out = {"exp_avg": rec.exp_avg, "exp_avg_sq": rec.exp_avg_sq}
+        if rec.fmt.blocked:
+            out.update(exp_avg_scales=rec.exp_avg_scales,
+                       exp_avg_sq_scales=rec.exp_avg_sq_scales)
+        return out
+
+    def load_lowbit(self, unit_index: int, tensors: Dict[str, torch.Tensor]) -> None:
+        """Overwrite a low-bit unit's moments with tensors of its own format (bit for bit)."""
+        self._settle_all()
+        live = self.lowbit_tensors(unit_index)
+        if live is None or set(live) != set(tensors):
+            raise ValueError(f"unit {unit_index}: expected low-bit moments "
+                             f"{sorted(live or ())}, got {sorted(tensors)}")
+        for k, t in live.items():
+            if tensors[k].shape != t.shape or tensors[k].dtype != t.dtype:
+                raise ValueError(f"unit {unit_index}: {k} must be {t.dtype} of shape "
+                                 f"{tuple(t.shape)}, got {tensors[k].dtype} of shape "
+                                 f"{tuple(tensors[k].shape)}")
+            t.copy_(tensors[k])
+
     def rule_state(self, unit_index: int):
         """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
         rec = self.states[unit_index]

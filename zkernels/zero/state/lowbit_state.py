@@ -85,3 +85,20 @@ def quantized(fmt: StateFormat, m: torch.Tensor, v: torch.Tensor) -> dict:
     qm, sm = quantize_exp_avg(m.float(), fmt.block_size)
     qv, sv = quantize_exp_avg_sq(v.float(), fmt.block_size)
     return {"exp_avg": qm, "exp_avg_sq": qv, "exp_avg_scales": sm, "exp_avg_sq_scales": sv}
+
+
+def format_of(desc: Optional[dict]) -> Optional[StateFormat]:
+    """The :class:`StateFormat` a checkpoint's ``{"dtype", "block_size"}`` names (None: fp32)."""
+    if desc is None:
+        return None
+    return StateFormat(torch.bfloat16 if desc["dtype"] == "bf16" else "int8",
+                       int(desc["block_size"]))
+
+
+def fp32_moments(desc: Optional[dict], tensors: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(exp_avg, exp_avg_sq)`` of saved moments in the format ``desc`` names."""
+    fmt = format_of(desc)
+    if fmt is None:
+        return tensors["exp_avg"], tensors["exp_avg_sq"]
+    return dequantized(fmt, tensors["exp_avg"], tensors["exp_avg_sq"],
+                       tensors.get("exp_avg_scales"), tensors.get("exp_avg_sq_scales"))
