@@ -236,8 +236,8 @@ class Reference:
         params = split_groups(self.ref, WD) if row.groups else _trainable(self.ref)
         if row.state:   # [Note: the low-bit oracle]
             assert row.optim == "adamw" and not (row.groups or row.sched or self.bf16)
-            self.opt = LowbitAdamW(params, parse_state_dtype(row.state), lr=LR, betas=BETAS, eps=EPS,
-                                   weight_decay=WD, block_size=STATE_BLOCK)
+            self.opt = LowbitAdamW(params, parse_state_dtype(row.state), lr=LR, betas=BETAS,
+                                   eps=EPS, weight_decay=WD, block_size=STATE_BLOCK)
             self.index = {n: i for i, (n, _) in enumerate(
                 (n, p) for n, p in self.ref.named_parameters() if p.requires_grad)}
         elif row.optim == "adamw":

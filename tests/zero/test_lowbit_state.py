@@ -148,7 +148,8 @@ def test_state_dict_converts_between_formats_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="zkernels.zero"):
         back.load_state_dict(fp32.state_dict())
     assert "fp32 -> bf16" in caplog.text
-    assert torch.equal(back.read_lowbit_state(back.units[0])["exp_avg"], sd["state"][0]["exp_avg"])
+    assert torch.equal(back.read_lowbit_state(back.units[0])["exp_avg"],
+                       sd["state"][0]["exp_avg"])
     int8 = ZeroOptimizer(_gpt(3), stage=1, state_dtype="int8")
     with pytest.raises(ValueError, match="convert through zkernels.checkpoint"):
         int8.load_state_dict(sd)

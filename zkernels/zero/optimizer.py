@@ -84,7 +84,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``opt.gathered()``).
         stage, param_dtype, reduce_dtype, offload, offload_dir, offload_config,
         offload_params, bucket_bytes, shard_size, reshard_after_forward, quantize_weights,
-        quantize_grads, quantize_block, state_dtype, state_block_size, master_dtype: the run's :class:`~zkernels.ZeroConfig`
+        quantize_grads, quantize_block, state_dtype, state_block_size, master_dtype: the run's
+            :class:`~zkernels.ZeroConfig`
             (``ZeroConfig.from_kwargs`` builds it from these; each is documented on its part,
             ``zkernels/zero/planning/config.py``). Default: stage 1, pure fp32, no offload.
             A model whose trainable parameters are all bf16 (or all fp16) computes in that
