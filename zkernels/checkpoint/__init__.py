@@ -3,6 +3,7 @@
     zk.checkpoint.save(opt, "ckpt/step1000", model_extra={"sched": sched.state_dict()})
     extra = zk.checkpoint.load(opt, "ckpt/step1000")   # any world size, stage, dtype
     weights = zk.checkpoint.consolidate("ckpt/step1000")  # {state_dict key: fp32 tensor}
+    moments = zk.checkpoint.consolidate_moments("ckpt/step1000")  # fp32 AdamW moments
     zk.checkpoint.import_deepspeed(opt, "ds_ckpt")  # a DeepSpeed ZeRO 1-3 checkpoint
 
     python -m zkernels checkpoint consolidate ckpt/step1000 model.safetensors [--dtype bf16]
@@ -14,7 +15,7 @@ JSON manifest with sizes and per-block CRC-32s (see ``manifest.py`` and [Note: c
 file format] in ``_tensorfile.py``). Nothing is ever unpickled.
 """
 from ._safe_pickle import UnsafeCheckpointError
-from .consolidate import consolidate, consolidate_to_file, verify
+from .consolidate import consolidate, consolidate_moments, consolidate_to_file, verify
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
 from .deepspeed_import import import_deepspeed
@@ -22,6 +23,6 @@ from .load import load
 from .pretrained import LoadResult, load_pretrained, save_pretrained
 from .save import save
 
-__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult", "consolidate", "consolidate_to_file", "verify", "CheckpointError",
+__all__ = ["save", "load", "import_deepspeed", "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult", "consolidate", "consolidate_moments", "consolidate_to_file", "verify", "CheckpointError",
            "CorruptCheckpointError", "IncompatibleCheckpointError", "NotACheckpointError",
            "SaveAbortedError", "UnsupportedVersionError"]
