@@ -505,6 +505,10 @@ ROWS = [
     (R(3, steps=4, state="int8"), ("parity",), FULL),
     (R(3, steps=4, state="bf16"), ("parity",), OFFLOAD_FULL),
     (R(2, offload="cpu", steps=4, state="int8"), ("parity",), OFFLOAD),
+    # (bf16 compute: the offloaded step and the device's are the same bits, as the bf16
+    # offload rows' round trips)
+    (R(2, "bf16", offload="cpu", steps=4, state="int8"), ("round_trip",), OFFLOAD),
+    (R(2, "fp16", state="int8"), ("overflow",), OFFLOAD_FULL),
     (R(3, offload="cpu", offload_params=True, steps=3, state="bf16"), ("parity",),
      OFFLOAD_FULL),
     (R(2, shard_size=2, steps=3, state="int8"), ("parity",), HYBRID),

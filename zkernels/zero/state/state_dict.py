@@ -207,12 +207,12 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
                 opt.write_lowbit_state(u, {k: s[k] for k in LOWBIT_KEYS if k in s})
             elif saved != here:
                 converted.append((u.index, saved, here))
-    if converted:
-        _log.warning("load_state_dict: converted the AdamW moments of units %s: %s",
-                     [i for i, _, _ in converted], "; ".join(sorted({
-                         f"{_name(a)} -> {_name(b)}" for _, a, b in converted})))
         for u in frozen_units if frozen else ():  # stage 3: the frozen shards
             with u.shard_values(write_back=True) as shard:
                 shard.copy_(frozen[u.index])
         opt.publish(list(opt.units) + (frozen_units if frozen else []))
+    if converted:
+        _log.warning("load_state_dict: converted the AdamW moments of units %s: %s",
+                     [i for i, _, _ in converted], "; ".join(sorted({
+                         f"{_name(a)} -> {_name(b)}" for _, a, b in converted})))
     opt.load_counters(zero)
