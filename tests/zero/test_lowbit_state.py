@@ -153,3 +153,18 @@ def test_state_dict_converts_between_formats_and_says_so(caplog):
     int8 = ZeroOptimizer(_gpt(3), stage=1, state_dtype="int8")
     with pytest.raises(ValueError, match="convert through zkernels.checkpoint"):
         int8.load_state_dict(sd)
+
+
+def test_plan_takes_the_state_dtype(capsys):
+    from zkernels.plan import main
+    rows = {}
+    for state in ("fp32", "int8"):
+        assert main(["--params", "1e9", "--world-size", "8", "--state-dtype", state,
+                     "--unit", "B"]) == 0
+        rows[state] = capsys.readouterr().out
+    assert "int8 adamw" in rows["int8"] and "nvme" in rows["fp32"]
+    assert "nvme" not in rows["int8"].split("\n", 1)[1]   # no NVMe rungs with low-bit state
+    optim = {s: int(float(next(line for line in out.splitlines()
+                               if line.strip().startswith("stage 2 ")).split()[5]))
+             for s, out in rows.items()}
+    assert optim["int8"] == pytest.approx(optim["fp32"] * (2 + 8 / 256) / 8, rel=1e-3)
