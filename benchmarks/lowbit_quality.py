@@ -13,8 +13,9 @@ gives, per length and configuration, the mean eval loss over seeds, its relative
 from fp32 state's mean, and the spread (max - min over seeds) of each; the verdict asks for
 |difference| <= 1% for bf16 and int8 state, to be read beside the control's own difference
 (fp32 vs bf16 compute) and the runs' spread (the standard set for quantized collectives).
-torchao's AdamW8bit keeps parameters under 4096 elements in fp32 state and has no fp32
-master beside bf16 weights, so its row is a peer, not a like-for-like control; it needs
+torchao's AdamW8bit keeps parameters under 4096 elements (or not a multiple of its block) in
+fp32 state, and its fp32 parameters under autocast are not our bf16 weights with an fp32
+master, so its row is a peer, not a like-for-like control; it needs
 ``torchao`` importable (``pip install --no-deps torchao``; without it the row says why).
 """
 from __future__ import annotations
