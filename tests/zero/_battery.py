@@ -512,6 +512,7 @@ ROWS = [
     (R(3, offload="cpu", offload_params=True, steps=3, state="bf16"), ("parity",),
      OFFLOAD_FULL),
     (R(2, shard_size=2, steps=3, state="int8"), ("parity",), HYBRID),
+    (R(3, shard_size=2, steps=3, state="bf16"), ("parity",), HYBRID),
     (R(2, steps=2, state="int8"), (f"catches_{SCALE_FAULT}",), TORCH_OPTIM),
 ]
 
