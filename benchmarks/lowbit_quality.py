@@ -52,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--state-block-size", type=int, default=256,
+                    help="the int8 state's elements per scale")
     ap.add_argument("--no-torchao", action="store_true", help="leave out the torchao row")
     ap.add_argument("--json", default=None, help="write every run and the table here")
     args = ap.parse_args(argv)
@@ -75,6 +77,7 @@ def demo_run(args, steps: int, seed: int, param_dtype: str, state_dtype: str) ->
         cmd = [sys.executable, "-m", "zkernels", "demo", "--nproc", "2", "--rungs", "2",
                "--device", "cpu", "--steps", str(steps), "--seed", str(seed),
                "--param-dtype", param_dtype, "--state-dtype", state_dtype,
+               "--state-block-size", str(args.state_block_size),
                "--eval-batches", str(args.eval_batches), "--timeout-s", "7200",
                "--json", out] + _model_flags(args)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -75,6 +75,11 @@ def check_args(args) -> Optional[str]:
         return f"--param-dtype must be fp32 or bf16, got {args.param_dtype!r}"
     if args.state_dtype not in ("fp32", "bf16", "int8"):
         return f"--state-dtype must be fp32, bf16 or int8, got {args.state_dtype!r}"
+    from ..ops.quant import check_block_size
+    try:
+        check_block_size(args.state_block_size, "--state-block-size")
+    except ValueError as exc:
+        return str(exc)
     if args.state_dtype != "fp32" and "nvme" in args.rungs:
         return (f"--state-dtype {args.state_dtype} does not combine with the nvme rungs (their "
                 f"files hold fp32 moments): pass --rungs without them")

@@ -85,6 +85,8 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                ("--state-dtype", str, "fp32", "the ZeRO rungs' AdamW moments: fp32, bf16 or "
                                               "int8 (blockwise, an fp32 scale per 256; no "
                                               "nvme rungs)"),
+               ("--state-block-size", int, 256, "int8 state: elements per fp32 scale (a "
+                                                 "power of two)"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
                                        "zkernels.checkpoint per rung (stage1, stage2, "
                                        "stage2-cpu, ...)"),
@@ -187,7 +189,7 @@ class _ZeroRung:
             offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUFFER_BYTES) if nvme else None,
             param_dtype=PARAM_DTYPES[args.param_dtype],
             quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
-            state_dtype=STATE_DTYPES[args.state_dtype])
+            state_dtype=STATE_DTYPES[args.state_dtype], state_block_size=args.state_block_size)
 
     def step(self, x, y):
         loss = self.model(x, y)
@@ -228,7 +230,8 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
                           param_dtype=PARAM_DTYPES[args.param_dtype] if zero else None,
                           quantize_weights=rung.quantize_weights,
                           quantize_grads=rung.quantize_grads,
-                          state_dtype=STATE_DTYPES[args.state_dtype] if zero else None)
+                          state_dtype=STATE_DTYPES[args.state_dtype] if zero else None,
+                          state_block_size=args.state_block_size)
     where = {}
     for place, kinds in est.by_location.items():
         kinds = dict(kinds)
