@@ -6,10 +6,10 @@ no environment variable is read until an op runs.
 from . import checkpoint, ops
 from .layout import FlatLayout
 from .zero import (BucketConfig, OffloadSpec, PrecisionConfig, QuantizeConfig, ShardingConfig,
-                   ZeroConfig, ZeroOptimizer)
+                   StateConfig, ZeroConfig, ZeroOptimizer)
 from .zero.planning.estimate import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
 __all__ = ["checkpoint", "ops", "FlatLayout", "ZeroOptimizer", "ZeroConfig", "ShardingConfig",
-           "PrecisionConfig", "OffloadSpec", "QuantizeConfig", "BucketConfig", "MemoryEstimate",
+           "PrecisionConfig", "OffloadSpec", "QuantizeConfig", "BucketConfig", "StateConfig", "MemoryEstimate",
            "estimate_memory", "__version__"]

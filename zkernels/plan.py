@@ -84,7 +84,8 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  disk_bytes: Optional[int] = None, frozen_numel: Optional[int] = None,
                  frozen_dtype=None, shard_size: Optional[int] = None,
                  link_gbps: Optional[float] = None, gathered_numel: Optional[int] = None,
-                 optimizer="adamw", optimizer_kwargs: Optional[dict] = None):
+                 optimizer="adamw", optimizer_kwargs: Optional[dict] = None,
+                 state_dtype=None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
     ``link_gbps``: also rows for the quantized collectives (see [Note: when compressed
     communication pays]), after the ladder's.
@@ -95,12 +96,15 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     once (its transient column; a module counts its own units). ``optimizer``,
     ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element; a
     torch class has no NVMe rungs: they keep the master on disk, which runs the fused AdamW
-    only; ``offload="nvme"`` with ``nvme_master=False`` runs the others)."""
+    only; ``offload="nvme"`` with ``nvme_master=False`` runs the others).
+    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (no NVMe rungs either)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
               shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,
               optimizer_kwargs=optimizer_kwargs)
-    nvme = fused_optimizer(optimizer, optimizer_kwargs)
+    if state_dtype is not None:
+        kw["state_dtype"] = state_dtype
+    nvme = fused_optimizer(optimizer, optimizer_kwargs) and state_dtype is None
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
@@ -362,6 +366,9 @@ def parse_args(argv):
     ap.add_argument("--optimizer", default="adamw", help="adamw (default: the fused AdamW, "
                     "8 B/param of state) or a torch.optim element-wise class by name (sgd, "
                     "adam, adagrad, rmsprop, ...): its state bytes per parameter")
+    ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                    help="the fused AdamW's moments: fp32 (8 B/param), bf16 (4) or int8 "
+                    "blockwise (2 + 8 per block of 256); low-bit states have no NVMe rungs")
     ap.add_argument("--momentum", type=float, default=None, help="the optimizer's momentum "
                     "(sgd, rmsprop): SGD keeps a 4 B/param buffer only with momentum")
     ap.add_argument("--file-dtype", default="bf16", help="dtype of the pretrained files "
@@ -384,7 +391,8 @@ def _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered):
     kw = dict(param_dtype=pdt, reduce_dtype=rdt, grad_shard_dtype=gdt,
               bucket_bytes=args.bucket_bytes, shard_size=args.shard_size,
               gathered_numel=gathered, optimizer=args.optimizer,
-              optimizer_kwargs={} if args.momentum is None else {"momentum": args.momentum})
+              optimizer_kwargs={} if args.momentum is None else {"momentum": args.momentum},
+              state_dtype=None if args.state_dtype == "fp32" else args.state_dtype)
     if frozen is not None:
         kw.update(frozen_numel=frozen, frozen_dtype=parse_dtype(args.frozen_dtype,
                                                                 "--frozen-dtype"))
@@ -419,7 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             frozen_dtype=parse_dtype(args.frozen_dtype, "--frozen-dtype") if frozen else None,
             shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered,
             optimizer=args.optimizer, optimizer_kwargs=(
-                {} if args.momentum is None else {"momentum": args.momentum}))
+                {} if args.momentum is None else {"momentum": args.momentum}),
+            state_dtype=None if args.state_dtype == "fp32" else args.state_dtype)
         phases = _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
@@ -431,7 +440,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"states, whole at data parallel and stages 1-2, sharded at stage 3)" \
         if e0.frozen_numel else ""
     print(f"{e0.num_params:,} params{split}, {args.world_size} ranks, params {p}, grads reduced in "
-          f"{r} on every rung and sharded in {g}, fp32 {args.optimizer}"
+          f"{r} on every rung and sharded in {g}, {args.state_dtype} {args.optimizer}"
           f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
           f"step only (stage 1's reduced shards, stage 3's gathered units: the root and two "

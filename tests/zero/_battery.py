@@ -19,6 +19,16 @@ same point is what lets bf16 rows run the optimizer's own backend: a reference c
 its own masters drifts from any AdamW whose fp32 round-off differs from torch's (a flipped
 bf16 rounding of a compute parameter moves the next gradients, and Adam amplifies that near
 eps into a few % of lr within a few steps), so those checks had to run the reference ops.
+
+[Note: the low-bit oracle]
+A row with ``state`` (bf16 or int8 moments) runs against
+:class:`~zkernels.reference.adamw_lowbit.LowbitAdamW` on the whole parameters, which applies
+the same quantization (int8 blocks from each parameter's element 0, which the optimizer's
+aligned shards reproduce). As for the parameters, each step starts from the same point: after
+the parameters are compared and copied, this rank's moments (codes and scales, or bf16) are
+compared with the oracle's piece by piece (at most one int8 code, or one bf16 ulp, apart: the
+summation order of the reduced gradient may round a moment across a code boundary) and the
+oracle's moments continue from every rank's.
 """
 from __future__ import annotations
 
@@ -36,6 +46,8 @@ from tests.conftest import tol
 from tests.zero._harness import (EPS, LR, chunk, clone_model, freeze_layers,
                                  make_model, ratio, reference_grads, split_groups, variant,
                                  world_mean, worst_param)
+from zkernels.reference.adamw_lowbit import LowbitAdamW
+from zkernels.zero.planning.state_format import parse_state_dtype
 from zkernels.zero import LossScaleConfig, OffloadConfig
 
 BETAS = (0.9, 0.95)
@@ -53,6 +65,9 @@ NVME_PARAMS_BUDGET = 3 * 2048 * 18 + 2 * 4096 + 1000
 NVME_PARAM_BOUNCES = 4 * 4096
 CPU_SUB = 700   # elements per CPU AdamW sub-group: not a divisor of any shard
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Low-bit state rows (issue 28): int8 blocks of 32 elements, so that parameters hold several
+# blocks and shards cut between them; the oracle is LowbitAdamW on the whole parameters.
+STATE_BLOCK = 32
 # Element-wise torch.optim rows (issue 26): the class and its hyperparameters, the same on
 # both sides; the oracle is the class itself on the whole model.
 OPTIMS = {
@@ -139,6 +154,7 @@ class Row:
     order: Tuple[int, ...] = (0, 1)            # the blocks' order (a block may run twice)
     ckpt: Optional[str] = None                 # activation checkpointing of each block
     optim: str = "adamw"                       # a key of OPTIMS (torch.optim classes)
+    state: Optional[str] = None                # state_dtype: None (fp32), "bf16", "int8"
 
     @property
     def id(self) -> str:
@@ -153,7 +169,7 @@ class Row:
             parts.append(f"reshard{self.reshard}")
         defaults = Row(self.stage)
         for f in ("steps", "micro", "clip", "groups", "frozen", "sched", "order", "ckpt",
-                  "optim"):
+                  "optim", "state"):
             v = getattr(self, f)
             if v != getattr(defaults, f):
                 text = "".join(map(str, v)) if f == "order" else v
@@ -172,6 +188,8 @@ class Row:
             cls, hp = OPTIMS[self.optim]
             kw = dict(stage=self.stage, param_dtype=self.param_dtype,
                       max_grad_norm=self.clip, optimizer=cls, **hp)
+        if self.state:
+            kw.update(state_dtype=self.state, state_block_size=STATE_BLOCK)
         if self.stage != 3:
             kw["bucket_bytes"] = SMALL_BUCKET
         else:
@@ -283,7 +301,13 @@ class Reference:
             self.compute = clone_model(model).to(torch.bfloat16)
             self.by_id = {id(p): q for p, q in zip(model.parameters(), self.ref.parameters())}
         params = split_groups(self.ref, WD) if row.groups else _trainable(self.ref)
-        if row.optim == "adamw":
+        if row.state:   # [Note: the low-bit oracle]
+            assert row.optim == "adamw" and not (row.groups or row.sched or self.bf16)
+            self.opt = LowbitAdamW(params, parse_state_dtype(row.state), lr=LR, betas=BETAS,
+                                   eps=EPS, weight_decay=WD, block_size=STATE_BLOCK)
+            self.index = {n: i for i, (n, _) in enumerate(
+                (n, p) for n, p in self.ref.named_parameters() if p.requires_grad)}
+        elif row.optim == "adamw":
             self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         elif row.optim in MATRIX_OPTIMS:
             mats, rest = matrix_groups(self.ref, row.optim)
@@ -318,7 +342,8 @@ class Reference:
             norm = torch.nn.utils.clip_grad_norm_(_trainable(self.ref), self.row.clip)
             self.clipped += int(norm > self.row.clip)
         self.opt.step()
-        self.opt.zero_grad()
+        for q in self.ref.parameters():
+            q.grad = None
         if self.bf16:
             with torch.no_grad():
                 for c, q in zip(self.compute.parameters(), self.ref.parameters()):
@@ -340,6 +365,8 @@ class Reference:
                 with torch.no_grad():
                     for p, q in zip(model.parameters(), self.ref.parameters()):
                         q.copy_(p)
+            if self.row.state:
+                out["moments"] = self._moments(opt)
             return out
         out["loss"] = ratio(local_loss, losses[rank], **tol(torch.bfloat16))
         with opt.gathered():
@@ -356,6 +383,46 @@ class Reference:
         # [Note: one step from the same point], for the masters: continue from ours.
         self._continue_from(opt, {u.index: state[u.index]["master"] for u in opt.units})
         return out
+
+    def _moments(self, opt) -> float:
+        """This rank's low-bit moments against the oracle's, piece by piece, in codes of the
+        oracle's block (int8: ``|q s - q' s'| / s'``, at most one code apart passes) or bf16
+        ulps (rtol 2**-7); then the oracle's moments continue from every rank's."""
+        worst, pieces, bs = 0.0, [], STATE_BLOCK
+        for u in opt.units:
+            low = opt.read_lowbit_state(u)
+            for name, a, s, n in u.param_slices_in_shard():
+                st = self.opt.state[self.index[name]]
+                mine = {k: low[k][s:s + n].clone() for k in ("exp_avg", "exp_avg_sq")}
+                if self.row.state == "bf16":
+                    for k in mine:
+                        worst = max(worst, ratio(mine[k].float(), st[k][a:a + n].float(),
+                                                 rtol=2 ** -7 * 1.01, atol=1e-30))
+                else:
+                    mine.update({k + "_scales": low[k + "_scales"][s // bs:-(-(s + n) // bs)]
+                                 .clone() for k in ("exp_avg", "exp_avg_sq")})
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        sr = st[k + "_scales"][a // bs:-(-(a + n) // bs)]
+                        so = mine[k + "_scales"]
+                        ref_v = st[k][a:a + n].float() * sr.repeat_interleave(bs)[:n]
+                        got = mine[k].float() * so.repeat_interleave(bs)[:n]
+                        unit = sr.repeat_interleave(bs)[:n].clamp_min(1e-30)
+                        err = ((got - ref_v).abs() / unit).nan_to_num(float("inf"))
+                        worst = max(worst, float(err.max()) / 1.01 if n else 0.0)
+                pieces.append((self.index[name], a, n, mine))
+        everyone = [pieces]
+        if self.ws > 1:
+            everyone = [None] * self.ws
+            dist.all_gather_object(everyone, pieces)
+        for rank_pieces in everyone:
+            for i, a, n, mine in rank_pieces:
+                st = self.opt.state[i]
+                for k, t in mine.items():
+                    if k.endswith("_scales"):
+                        st[k][a // bs:a // bs + t.numel()] = t
+                    else:
+                        st[k][a:a + n] = t
+        return worst
 
     def _continue_from(self, opt, shards) -> None:
         """Set the reference's masters (and its bf16 compute copy) to the optimizer's: every
@@ -378,6 +445,25 @@ class Reference:
 
 
 FAULTS = ("wrong_mean", "skip_micro", "one_element")
+# A low-bit row's fault: the fused step stores every exp_avg block scale 2% too large (a
+# kernel that writes the wrong scale).
+SCALE_FAULT = "broken_scale"
+
+
+class BrokenScale:
+    """An OpSet whose ``adamw_step_lowbit`` writes its first moment's scales 2% too large."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def adamw_step_lowbit(self, *args, **kw):
+        out = self._ops.adamw_step_lowbit(*args, **kw)
+        if len(args) > 4 and args[4] is not None:
+            args[4].mul_(1.02)
+        return out
 # A torch.optim row's fault: each piece's gradient shifted by one element inside the shard
 # (a wrong shard mapping: element i updated with element i+1's gradient).
 MAPPING_FAULT = "wrong_mapping"
@@ -500,6 +586,23 @@ ROWS = [
      ("parity",), TORCH_OPTIM_FULL),
     (R(3, offload="nvme", nvme_master=False, steps=3, optim="lion", micro=2), ("parity",),
      TORCH_OPTIM_FULL),
+    # low-bit optimizer state (issue 28): bf16 and blockwise int8 moments, against
+    # LowbitAdamW on the whole parameters ([Note: the low-bit oracle])
+    (R(1, steps=4, state="int8"), ("parity",), FULL),
+    (R(2, steps=4, state="bf16"), ("parity",), FULL),
+    (R(2, steps=4, micro=2, clip=0.05, state="int8"), ("parity",), OFFLOAD_FULL),
+    (R(3, steps=4, state="int8"), ("parity",), FULL),
+    (R(3, steps=4, state="bf16"), ("parity",), OFFLOAD_FULL),
+    (R(2, offload="cpu", steps=4, state="int8"), ("parity",), OFFLOAD),
+    # (bf16 compute: the offloaded step and the device's are the same bits, as the bf16
+    # offload rows' round trips)
+    (R(2, "bf16", offload="cpu", steps=4, state="int8"), ("round_trip",), OFFLOAD),
+    (R(2, "fp16", state="int8"), ("overflow",), OFFLOAD_FULL),
+    (R(3, offload="cpu", offload_params=True, steps=3, state="bf16"), ("parity",),
+     OFFLOAD_FULL),
+    (R(2, shard_size=2, steps=3, state="int8"), ("parity",), HYBRID),
+    (R(3, shard_size=2, steps=3, state="bf16"), ("parity",), HYBRID),
+    (R(2, steps=2, state="int8"), (f"catches_{SCALE_FAULT}",), TORCH_OPTIM),
 ]
 
 

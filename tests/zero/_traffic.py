@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import zkernels as zk
 from tests.zero._harness import MICRO_BATCH, chunk, make_batches, make_model
+from zkernels.zero.planning.state_format import state_bytes
 
 RING_BUCKET = 2 ** 16   # stages 1-2: bucket bytes large enough for the 1% padding bound
 
@@ -113,7 +114,7 @@ def _stage3_memory(opt, st, psi, ws, row, padded, shard, pel, rel) -> None:
                     "total": mem["total"] + buffers + g["peak_gathered_bytes"]}, peak
 
 
-def hybrid_traffic_memory(opt, ws, stage, offload, K):
+def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None):
     """A hybrid row (``shard_size=K``), called from its parity: the last step's bytes, exact
     against the layouts, and bytes held: the formula with N replaced by K (the layouts are
     over K ranks)."""
@@ -143,7 +144,10 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K):
     assert comm["all_reduce"] == across + small, comm
     assert comm["total"] == comm["within_group"] + comm["across_groups"], comm
     mem = opt.stats()["memory_bytes"]
-    assert mem["optimizer_states"] == 8 * shard, mem
+    fmt = opt.state_formats[0]   # (state: the row's state_dtype, one group)
+    assert mem["optimizer_states"] == sum(state_bytes(u.layout.shard_numel, fmt)
+                                          for u in opt.units), mem
+    assert (fmt is None) == (state is None)
     assert mem["params"] == (4 * shard if stage == 3 else 4 * padded), mem
     assert mem["grads"] == (4 * padded if stage == 1 else 4 * shard), mem
     assert mem["master"] == (4 * shard if offload else 0), mem
@@ -151,8 +155,9 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K):
         assert mem["buffers"] == 0, mem
         assert mem["total"] == sum(mem[k] for k in ("params", "grads", "master",
                                                      "optimizer_states")), mem
-    est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, offload=offload)
-    plain = zk.estimate_memory(make_model(), K, stage, offload=offload)
+    est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, offload=offload,
+                             state_dtype=state)
+    plain = zk.estimate_memory(make_model(), K, stage, offload=offload, state_dtype=state)
     for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):
         assert getattr(est, kind) == getattr(plain, kind), kind
     assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)

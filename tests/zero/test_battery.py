@@ -92,6 +92,8 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
             mstep = mx.step
             mx.step = lambda comm, meter, shards, *a: mstep(comm, meter,
                                                            [g.roll(1) for g in shards], *a)
+    if fault == _battery.SCALE_FAULT:
+        opt.shard_update.step_ops = _battery.BrokenScale(opt.shard_update.step_ops)
     grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0
     buffers_before = opt.stats()["memory_bytes"]["buffers"]
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.
@@ -176,13 +178,15 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
         # The gathered() above is counted in the next step: measure a step after a clean one.
         for batch in make_batches(2, ws * MICRO_BATCH, seed=3):
             _train(model, opt, rank, batch)
-        hybrid_traffic_memory(opt, ws, stage, row.offload, K=row.shard_size)
+        hybrid_traffic_memory(opt, ws, stage, row.offload, K=row.shard_size,
+                              state=row.state)
     return out
 
 
 def beyond(c: dict) -> bool:
     """A step's comparison (``Reference.compare``) out of tolerance (NaN counts as out)."""
-    return not all(v <= 1 for v in (c["loss"], c["params"], c["master"] or 0.0))
+    return not all(v <= 1 for v in (c["loss"], c["params"], c["master"] or 0.0,
+                                    c.get("moments") or 0.0))
 
 
 def check_parity(res: dict, row: Row, ws: int) -> None:

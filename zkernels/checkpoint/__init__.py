@@ -3,6 +3,7 @@
     zk.checkpoint.save(opt, "ckpt/step1000", model_extra={"sched": sched.state_dict()})
     extra = zk.checkpoint.load(opt, "ckpt/step1000")   # any world size, stage, dtype
     weights = zk.checkpoint.consolidate("ckpt/step1000")  # {state_dict key: fp32 tensor}
+    moments = zk.checkpoint.consolidate_moments("ckpt/step1000")  # fp32 AdamW moments
     zk.checkpoint.import_deepspeed(opt, "ds_ckpt")  # a DeepSpeed ZeRO 1-3 checkpoint
     zk.checkpoint.import_dcp(opt, "dcp_dir")        # FSDP2's torch.distributed.checkpoint
     zk.checkpoint.export_dcp(opt, "dcp_dir")        # ... and back (dcp.load + set_state_dict)
@@ -17,7 +18,7 @@ JSON manifest with sizes and per-block CRC-32s (see ``manifest.py`` and [Note: c
 file format] in ``_tensorfile.py``). Nothing is ever unpickled.
 """
 from ._safe_pickle import UnsafeCheckpointError
-from .consolidate import consolidate, consolidate_to_file, verify
+from .consolidate import consolidate, consolidate_moments, consolidate_to_file, verify
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      NotACheckpointError, SaveAbortedError, UnsupportedVersionError)
 from .dcp import export_dcp, import_dcp
@@ -29,6 +30,7 @@ from .save import save
 
 __all__ = ["save", "load", "import_deepspeed", "import_dcp", "export_dcp",
            "UnsafeCheckpointError", "load_pretrained", "save_pretrained", "LoadResult",
-           "consolidate_to_pretrained", "consolidate", "consolidate_to_file", "verify",
-           "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError",
-           "NotACheckpointError", "SaveAbortedError", "UnsupportedVersionError"]
+           "consolidate_to_pretrained", "consolidate", "consolidate_moments",
+           "consolidate_to_file", "verify", "CheckpointError", "CorruptCheckpointError",
+           "IncompatibleCheckpointError", "NotACheckpointError", "SaveAbortedError",
+           "UnsupportedVersionError"]

@@ -61,6 +61,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..zero.checkpoint_view import CheckpointSource
+from ._lowbit import describe, field_specs
 from .errors import IncompatibleCheckpointError
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -132,6 +133,8 @@ class ShardPiece:
     step: int
     tensors: Dict[str, torch.Tensor]
     scalars: Dict[str, float] = None
+    state_format: Optional[dict] = None   # saved as trained: [Note: low-bit moments in a
+                                          # checkpoint] in _lowbit.py
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,13 @@ class OptimizerView:
         self.leads = self.everyone.rank == 0
         self.device = opt.units[0].device
         self._steps: Dict[int, List[int]] = {}
+        # Low-bit moments ([Note: low-bit moments in a checkpoint] in _lowbit.py): each
+        # parameter's format here, the saved tensors of the pieces loaded in the same format
+        # ((name, start) -> raw), and the conversions a load made (saved, here).
+        self.formats: Dict[str, Optional[dict]] = {
+            name: opt.state_format(u) for u in opt.units for name in u.names}
+        self._raw: Dict[Tuple[str, int], Dict[str, torch.Tensor]] = {}
+        self.converted: set = set()
 
     def describe(self) -> Dict[str, object]:
         """How this optimizer runs (recorded in the manifest, for people)."""
@@ -226,10 +236,30 @@ class OptimizerView:
         out = []
         for u in self.opt.units:
             fields = FIELDS if self._fused(u) else ("master",) + tuple(self._rule_of(u)[2])
+            if self._fused(u) and self.opt.state_format(u) is not None:
+                fields = None   # low-bit: by piece (the scales' count follows its range)
             steps = self._param_steps(u)
-            out += [(name, a, a + n, steps[name], fields)
+            out += [(name, a, a + n, steps[name], fields or tuple(
+                        f for f, _, _ in field_specs(self.formats[name], a, a + n)))
                     for name, a, _, n in u.param_slices_in_shard()]
         return out
+
+    def field_specs(self, name: str, start: int, end: int, fields: Tuple[str, ...]):
+        """``[(field, dtype, numel)]`` of a piece :meth:`pieces` yields with ``as_trained``."""
+        if fields == FIELDS or self.formats.get(name) is not None:
+            return field_specs(self.formats.get(name), start, end)
+        return [(f, torch.float32, end - start) for f in fields]
+
+    def keep_lowbit(self, piece: ShardPiece, saved: Optional[dict],
+                    raw: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Loading: ``piece``'s moments were saved in format ``saved`` (None: fp32; ``raw``
+        its saved tensors): kept to restore bit for bit where this run has the same format,
+        else the conversion is noted (:attr:`converted`)."""
+        here = self.formats.get(piece.name)
+        if here is not None and saved == here:
+            self._raw[(piece.name, piece.start)] = raw
+        elif saved != here:
+            self.converted.add((describe(saved), describe(here)))
 
     def _param_steps(self, u) -> Dict[str, int]:
         """Each parameter's step count ([Note: unused parameters]): as :meth:`set_steps` gave
@@ -273,10 +303,12 @@ class OptimizerView:
             self._rule[unit.index] = (step, master, flat, scalars)
         return self._rule[unit.index]
 
-    def pieces(self, fields: Optional[Dict[str, Tuple[str, ...]]] = None
-               ) -> Iterator[ShardPiece]:
+    def pieces(self, fields: Optional[Dict[str, Tuple[str, ...]]] = None,
+               as_trained: bool = False) -> Iterator[ShardPiece]:
         """Every piece of this rank; ``fields`` (loading): each parameter's saved fields, for
-        a torch class's units (its state keys come from the checkpoint)."""
+        a torch class's units (its state keys come from the checkpoint); ``as_trained``
+        (saving): low-bit moments as the optimizer keeps them (codes and the piece's block
+        scales, or bf16), else fp32 (dequantized copies)."""
         for u in self.opt.units:
             if not self._fused(u):
                 step, master, flat, scalars = self._rule_of(u, fields)
@@ -289,9 +321,19 @@ class OptimizerView:
             _, tensors = self._state(u)
             steps = self._param_steps(u)
             fields = dict(zip(FIELDS, tensors))
+            desc = self.opt.state_format(u) if as_trained else None
+            low = self.opt.read_lowbit_state(u) if desc is not None else None
             for name, a, s, n in u.param_slices_in_shard():
-                yield ShardPiece(name, a, a + n, steps[name],
-                                 {f: t[s:s + n] for f, t in fields.items()})
+                if low is None:
+                    yield ShardPiece(name, a, a + n, steps[name],
+                                     {f: t[s:s + n] for f, t in fields.items()})
+                    continue
+                bs = desc["block_size"]
+                yield ShardPiece(name, a, a + n, steps[name], {
+                    "master": fields["master"][s:s + n],
+                    **{k: t[s:s + n] if not k.endswith("_scales") else
+                       t[s // bs:-(-(s + n) // bs)] for k, t in low.items()}},
+                    state_format=desc)
 
     def frozen_piece_ranges(self) -> List[Tuple[str, int, int, torch.dtype]]:
         """``(name, start, end, dtype)`` of every piece :meth:`frozen_pieces` yields."""
@@ -369,11 +411,32 @@ class OptimizerView:
                 continue
             step, tensors = self._state(u)
             self.opt.write_state(u, step, *tensors, param_steps=self._steps.get(u.index))
+            self._restore_lowbit(u)
         self._staged.clear()
+        self._raw.clear()
         self._rule.clear()
         self._steps.clear()
         # Frozen units too: their shards were written, so a stale gathered copy goes.
         self.opt.publish(list(self.opt.units) + self.frozen_units)
+
+    def _restore_lowbit(self, u) -> None:
+        """A low-bit unit whose every piece was saved in its format: its codes and scales (or
+        bf16 moments) as saved, over what ``write_state`` quantized from their fp32 values."""
+        desc = self.opt.state_format(u)
+        slices = list(u.param_slices_in_shard())
+        if desc is None or not all((name, a) in self._raw for name, a, _, _ in slices):
+            return
+        live = self.opt.read_lowbit_state(u)
+        out = {k: t.detach().clone() for k, t in live.items()}
+        bs = desc["block_size"]
+        for name, a, s, n in slices:
+            raw = self._raw[(name, a)]
+            for k, t in raw.items():
+                if k.endswith("_scales"):
+                    out[k][s // bs:s // bs + t.numel()] = t
+                else:
+                    out[k][s:s + n] = t
+        self.opt.write_lowbit_state(u, out)
 
     # -- Pretrained weights (``pretrained.py``): values only, one unit at a time. --
 

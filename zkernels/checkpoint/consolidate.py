@@ -6,7 +6,8 @@ parameters and buffers as saved, tied keys sharing one tensor): memory is the ou
 8 MiB staging buffer. ``consolidate_to_file(path, out)`` streams into a ``.safetensors``
 file piece by piece, so its memory is the staging buffers alone, whatever the model's size;
 a ``.pt`` output is ``torch.save`` of the in-memory dict (plain tensors, loadable with
-``torch.load(out, weights_only=True)``).
+``torch.load(out, weights_only=True)``). ``consolidate_moments(path)`` exports the AdamW
+moments in fp32 (low-bit ones dequantized).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from . import manifest
+from ._lowbit import read_lowbit, saved_format
 from ._read import CheckpointFiles
 from ._tensorfile import TensorFileWriter, dtype_from_name
 from .load import open_folder
@@ -82,6 +84,32 @@ def consolidate(path: str, dtype=None) -> Dict[str, torch.Tensor]:
                     files.tensor(src, f"model[{src['key']!r}]", out=t)
                 built[ident] = t
             out[e["key"]] = built[ident]
+    return out
+
+
+def consolidate_moments(path: str) -> Dict[str, Dict[str, Any]]:
+    """The AdamW state of checkpoint ``path`` for export: ``{parameter name: {"exp_avg",
+    "exp_avg_sq": fp32 tensors of its shape, "step": int}}``, low-bit moments dequantized
+    ([Note: low-bit moments in a checkpoint] in ``_lowbit.py``). Parameters of a group that
+    ran a torch.optim class (no AdamW moments) and frozen ones are left out."""
+    folder = open_folder(path)
+    m = manifest.read(folder)
+    out: Dict[str, Dict[str, Any]] = {}
+    with CheckpointFiles(folder, m) as files:
+        for name, p in m["params"].items():
+            pieces = p["pieces"]
+            if p.get("frozen") or not pieces or "exp_avg" not in pieces[0]:
+                continue
+            numel, shape = math.prod(p["shape"]), tuple(p["shape"])
+            desc = saved_format(m, name)
+            if desc is not None:
+                exp_avg, exp_avg_sq, _ = read_lowbit(files, name, 0, numel, desc)
+            else:
+                exp_avg, exp_avg_sq = torch.empty(numel), torch.empty(numel)
+                files.read_param(name, "exp_avg", 0, numel, exp_avg)
+                files.read_param(name, "exp_avg_sq", 0, numel, exp_avg_sq)
+            out[name] = {"exp_avg": exp_avg.view(shape), "exp_avg_sq": exp_avg_sq.view(shape),
+                         "step": pieces[0]["step"]}
     return out
 
 

@@ -8,6 +8,7 @@ parameter names and shapes and the param-group membership do.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any, Dict, List, Optional
@@ -18,11 +19,13 @@ from . import _codec, manifest
 from ._collective import agree
 from ._read import CheckpointFiles
 from ._tensorfile import dtype_from_name
+from ._lowbit import read_lowbit, saved_format
 from ._view import FIELDS, OptimizerView
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .save import OLD_SUFFIX
 
 _SHOW = 5  # differences listed per kind
+_log = logging.getLogger("zkernels.checkpoint")
 
 
 def open_folder(path: str) -> str:
@@ -69,8 +72,19 @@ def load(opt, path: str) -> Any:
             saved = {n: tuple(p["pieces"][0].get("fields", FIELDS))
                      for n, p in m["params"].items() if p["pieces"]}
             for piece in view.pieces(fields=saved):
+                desc = saved_format(m, piece.name) if piece.scalars is None else None
                 for f in piece.tensors:
-                    files.read_param(piece.name, f, piece.start, piece.end, piece.tensors[f])
+                    if desc is None or f == "master":
+                        files.read_param(piece.name, f, piece.start, piece.end,
+                                         piece.tensors[f])
+                raw = None
+                if desc is not None:   # [Note: low-bit moments in a checkpoint]
+                    exp_avg, exp_avg_sq, raw = read_lowbit(files, piece.name, piece.start,
+                                                           piece.end, desc)
+                    piece.tensors["exp_avg"].copy_(exp_avg)
+                    piece.tensors["exp_avg_sq"].copy_(exp_avg_sq)
+                if piece.scalars is None:
+                    view.keep_lowbit(piece, desc, raw)
                 if piece.scalars is not None:   # [Note: a torch class's pieces]
                     piece.scalars.update(m["params"][piece.name]["pieces"][0]
                                          .get("scalars", {}))
@@ -88,6 +102,9 @@ def load(opt, path: str) -> Any:
           "the optimizer is partly overwritten: rebuild it before training or retrying")
     view.set_hparams(groups)
     view.set_scalars(m["optimizer"])
+    for saved_as, here in sorted(view.converted):
+        _log.warning("zkernels.checkpoint.load: %s holds AdamW moments in %s, this optimizer "
+                     "keeps %s: converted through fp32", folder, saved_as, here)
     view.finish_load()
     return extra
 

@@ -167,8 +167,9 @@ def _key(field: str, name: str, start: int) -> str:
 def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
     """Stream this rank's pieces into its shard file; return its index."""
     ranges = view.piece_ranges()
-    entries = [(_key(f, name, start), torch.float32, (end - start,))
-               for name, start, end, _, fields in ranges for f in fields]
+    entries = [(_key(f, name, start), dtype, (numel,))
+               for name, start, end, _, fields in ranges
+               for f, dtype, numel in view.field_specs(name, start, end, fields)]
     # Stage 3's frozen pieces: their values only, in the shard's dtype ([Note: frozen pieces]).
     entries += [(_key("master", name, start), dtype, (end - start,))
                 for name, start, end, dtype in view.frozen_piece_ranges()]
@@ -178,7 +179,7 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
                                "world_size": str(view.world_size)})
     try:
         pieces = []
-        for piece in view.pieces():
+        for piece in view.pieces(as_trained=True):
             for f in piece.tensors:
                 writer.write(_key(f, piece.name, piece.start), piece.tensors[f])
             entry = {"name": piece.name, "start": piece.start, "end": piece.end,
@@ -187,6 +188,9 @@ def _write_shard(view: OptimizerView, tmp: str, fsync: bool) -> Dict[str, Any]:
                         for f in piece.tensors}}
             if piece.scalars is not None:   # a torch class ([Note: a torch class's pieces])
                 entry.update(fields=list(piece.tensors), scalars=piece.scalars)
+            if piece.state_format is not None:   # [Note: low-bit moments in a checkpoint]
+                entry.update(fields=list(piece.tensors), state_format=piece.state_format,
+                             dtypes={f: dtype_name(t.dtype) for f, t in piece.tensors.items()})
             pieces.append(entry)
         for fp in view.frozen_pieces():
             key = _key("master", fp.name, fp.start)

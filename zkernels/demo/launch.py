@@ -73,6 +73,16 @@ def check_args(args) -> Optional[str]:
             return f"--{flag.replace('_', '-')} must be >= 0, got {value}"
     if args.param_dtype not in ("fp32", "bf16"):
         return f"--param-dtype must be fp32 or bf16, got {args.param_dtype!r}"
+    if args.state_dtype not in ("fp32", "bf16", "int8"):
+        return f"--state-dtype must be fp32, bf16 or int8, got {args.state_dtype!r}"
+    from ..ops.quant import check_block_size
+    try:
+        check_block_size(args.state_block_size, "--state-block-size")
+    except ValueError as exc:
+        return str(exc)
+    if args.state_dtype != "fp32" and "nvme" in args.rungs:
+        return (f"--state-dtype {args.state_dtype} does not combine with the nvme rungs (their "
+                f"files hold fp32 moments): pass --rungs without them")
     if not args.timeout_s > 0.0:
         return f"--timeout-s must be > 0, got {args.timeout_s}"
     if not 0.0 <= args.headroom < 1.0:

@@ -22,9 +22,12 @@ _KIND_HEADS = dict(params="params", grads="grads", master="master", optimizer_st
 
 
 def _dtype(meta: dict) -> str:
-    """'fp32', or 'bf16 (data parallel fp32)' for a demo run with --param-dtype bf16."""
+    """'fp32', or 'bf16 (data parallel fp32)' for a demo run with --param-dtype bf16, and the
+    moments' dtype of a run with --state-dtype bf16 / int8."""
     dt = meta.get("args", {}).get("param_dtype", "fp32")
-    return dt if dt == "fp32" else f"ZeRO rungs {dt} (data parallel fp32)"
+    sd = meta.get("args", {}).get("state_dtype", "fp32")
+    state = "" if sd == "fp32" else f", ZeRO rungs' AdamW moments {sd}"
+    return (dt if dt == "fp32" else f"ZeRO rungs {dt} (data parallel fp32)") + state
 
 
 def _short(rung: dict) -> str:

@@ -100,6 +100,11 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                ("--param-dtype", str, "fp32", "compute dtype of the ZeRO rungs, fp32 or bf16 "
                                               "(bf16: fp32 master and gradient reduction; "
                                               "data parallel stays fp32)"),
+               ("--state-dtype", str, "fp32", "the ZeRO rungs' AdamW moments: fp32, bf16 or "
+                                              "int8 (blockwise, an fp32 scale per 256; no "
+                                              "nvme rungs)"),
+               ("--state-block-size", int, 256, "int8 state: elements per fp32 scale (a "
+                                                 "power of two)"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
                                        "zkernels.checkpoint per rung (stage1, stage2, "
                                        "stage2-cpu, ...)"),
@@ -108,6 +113,7 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
 
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
 
 
 def _tensor_bytes(tensors) -> int:
@@ -201,6 +207,7 @@ class _ZeroRung:
             offload_config=OffloadConfig(nvme_buffer_bytes=NVME_BUFFER_BYTES) if nvme else None,
             param_dtype=PARAM_DTYPES[args.param_dtype],
             quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
+            state_dtype=STATE_DTYPES[args.state_dtype], state_block_size=args.state_block_size,
             **({} if device is None else dict(device=device, param_init=None)))
 
     def step(self, x, y):
@@ -239,7 +246,9 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
     kw = dict(offload=rung.offload, offload_params=rung.offload_params,
               bucket_bytes=args.bucket_bytes, nvme_buffer_bytes=NVME_BUFFER_BYTES,
               param_dtype=PARAM_DTYPES[args.param_dtype] if zero else None,
-              quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads)
+              quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
+              state_dtype=STATE_DTYPES[args.state_dtype] if zero else None,
+              state_block_size=args.state_block_size)
     est = estimate_memory(model, world_size, rung.stage, **kw)
     where = {}
     for place, kinds in est.by_location.items():
@@ -414,6 +423,7 @@ def _train(rungs, built, args, tokens, device, rank: int, world_size: int):
             rung=rung.key, name=rung.name, short=rung.short, stage=rung.stage,
             offload=rung.offload, offload_params=rung.offload_params,
             quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
+            state_dtype=args.state_dtype if rung.stage else "fp32",
             first_step=starts[i], losses=losses[i], final_loss=losses[i][-1],
             eval_loss=evals[i], eval_batches=args.eval_batches,
             step_time_s=statistics.median(times[i][skip:]), step_times_s=times[i][skip:],

@@ -18,12 +18,12 @@ from .gradients.nonfinite import NonFiniteGradientError
 from .planning.offload_config import OffloadConfig
 from .optimizer import ZeroOptimizer
 from .planning.config import (BucketConfig, OffloadSpec, PrecisionConfig, QuantizeConfig,
-                              ShardingConfig, ZeroConfig, resolve_stage)
+                              ShardingConfig, StateConfig, ZeroConfig, resolve_stage)
 from .planning.policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
 from .gradients.precision import LossScaleConfig, MixedPrecision
 
 __all__ = ["ZeroOptimizer", "ZeroConfig", "ShardingConfig", "PrecisionConfig", "OffloadSpec",
-           "QuantizeConfig", "BucketConfig", "resolve_stage", "OffloadConfig", "LossScaleConfig",
+           "QuantizeConfig", "BucketConfig", "StateConfig", "resolve_stage", "OffloadConfig", "LossScaleConfig",
            "MixedPrecision",
            "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS",
            "NonFiniteGradientError"]

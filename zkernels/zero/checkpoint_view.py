@@ -15,7 +15,9 @@ NVMe offload copies read from its files, which :meth:`~CheckpointSource.write_st
 back) and written with ``write_state``, which also rebuilds the unit's compute shard from the
 master in the compute dtype. :meth:`~CheckpointSource.publish` then makes every rank's copy of
 the parameters follow the shards (stages 1-2: all-gather; stage 3: drop a stale gathered
-copy). The counters (steps, skipped steps, the loss scaler) travel as one dict.
+copy). The counters (steps, skipped steps, the loss scaler) travel as one dict. A unit with
+low-bit moments (``state_dtype``) also offers them as trained (``read_lowbit_state``,
+``write_lowbit_state``), so a checkpoint resumes bit for bit.
 """
 from __future__ import annotations
 
@@ -112,6 +114,19 @@ class CheckpointSource(Protocol):
 
     def read_state(self, unit: CheckpointUnit) -> Tuple[int, StateTensors]:
         """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard, fp32."""
+
+    def state_format(self, unit: CheckpointUnit) -> Optional[Dict[str, Any]]:
+        """``{"dtype": "bf16" | "int8", "block_size": int}`` where ``unit``'s moments are
+        low-bit (``state_dtype``), else None; ``read_state`` gives them dequantized to fp32."""
+
+    def read_lowbit_state(self, unit: CheckpointUnit) -> Optional[Dict[str, torch.Tensor]]:
+        """A low-bit unit's moments as trained (``exp_avg``, ``exp_avg_sq``, and int8's
+        ``exp_avg_scales``, ``exp_avg_sq_scales``), or None."""
+
+    def write_lowbit_state(self, unit: CheckpointUnit, tensors: Dict[str, torch.Tensor]
+                           ) -> None:
+        """Restore a low-bit unit's moments bit for bit (tensors of its own format), after
+        ``write_state`` restored its master and counts."""
 
     def write_state(self, unit: CheckpointUnit, step: int, master: torch.Tensor,
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -38,6 +38,7 @@ from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
 from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
+from .planning.state_format import group_formats, split_group_formats
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .state.placement import check_offload_dir, make_engine
@@ -83,7 +84,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``opt.gathered()``).
         stage, param_dtype, reduce_dtype, offload, offload_dir, offload_config,
         offload_params, bucket_bytes, shard_size, reshard_after_forward, quantize_weights,
-        quantize_grads, quantize_block: the run's :class:`~zkernels.ZeroConfig`
+        quantize_grads, quantize_block, state_dtype, state_block_size, master_dtype: the run's
+            :class:`~zkernels.ZeroConfig`
             (``ZeroConfig.from_kwargs`` builds it from these; each is documented on its part,
             ``zkernels/zero/planning/config.py``). Default: stage 1, pure fp32, no offload.
             A model whose trainable parameters are all bf16 (or all fp16) computes in that
@@ -94,7 +96,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             None: 1e-3, (0.9, 0.999), 1e-8, 0.0); with a torch class, those given go to it.
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
             "weight_decay": 0.0}, ...]``; every trainable parameter must be in one. A group's
-            ``"optimizer"`` key gives it its own optimizer (its class's defaults apply).
+            ``"optimizer"`` key gives it its own optimizer (its class's defaults apply), a
+            ``"state_dtype"`` key its own AdamW state format (``planning/state_format.py``).
         optimizer: ``"adamw"`` (default: the fused AdamW), or an element-wise
             ``torch.optim.Optimizer`` subclass (``torch.optim.SGD``, ...) or its lower-case
             name (``"sgd"``), run on this rank's shard; see [Note: optimizer rules] in
@@ -180,6 +183,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_param_gather: bool = False, shard_size: Optional[int] = None,
                  mesh=None, quantize_weights: Optional[str] = None,
                  quantize_grads: Optional[str] = None, quantize_block: int = 256,
+                 state_dtype=None, state_block_size: int = 256, master_dtype=None,
                  config: Optional[ZeroConfig] = None, device=None,
                  param_init: Optional[Callable[[nn.Module], None]] = None,
                  optimizer="adamw", elementwise: bool = False, **optimizer_kwargs) -> None:
@@ -189,15 +193,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             offload_dir=offload_dir, offload_config=offload_config,
             offload_params=offload_params, bucket_bytes=bucket_bytes, shard_size=shard_size,
             reshard_after_forward=reshard_after_forward, quantize_weights=quantize_weights,
-            quantize_grads=quantize_grads, quantize_block=quantize_block))
+            quantize_grads=quantize_grads, quantize_block=quantize_block,
+            state_dtype=state_dtype, state_block_size=state_block_size,
+            master_dtype=master_dtype))
         if resolve_stage(cfg.stage) in (1, 2) and units is not None:
             raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
                              f"stages that shard parameters), got stage={cfg.stage}")
         check_offload_dir(cfg.offload)                                  # state/placement.py
         meta_device = check_meta_args(model, device, param_init)        # parameters/meta_init
+        param_groups, state_keys = split_group_formats(param_groups)   # planning/state_format
         groups, defaults, self.optimizer_specs = build_param_groups(
             model, param_groups, lr, betas, eps, weight_decay, optimizer, optimizer_kwargs,
             elementwise)                                                # parameters/groups.py
+        self.state_formats = group_formats(self.optimizer_specs, state_keys,
+                                           cfg.state.state_dtype, cfg.state.block_size)
         self._frozen = FrozenAtBuild(model)
         # A bf16 / fp16 model computes in its own dtype ([Note: low-precision models]).
         cfg = cfg.with_param_dtype(resolve_param_dtype(
@@ -243,7 +252,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             cfg.offload.kind, ops=self.ops, device=device, ops_backend=ops_backend,
             offload_dir=cfg.offload.dir, rank=self.comm.rank, world_size=self.comm.world_size,
             offload_config=cfg.offload.config, offload_params=self.offload_params,
-            specs=self.optimizer_specs)
+            specs=self.optimizer_specs, formats=self.state_formats)
         try:
             # A meta model is materialized unit by unit as it is sharded ([Note: meta-device
             # build] in parameters/meta_init.py), from one seed every rank agrees on.
@@ -519,6 +528,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Restore ``unit``'s state and rebuild its compute shard from ``master``
         (``param_steps`` None: every parameter's count is ``step``)."""
         self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq, param_steps)
+
+    def state_format(self, unit):
+        """``{"dtype": "bf16" | "int8", "block_size": int}`` of a unit whose moments are
+        low-bit (``state_dtype``), or None (fp32 moments)."""
+        fmt = self.state_formats[unit.group_index]
+        return None if fmt is None else {"dtype": fmt.name, "block_size": fmt.block_size}
+
+    def read_lowbit_state(self, unit):
+        """A low-bit unit's moments as trained (live tensors: bf16, or int8/uint8 codes and
+        fp32 block scales), or None (fp32 moments: :meth:`read_state` has them)."""
+        return self.shard_update.lowbit_tensors(unit.index)
+
+    def write_lowbit_state(self, unit, tensors) -> None:
+        """Restore a low-bit unit's moments, bit for bit, from tensors of its own format
+        (after :meth:`write_state` restored its master and counts)."""
+        self.shard_update.load_lowbit(unit.index, tensors)
 
     @property
     def optimizer_names(self):

@@ -51,6 +51,9 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     names = param_names(model)
     align = align_numel(param_dtype, reduce_dtype, torch.float32)
+    # Low-bit int8 state: no quantization block crosses a parameter or a shard ([Note:
+    # low-bit state in shards] in state/lowbit_state.py); block sizes are powers of two.
+    align = max(align, getattr(engine, "block_align", 1))
     materializer = None
     if device is not None:
         trainable = [p for p in model.parameters() if id(p) in group_of]

@@ -6,7 +6,8 @@ integration all read a :class:`ZeroConfig`: its parts say how parameters are sha
 (:class:`ShardingConfig`: stage, hybrid shard size, reshard after forward), in which dtypes
 (:class:`PrecisionConfig`), where the fp32 work lives (:class:`OffloadSpec`, its knobs an
 :class:`~zkernels.zero.planning.offload_config.OffloadConfig`), how collectives are compressed
-(:class:`QuantizeConfig`) and how gradients are bucketed (:class:`BucketConfig`), as FSDP2's
+(:class:`QuantizeConfig`), how gradients are bucketed (:class:`BucketConfig`) and in which
+format the optimizer state is kept (:class:`StateConfig`), as FSDP2's
 ``MixedPrecisionPolicy`` and ``OffloadPolicy`` are frozen dataclasses. Each part checks its own
 fields; :class:`ZeroConfig` checks how they combine. What needs the ranks or the model (a
 shard size dividing the world, ``reshard_after_forward=R`` dividing it, the offload folder on
@@ -24,8 +25,10 @@ from typing import Optional, Union
 
 import torch
 
+from ...ops.quant import check_block_size
 from .offload_config import OffloadConfig
 from .policy import OFFLOADS, STAGES, StagePolicy
+from .state_format import parse_state_dtype
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -209,6 +212,39 @@ class BucketConfig:
 
 
 @dataclass(frozen=True)
+class StateConfig:
+    """The fused AdamW's state format (see [Note: low-bit moment formats] in
+    ``zkernels/reference/adamw_lowbit.py`` and [Note: low-bit state in shards] in
+    ``state/lowbit_state.py``); a param group's ``"state_dtype"`` key overrides
+    ``state_dtype`` for its parameters (``state_format.py``).
+
+    Attributes:
+        state_dtype: None (fp32 moments, 8 bytes per element), ``torch.bfloat16`` (bf16
+            moments, 4) or ``"int8"`` (blockwise 8-bit moments, 2 plus an fp32 scale per
+            block and moment); names ``"fp32"``/``"bf16"`` are accepted.
+        block_size: elements per quantization block of ``"int8"`` (a power of two in
+            [2, 8192]); every parameter and shard starts at a multiple of it.
+        master_dtype: None (an fp32 master); ``torch.bfloat16`` is refused by name (not
+            supported: the engine, offload and checkpoints keep an fp32 master).
+    """
+
+    state_dtype: Optional[Union[str, torch.dtype]] = None
+    block_size: int = 256
+    master_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state_dtype", parse_state_dtype(self.state_dtype,
+                                                                  "state_dtype"))
+        check_block_size(self.block_size, "state_block_size")
+        master = parse_dtype(self.master_dtype, "master_dtype")
+        if master not in (None, torch.float32):
+            raise ValueError(f"master_dtype={master} is not supported: the master stays fp32 "
+                             f"(the update engine, CPU/NVMe offload and checkpoints keep an "
+                             f"fp32 master shard); pass master_dtype=None")
+        object.__setattr__(self, "master_dtype", None)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """One ZeRO run: its parts (see [Note: one config]), checked together at construction
     (TypeError / ValueError naming the argument: a part of the wrong type, or parts that do
@@ -219,6 +255,7 @@ class ZeroConfig:
     offload: OffloadSpec = field(default_factory=OffloadSpec)
     quantization: QuantizeConfig = field(default_factory=QuantizeConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
+    state: StateConfig = field(default_factory=StateConfig)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -233,6 +270,10 @@ class ZeroConfig:
         if off.kind != "nvme" and off.dir is not None and not (auto and off.kind is None):
             raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
                              f"{off.kind!r}, offload_dir={off.dir!r})")
+        if off.kind == "nvme" and self.state.state_dtype is not None:
+            raise ValueError(f"state_dtype={self.state.state_dtype!r} with offload='nvme' is "
+                             f"not supported: the NVMe swap files and slots hold fp32 moments; "
+                             f"use offload='cpu' (or no offload) for low-bit state")
         if auto:
             return
         policy = self.sharding.policy
@@ -276,7 +317,8 @@ class ZeroConfig:
                     offload_dir=None, offload_config=None, offload_params=False,
                     bucket_bytes=None, shard_size=None, reshard_after_forward=True,
                     quantize_weights=None, quantize_grads=None,
-                    quantize_block=256) -> "ZeroConfig":
+                    quantize_block=256, state_dtype=None, state_block_size=256,
+                    master_dtype=None) -> "ZeroConfig":
         """The config of ``ZeroOptimizer``'s keyword arguments of the same names (the one
         path from flat names to parts: the constructor, a JSON ``zero_config``, a DeepSpeed
         ``zero_optimization`` reader)."""
@@ -285,7 +327,8 @@ class ZeroConfig:
                    offload=OffloadSpec(offload, offload_dir, offload_params, offload_config),
                    quantization=QuantizeConfig(quantize_weights, quantize_grads,
                                                quantize_block),
-                   buckets=BucketConfig(bucket_bytes))
+                   buckets=BucketConfig(bucket_bytes),
+                   state=StateConfig(state_dtype, state_block_size, master_dtype))
 
     def at_rung(self, stage: int, offload: Optional[str], offload_params: bool) -> "ZeroConfig":
         """This config on one rung of the ladder (``stage="auto"``'s choice, a ``plan`` row):

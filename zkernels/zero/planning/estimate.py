@@ -101,6 +101,7 @@ from .offload_config import (IO_ALIGN, NUM_PARAM_BOUNCES, OffloadConfig, nvme_ar
                              nvme_sub_group_numel, param_bounce_bytes)
 from .optimizer_spec import ADAMW_STATE_BYTES, OptimizerSpec, resolve_optimizer
 from .policy import NUM_REDUCE_BUFFERS, STAGES, StagePolicy, check_reshard_after_forward
+from .state_format import StateFormat, state_bytes
 from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = ADAMW_STATE_BYTES   # exp_avg + exp_avg_sq, fp32
@@ -340,6 +341,7 @@ class _Counts:
     gathered: int           # stage 3's elements gathered at once
     state_bytes: int = ADAM_STATE_BYTES   # optimizer state per trainable element
     rule: bool = False      # a torch class or fused Lion/SGD (NVMe: swapped per unit)
+    state_format: Optional[StateFormat] = None   # low-bit AdamW moments (state_dtype)
 
     @property
     def offload(self) -> Optional[str]:
@@ -411,7 +413,8 @@ def _states(c: _Counts) -> Dict[str, int]:
                 else c.p * c.n_psi + c.frozen_whole,
                 grads=c.g * c.shard if pol.shards_grads else c.p * c.n_psi,
                 master=MASTER_BYTES * per if own_master else 0,
-                optimizer_states=c.state_bytes * per)
+                optimizer_states=c.state_bytes * per if c.state_format is None
+                else state_bytes(per, c.state_format))
 
 
 def _buffers(c: _Counts) -> int:
@@ -549,7 +552,9 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             ``reduce_dtype``: None is fp32, at stage 0 the gradients' own dtype;
             ``offload``, ``offload_params``, ``bucket_bytes``: 0 counts no buffers;
             ``shard_size``; ``reshard_after_forward`` or ``secondary_size``: an int R;
-            ``quantize_weights``, ``quantize_grads``, ``quantize_block``), and the
+            ``quantize_weights``, ``quantize_grads``, ``quantize_block``; ``state_dtype``
+            and ``state_block_size``: low-bit AdamW moments, 4 bytes per element for bf16,
+            2 plus 8 per block of int8, instead of 8), and the
             ``OffloadConfig`` knobs flat (``nvme_buffer_bytes``, ``nvme_master``,
             ``nvme_param_buffer_bytes``, ``sub_group_numel``); see :func:`estimate_config`.
         grad_shard_dtype: dtype of the gradient shard kept at stages 2-3 (None: fp32, as
@@ -600,6 +605,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
                 frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused)
+    if cfg.state.state_dtype is not None:   # low-bit moments (planning/state_format.py)
+        if not spec.fused:
+            raise ValueError(f"estimate_memory: state_dtype applies to the fused AdamW only "
+                             f"(got optimizer {spec.name})")
+        c = replace(c, state_format=StateFormat(cfg.state.state_dtype, cfg.state.block_size))
     kinds = dict(_states(c), buffers=_buffers(c), transient=_transient(c))
     device, host, disk = _offload_split(c, kinds)
     comm, across, h2d, disk_io = _traffic(c, disk)

@@ -128,8 +128,9 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     rejected = []
     est = None
     tries = ladder_rows(rungs, offload_params)
-    if not fused_optimizer(model_kw.get("optimizer", "adamw"),
-                           model_kw.get("optimizer_kwargs")):   # (NVMe rungs: nvme_master, AdamW only)
+    if not fused_optimizer(model_kw.get("optimizer", "adamw"), model_kw.get(
+            "optimizer_kwargs")) or base.state.state_dtype is not None:
+        # NVMe rungs: nvme_master and the fused AdamW with fp32 moments only
         tries = [t for t in tries if t[1] != "nvme"]
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "

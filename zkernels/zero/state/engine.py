@@ -66,12 +66,14 @@ import torch
 
 from ...ops import OpSet
 from ...ops.adamw import Scalar
+from ..planning.state_format import block_align
 from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_bytes,
                                        nvme_sub_group_numel)
 from ..parameters.units import FlatParamUnit
 from .grad_sink import GradShards
 from .nvme_files import NvmeFiles
 from .live_ranges import clip, live_segments
+from .lowbit_state import alloc_moments, dequantized, quantized, step_range
 from .shard_state import ShardState
 from .swap import aligned_empty
 from .fused_rule import FusedShardRule
@@ -125,18 +127,30 @@ class _Piece:
     out: Optional[torch.Tensor]
     busy: list
     slot_out: Optional[torch.Tensor] = None   # the slot's whole (aligned) output buffer
+    exp_avg_scales: Optional[torch.Tensor] = None      # int8 moments: from the piece's
+    exp_avg_sq_scales: Optional[torch.Tensor] = None   # first block on
+
+
+def _adamw(ops: OpSet, p: _Piece, a: int, b: int, out: Optional[torch.Tensor], fmt,
+           hparams: dict) -> None:
+    """One fused AdamW over ``[a, b)`` of a piece: fp32 moments, or ``fmt``'s low-bit ones."""
+    if fmt is None:
+        ops.adamw_step(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b], out=out,
+                       **hparams)
+    else:
+        step_range(ops, fmt, p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.exp_avg_scales,
+                   p.exp_avg_sq_scales, a, b, out, hparams)
 
 
 def _update_segments(ops: OpSet, p: _Piece, out: Optional[torch.Tensor], direct: bool,
-                     segments, group: dict, scale) -> None:
+                     segments, group: dict, scale, fmt=None) -> None:
     """One AdamW per live segment of a piece; a staged output (it travels whole) holds the
     unchanged master's values outside them."""
     if out is not None and not direct:
         out.copy_(p.master)
     for a, b, step in segments:
-        ops.adamw_step(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b],
-                       out=None if out is None else out[a:b],
-                       **adamw_hparams(group, step, scale))
+        _adamw(ops, p, a, b, None if out is None else out[a:b], fmt,
+               adamw_hparams(group, step, scale))
 
 
 class UpdateEngine:
@@ -159,6 +173,9 @@ class UpdateEngine:
             by group index (empty: every group the fused AdamW); a torch class's units step
             through a :class:`~zkernels.zero.state.torch_rule.TorchShardRule` ([Note:
             torch.optim on pieces]).
+        formats: each param group's low-bit
+            :class:`~zkernels.zero.planning.state_format.StateFormat` or None (fp32 moments),
+            by group index (empty: fp32 everywhere); see [Note: low-bit state in shards].
 
     Attributes:
         placement: where the state lives ("device", "cpu", "nvme"): the one place that knows.
@@ -174,9 +191,15 @@ class UpdateEngine:
     def __init__(self, placement: str, *, ops: OpSet, host_ops: Optional[OpSet] = None,
                  copier: Optional[Copier] = None, config: Optional[OffloadConfig] = None,
                  files: Optional[NvmeFiles] = None, param_store=None,
-                 sharded_params=None, specs: Sequence = ()) -> None:
+                 sharded_params=None, specs: Sequence = (), formats: Sequence = ()) -> None:
         self.placement = placement
         self.specs = list(specs)
+        self.formats = list(formats)
+        self.block_align = block_align(self.formats)   # the layout's alignment (build.py)
+        if placement == "nvme" and any(f is not None for f in self.formats):
+            raise ValueError("state_dtype (low-bit moments) with offload='nvme' is not "
+                             "supported: the NVMe swap files and slots hold fp32 moments; "
+                             "use offload='cpu' (or no offload)")
 
         self.on_host = placement != "device"          # the step runs on the host
         self.step_ops = host_ops if self.on_host else ops
@@ -241,6 +264,12 @@ class UpdateEngine:
             rec = ShardState(unit, master, none, none)
             rec.rule = TorchShardRule(spec, master, [(s, k) for _, _, s, k in
                                                      unit.param_slices_in_shard()])
+        elif self.format_of(unit) is not None:
+            fmt = self.format_of(unit)
+            m, v, sm, sv = alloc_moments(n, fmt, lambda k, dt: self._alloc(
+                k, "exp_avg", unit.device, dt))
+            rec = ShardState(unit, master, m, v, fmt=fmt, exp_avg_scales=sm,
+                             exp_avg_sq_scales=sv)
         else:
             rec = ShardState(unit, master, self._alloc(n, "exp_avg", unit.device),
                              self._alloc(n, "exp_avg_sq", unit.device))
@@ -262,13 +291,18 @@ class UpdateEngine:
                 self._fill(rec, {"master": initial_master})
         return rec
 
-    def _alloc(self, n: int, kind: str, device: torch.device) -> torch.Tensor:
+    def format_of(self, unit: FlatParamUnit):
+        """The unit's group's low-bit state format, or None (fp32 moments)."""
+        return self.formats[unit.group_index] if self.formats else None
+
+    def _alloc(self, n: int, kind: str, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
         where = self.where[kind]
         if where == "disk":
-            return torch.empty(n, dtype=torch.float32, device="meta")
+            return torch.empty(n, dtype=dtype, device="meta")
         if where == "host":
-            return self.copier.host_empty(n, torch.float32).zero_()
-        return torch.zeros(n, dtype=torch.float32, device=device)
+            return self.copier.host_empty(n, dtype).zero_()
+        return torch.zeros(n, dtype=dtype, device=device)
 
     def _ensure_slots(self, n: int, unit: FlatParamUnit) -> None:
         """Host slots big enough for ``unit``: CPU offload's two output staging slots (mixed
@@ -389,11 +423,11 @@ class UpdateEngine:
         for lo, hi, p in pieces:
             out = (shard[lo:hi] if direct else p.out) if mixed else None
             if whole:
-                self.step_ops.adamw_step(p.master, p.grad, p.exp_avg, p.exp_avg_sq, out=out,
-                                         **adamw_hparams(group, segments[0][2], scale))
+                _adamw(self.step_ops, p, 0, hi - lo, out, rec.fmt,
+                       adamw_hparams(group, segments[0][2], scale))
             else:
                 _update_segments(self.step_ops, p, out, direct, clip(segments, lo, hi), group,
-                                 scale)
+                                 scale, rec.fmt)
             if to_file:
                 if not mixed and p.out is not None:   # (a host master: staged aligned)
                     p.out.copy_(p.master)
@@ -407,8 +441,11 @@ class UpdateEngine:
             last.wait()  # the gather (publish) reads the compute shard after the copy
         self._update_s += time.perf_counter() - t0
 
-    def _ranges(self, n: int) -> List[Tuple[int, int]]:
+    def _ranges(self, n: int, align: int = 1) -> List[Tuple[int, int]]:
+        """Sub-groups of ``n`` elements, each starting at a multiple of ``align`` (a low-bit
+        state's block size: a sub-group never splits a block)."""
         sub = self.sub_group_numel or max(n, 1)
+        sub = max(sub // align * align, align)
         return [(lo, min(n, lo + sub)) for lo in range(0, n, sub)]
 
     def _take_slot(self) -> _Slot:
@@ -421,11 +458,16 @@ class UpdateEngine:
                   staged: bool) -> Iterator[Tuple[int, int, _Piece]]:
         """Sub-groups of a state held in memory (device or host RAM): views, and an output
         staging slot when the result must travel."""
-        for lo, hi in self._ranges(rec.numel):
+        bs = rec.fmt.block_size if rec.fmt is not None and rec.fmt.blocked else 1
+        for lo, hi in self._ranges(rec.numel, bs):
             slot = self._take_slot() if staged else _Slot()
+            blocks = slice(lo // bs, -(-hi // bs))
             yield lo, hi, _Piece(rec.master[lo:hi], grad[lo:hi], rec.exp_avg[lo:hi],
                                  rec.exp_avg_sq[lo:hi],
-                                 None if slot.out is None else slot.out[:hi - lo], slot.busy)
+                                 None if slot.out is None else slot.out[:hi - lo], slot.busy,
+                                 exp_avg_scales=None if bs == 1 else rec.exp_avg_scales[blocks],
+                                 exp_avg_sq_scales=None if bs == 1 else
+                                 rec.exp_avg_sq_scales[blocks])
 
     def _read_into(self, slot: _Slot, rec: ShardState, lo: int, hi: int) -> None:
         slot.busy = [self.files.read(rec, k, slot.states[k], lo, hi) for k in self.files.kinds]
@@ -548,6 +590,9 @@ class UpdateEngine:
         memory, new CPU tensors read from the files where they are on disk."""
         self._settle_all()
         rec = self.states[unit_index]
+        if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
+            return (rec.master,) + dequantized(rec.fmt, rec.exp_avg, rec.exp_avg_sq,
+                                               rec.exp_avg_scales, rec.exp_avg_sq_scales)
         return tuple(self.files.read_all(rec, k) if t.is_meta else t
                      for k, t in zip(KINDS, rec.tensors()))
 
@@ -562,6 +607,13 @@ class UpdateEngine:
         if rec.rule is not None:   # a whole-matrix owner re-reads its master at the next step
             rec.rule.master_written()
         src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
+        if rec.fmt is not None:   # fp32 moments into low-bit state: requantized
+            src.update(quantized(rec.fmt, exp_avg.to(rec.exp_avg.device),
+                                 exp_avg_sq.to(rec.exp_avg.device)))
+            for k, t in (("exp_avg_scales", rec.exp_avg_scales),
+                         ("exp_avg_sq_scales", rec.exp_avg_sq_scales)):
+                if t is not None:
+                    t.copy_(src[k])
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:
                 t.copy_(src[k])
@@ -569,6 +621,32 @@ class UpdateEngine:
             self._fill(rec, src)
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)
+
+    def lowbit_tensors(self, unit_index: int) -> Optional[Dict[str, torch.Tensor]]:
+        """A low-bit unit's live moments as trained (``exp_avg``, ``exp_avg_sq`` and, int8,
+        ``exp_avg_scales``, ``exp_avg_sq_scales``), or None where its moments are fp32."""
+        rec = self.states[unit_index]
+        if rec.fmt is None:
+            return None
+        out = {"exp_avg": rec.exp_avg, "exp_avg_sq": rec.exp_avg_sq}
+        if rec.fmt.blocked:
+            out.update(exp_avg_scales=rec.exp_avg_scales,
+                       exp_avg_sq_scales=rec.exp_avg_sq_scales)
+        return out
+
+    def load_lowbit(self, unit_index: int, tensors: Dict[str, torch.Tensor]) -> None:
+        """Overwrite a low-bit unit's moments with tensors of its own format (bit for bit)."""
+        self._settle_all()
+        live = self.lowbit_tensors(unit_index)
+        if live is None or set(live) != set(tensors):
+            raise ValueError(f"unit {unit_index}: expected low-bit moments "
+                             f"{sorted(live or ())}, got {sorted(tensors)}")
+        for k, t in live.items():
+            if tensors[k].shape != t.shape or tensors[k].dtype != t.dtype:
+                raise ValueError(f"unit {unit_index}: {k} must be {t.dtype} of shape "
+                                 f"{tuple(t.shape)}, got {tensors[k].dtype} of shape "
+                                 f"{tuple(tensors[k].shape)}")
+            t.copy_(tensors[k])
 
     def rule_state(self, unit_index: int):
         """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
@@ -602,6 +680,8 @@ class UpdateEngine:
             for k, t in zip(KINDS, rec.tensors()):
                 if self.where[k] == where:
                     out["master" if k == "master" else "optimizer_states"].append(t)
+            if self.where["exp_avg"] == where:
+                out["optimizer_states"].extend(rec.scales())
             if rec.rule is not None and self.where["master"] == where:
                 out["optimizer_states"].extend(rec.rule.held())
         return out

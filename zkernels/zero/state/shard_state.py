@@ -40,6 +40,10 @@ class ShardState:
             fused Lion/SGD's or a whole-matrix class's rule; with NVMe offload wrapped in a
             :class:`~zkernels.zero.state.rule_swap.SwappedRule` (its state in files); or
             None for the fused AdamW.
+        fmt: the group's low-bit :class:`~zkernels.zero.planning.state_format.StateFormat`
+            (``exp_avg``/``exp_avg_sq`` bf16, or int8/uint8 codes), or None (fp32 moments);
+            see [Note: low-bit state in shards] in ``lowbit_state.py``.
+        exp_avg_scales, exp_avg_sq_scales: the int8 format's fp32 block scales, else None.
     """
 
     unit: FlatParamUnit
@@ -51,6 +55,9 @@ class ShardState:
     grad: Optional[torch.Tensor] = None
     files: Dict[str, object] = field(default_factory=dict)
     rule: Optional[object] = None
+    fmt: Optional[object] = None
+    exp_avg_scales: Optional[torch.Tensor] = None
+    exp_avg_sq_scales: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not self.param_steps:
@@ -91,3 +98,7 @@ class ShardState:
     def tensors(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(master, exp_avg, exp_avg_sq)``."""
         return self.master, self.exp_avg, self.exp_avg_sq
+
+    def scales(self) -> Tuple[torch.Tensor, ...]:
+        """The int8 format's block scales (empty for fp32 and bf16 moments)."""
+        return tuple(s for s in (self.exp_avg_scales, self.exp_avg_sq_scales) if s is not None)

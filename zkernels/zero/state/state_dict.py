@@ -12,11 +12,13 @@ shards are saved too (``"frozen"``), in the dtype they are kept in.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict
 
 import torch
 
 from ..planning.optimizer_spec import MATRIX
+from .lowbit_state import fp32_moments
 
 
 def _fingerprint(opt) -> list:
@@ -35,6 +37,24 @@ def _fingerprint(opt) -> list:
 # Adafactor: [Note: whole matrices on owners]) has its class's own entry, whole, on its owner
 # only ("owned": its indices; "pieces" [0, numel]). Loading one optimizer's state into
 # another is refused by name.
+
+
+# [Note: low-bit state in a state_dict]
+# A unit whose moments are low-bit (``state_dtype``) saves them as trained: "exp_avg" and
+# "exp_avg_sq" are its bf16 tensors or int8 / uint8 codes, int8 adds "exp_avg_scales" and
+# "exp_avg_sq_scales" (fp32, one per block of the shard), and "state_format" says which
+# (``{"dtype": "bf16" | "int8", "block_size": n}``). Loading into the same format copies
+# them (a resume continues bit for bit); into another (fp32 <-> bf16 <-> int8, or another
+# block size) the moments are dequantized to fp32 and stored in this optimizer's format (fp32,
+# rounded to bf16, or requantized), and a WARNING on the "zkernels.zero" logger names the
+# units and the conversion.
+LOWBIT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales")
+_log = logging.getLogger("zkernels.zero")
+
+
+def _name(desc) -> str:
+    return "fp32" if desc is None else desc["dtype"] + (
+        f"/{desc['block_size']}" if desc["dtype"] == "int8" else "")
 
 
 def _optimizers(opt) -> list:
@@ -111,6 +131,10 @@ def state_dict(opt) -> Dict[str, Any]:
                           "master": master.detach().clone(),
                           "exp_avg": exp_avg.detach().clone(),
                           "exp_avg_sq": exp_avg_sq.detach().clone()}
+        low = opt.read_lowbit_state(u)
+        if low is not None:   # [Note: low-bit state in a state_dict]
+            state[u.index].update({k: v.detach().clone() for k, v in low.items()},
+                                  state_format=opt.state_format(u))
     comm = opt.checkpoint_comm
     zero = {"world_size": comm.world_size, "rank": comm.rank, "stage": opt.stage,
             "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
@@ -155,6 +179,14 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
     if zero["buckets"] != _fingerprint(opt):
         raise ValueError("state_dict was saved for a different bucket layout (model, "
                          "param_groups, bucket_bytes or dtypes differ)")
+    for u in opt.units if "optimizers" not in zero else ():
+        got = sd["state"][u.index]["master"].numel()
+        if got != u.layout.shard_numel:
+            raise ValueError(
+                f"state_dict's unit {u.index} shard holds {got} elements, this optimizer's "
+                f"{u.layout.shard_numel}: the layouts' alignment differs (state_dtype='int8' "
+                f"starts every parameter at a multiple of state_block_size); convert "
+                f"through zkernels.checkpoint (save, then load), which maps each parameter")
     if len(sd["param_groups"]) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(sd['param_groups'])} param groups, this "
                          f"optimizer {len(opt.param_groups)}")
@@ -169,6 +201,7 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
                          "(model, units or param_dtype differ)")
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
+    converted = []
     with torch.no_grad():
         if "optimizers" in zero:   # [Note: the state_dict of a torch class]
             index = _param_index(opt)
@@ -186,11 +219,21 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
                                      states)
         for u in opt.units if "optimizers" not in zero else ():
             s = sd["state"][u.index]
+            saved, here = s.get("state_format"), opt.state_format(u)
+            exp_avg, exp_avg_sq = fp32_moments(saved, s)
             # (a state saved before per-parameter counts has one "step" for the unit)
-            opt.write_state(u, s["step"], s["master"], s["exp_avg"], s["exp_avg_sq"],
+            opt.write_state(u, s["step"], s["master"], exp_avg, exp_avg_sq,
                             s.get("param_steps"))
+            if here is not None and saved == here:
+                opt.write_lowbit_state(u, {k: s[k] for k in LOWBIT_KEYS if k in s})
+            elif saved != here:
+                converted.append((u.index, saved, here))
         for u in frozen_units if frozen else ():  # stage 3: the frozen shards
             with u.shard_values(write_back=True) as shard:
                 shard.copy_(frozen[u.index])
         opt.publish(list(opt.units) + (frozen_units if frozen else []))
+    if converted:
+        _log.warning("load_state_dict: converted the AdamW moments of units %s: %s",
+                     [i for i, _, _ in converted], "; ".join(sorted({
+                         f"{_name(a)} -> {_name(b)}" for _, a, b in converted})))
     opt.load_counters(zero)
