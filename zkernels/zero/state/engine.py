@@ -248,7 +248,10 @@ class UpdateEngine:
             rec.grad = self.grad_sink.add(n, torch.device("cpu"))
         swapped = self.files is not None and rec.rule is not None
         if swapped:   # the rule's state in files, in RAM for its step ([Note: rule state on NVMe])
-            rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier)
+            rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier,
+                                   master_on_disk=master.is_meta)
+            if master.is_meta:
+                rec.rule.init_master(initial_master)
         else:
             self._ensure_slots(n, unit)
         self.states.append(rec)
@@ -361,16 +364,14 @@ class UpdateEngine:
         scale = self._host_scale if self.on_host else grad_scale
         if rec.rule is not None:   # a torch.optim class on the pieces
             # (a piece of a parameter without a gradient gets .grad None: the class skips it)
-            rec.rule.step(grad, group, scale, None if live is None else [
-                live[i] for i, _, _, _ in unit.layout.tensor_slices_in_shard(unit.rank)])
-            shard = unit.compute_shard
-            if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
-                # the device's shard from the host master: one counted copy up, as AdamW's
-                src = rec.master if shard.dtype == torch.float32 else \
-                    self.host_ops.cast(rec.master.contiguous(), shard.dtype)
-                self.copier.to_device(shard, src).wait()
+            flags = None if live is None else [
+                live[i] for i, _, _, _ in unit.layout.tensor_slices_in_shard(unit.rank)]
+            if isinstance(rec.rule, SwappedRule):   # (its master may be in RAM only now)
+                rec.rule.step(grad, group, scale, flags,
+                              publish=lambda m: self._publish_rule(unit, m))
             else:
-                self._write_compute(unit, rec.master)
+                rec.rule.step(grad, group, scale, flags)
+                self._publish_rule(unit, rec.master)
             self._update_s += time.perf_counter() - t0
             return
         segments, whole = live_segments(
@@ -406,6 +407,17 @@ class UpdateEngine:
         if last is not None:
             last.wait()  # the gather (publish) reads the compute shard after the copy
         self._update_s += time.perf_counter() - t0
+
+    def _publish_rule(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
+        """A rule's unit: its compute shard from the updated fp32 master."""
+        shard = unit.compute_shard
+        if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
+            # the device's shard from the host master: one counted copy up, as AdamW's
+            src = master if shard.dtype == torch.float32 else \
+                self.host_ops.cast(master.contiguous(), shard.dtype)
+            self.copier.to_device(shard, src).wait()
+        else:
+            self._write_compute(unit, master)
 
     def _ranges(self, n: int) -> List[Tuple[int, int]]:
         sub = self.sub_group_numel or max(n, 1)
@@ -573,13 +585,18 @@ class UpdateEngine:
     def rule_state(self, unit_index: int):
         """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
         rec = self.states[unit_index]
-        return rec.step, rec.master, rec.rule.piece_states()
+        master = rec.rule.master_copy() if rec.master.is_meta else rec.master
+        return rec.step, master, rec.rule.piece_states()
 
     def load_rule_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
                         states, group: dict) -> None:
         """Overwrite a torch class's unit state and rebuild its compute shard."""
         rec = self.states[unit.index]
         rec.step = int(step)
+        if rec.master.is_meta:   # the master in a file ([Note: rule state on NVMe])
+            rec.rule.load(states, group, master=master)
+            self._write_compute(unit, master.to("cpu", torch.float32))
+            return
         rec.master.copy_(master)
         rec.rule.load(states, group)
         self._write_compute(unit, rec.master)
@@ -645,6 +662,10 @@ class UpdateEngine:
         if keep_files and self.where["master"] != "disk":
             raise ValueError("close(keep_files=True) needs OffloadConfig(nvme_master=True): "
                              "the master is in host RAM and would not survive")
+        if keep_files and any(isinstance(r.rule, SwappedRule) for r in self.states):
+            raise ValueError("close(keep_files=True) keeps the fused AdamW's files only: a "
+                             "torch.optim class's or the fused Lion/SGD's step counts live in "
+                             "RAM; save a checkpoint (zk.checkpoint.save) instead")
         if not self.on_host:
             return None
         if not self._closed:
