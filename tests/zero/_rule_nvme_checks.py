@@ -19,6 +19,7 @@ CASES = {
     "sgd": ("sgd", SGD),
 }
 NVME = OffloadConfig(nvme_master=False)
+MASTER = OffloadConfig()   # nvme_master=True, the default: the master in a file too
 
 
 def model(seed=0):
@@ -34,11 +35,12 @@ def train(m, opt, steps=3, first=0):
         opt.step()
 
 
-def build(m, stage, offload, case, **kw):
-    """Several units per rank: small buckets at stage 2, one unit per Linear at stage 3."""
+def build(m, stage, offload, case, master=False, **kw):
+    """Several units per rank: small buckets at stage 2, one unit per Linear at stage 3;
+    ``master``: NVMe keeps the master in files too (``nvme_master=True``)."""
     opt, hp = CASES[case]
     cut = dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
-    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=NVME) \
+    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=MASTER if master else NVME) \
         if offload == "nvme" else {}
     return zk.ZeroOptimizer(m, stage=stage, offload=offload, optimizer=opt, **cut, **extra,
                             **hp, **kw)
@@ -49,17 +51,18 @@ def params(m, opt):
         return [p.detach().clone() for p in m.parameters()]
 
 
-def nvme_and_cpu(rank, world_size, stage, case):
+def nvme_and_cpu(rank, world_size, stage, case, master=False):
     """Every rank trains the same batches (the mean gradient is the one-process gradient):
     the NVMe run's parameters, the CPU run's, and the NVMe run's bytes on disk."""
     out = {}
     for offload in ("nvme", "cpu"):
         m = model()
-        opt = build(m, stage, offload, case)
+        opt = build(m, stage, offload, case, master=master)
         train(m, opt)
         out[offload] = [p.tolist() for p in params(m, opt)]   # (lists travel between ranks)
         if offload == "nvme":
-            out["disk"] = opt.stats()["memory_bytes_by_location"]["disk"]["optimizer_states"]
+            disk = opt.stats()["memory_bytes_by_location"]["disk"]
+            out["disk"], out["disk_master"] = disk["optimizer_states"], disk["master"]
             out["units"] = len(opt.shard_update.states)
         opt.close()
     return out

@@ -461,11 +461,13 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         host["staging"] = 2 * p * min(opts.sub_group_numel, c.shard) \
             if c.mixed and not c.offload_params else 0
     elif c.offload == "nvme" and c.rule:
-        # A rule's state in files, one unit's read into host RAM for its step with the
-        # unit's gradient shard ([Note: rule state on NVMe] in state/rule_swap.py).
+        # A rule's state (and with nvme_master its master) in files, one unit's read into
+        # host RAM for its step with the unit's gradient shard ([Note: rule state on NVMe]
+        # in state/rule_swap.py).
         disk["optimizer_states"] = device.pop("optimizer_states")
-        host["master"] = device.pop("master")
-        host["staging"] = (c.state_bytes + c.g) * unit_shard if c.state_bytes else 0
+        (disk if opts.nvme_master else host)["master"] = device.pop("master")
+        read_in = c.state_bytes + (4 if opts.nvme_master else 0)
+        host["staging"] = (read_in + c.g) * unit_shard if read_in else 0
     elif c.offload == "nvme":
         on_disk = ("master",) if opts.nvme_master else ()
         for k in on_disk + ("optimizer_states",):
@@ -589,11 +591,8 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     cfg = _model_param_dtype(model_or_num_params, cfg)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else \
         resolve_optimizer(optimizer, dict(optimizer_kwargs or {}), where="estimate_memory: ")
-    if not spec.fused and cfg.offload.kind == "nvme" and \
-            (spec.matrix or cfg.offload.options.nvme_master):
-        raise ValueError(f"estimate_memory: offload='nvme' runs optimizer {spec.name} only "
-                         f"with nvme_master=False (its master in host RAM)" if not spec.matrix
-                         else f"estimate_memory: offload='nvme' does not run optimizer "
+    if spec.matrix and cfg.offload.kind == "nvme":
+        raise ValueError(f"estimate_memory: offload='nvme' does not run optimizer "
                          f"{spec.name} (whole-matrix state in memory); use offload='cpu'")
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,

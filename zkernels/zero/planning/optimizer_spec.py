@@ -205,8 +205,9 @@ def _kernel_spec(name: str, hparams: dict, where: str) -> OptimizerSpec:
     return OptimizerSpec(name, None, h)
 
 
-def fused_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:
-    """Whether ``optimizer`` (as ``estimate_memory`` takes it) is the fused AdamW."""
-    if isinstance(optimizer, OptimizerSpec):
-        return optimizer.fused
-    return resolve_optimizer(optimizer, dict(optimizer_kwargs or {})).fused
+def nvme_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:
+    """Whether ``optimizer`` (as ``estimate_memory`` takes it) runs with ``offload="nvme"``:
+    all but the whole-matrix classes ([Note: rule state on NVMe] in state/rule_swap.py)."""
+    if not isinstance(optimizer, OptimizerSpec):
+        optimizer = resolve_optimizer(optimizer, dict(optimizer_kwargs or {}))
+    return not optimizer.matrix
