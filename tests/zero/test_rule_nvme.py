@@ -219,3 +219,16 @@ def test_nvme_variants_match_cpu_offload(variant, master):
         opt.close()
     for a, b in zip(got["nvme"], got["cpu"]):
         assert torch.equal(a, b), (variant, (a.float() - b.float()).abs().max().item())
+
+
+def test_ladder_offers_nvme_rungs_to_element_wise_optimizers():
+    """stage="auto"'s NVMe rungs keep the master on disk, which these optimizers now run;
+    a whole-matrix class (Muon) still has none."""
+    from zkernels.zero.planning.ladder import NoRungFitsError, choose_rung
+    psi, budget = 10 ** 9, 2 ** 30   # 1 GiB per rank, of device and host: NVMe rungs only
+    for opt, kw in (("sgd", {"momentum": 0.9}), (torch.optim.Adagrad, {})):
+        (stage, offload), est, _ = choose_rung(psi, 8, budget, optimizer=opt,
+                                               host_budget_bytes=budget, optimizer_kwargs=kw)
+        assert offload == "nvme" and est.by_location["disk"]["master"] > 0, (opt, stage)
+    with pytest.raises(NoRungFitsError):
+        choose_rung(psi, 8, budget, host_budget_bytes=budget, optimizer=torch.optim.Muon)
