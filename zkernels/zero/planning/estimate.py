@@ -68,7 +68,10 @@ master when ``nvme_master=False``. At stage 3 the parameter shard stays on the d
 and in pure fp32 no master of its own, the shard is the master), into files with ``"nvme"``
 (``param_nvme.py``: host RAM adds two bounces of the largest unit shard, at most
 ``nvme_param_buffer_bytes``, and in pure fp32
-with a host master every slot of the arena stages its output).
+with a host master every slot of the arena stages its output). An element-wise class or the
+fused Lion/SGD on NVMe has no arena: its state (and master, with ``nvme_master``) is in files
+and host ``staging`` holds one unit's state, master and gradient shard ([Note: rule state on
+NVMe] in ``state/rule_swap.py``).
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
