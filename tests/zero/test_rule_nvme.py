@@ -232,3 +232,23 @@ def test_ladder_offers_nvme_rungs_to_element_wise_optimizers():
         assert offload == "nvme" and est.by_location["disk"]["master"] > 0, (opt, stage)
     with pytest.raises(NoRungFitsError):
         choose_rung(psi, 8, budget, host_budget_bytes=budget, optimizer=torch.optim.Muon)
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["host_master", "disk_master"])
+def test_model_load_state_dict_mid_run_reaches_the_files(master):
+    """model.load_state_dict between steps writes the master (in its file with nvme_master)
+    and keeps the class's state: the run goes on bit for bit as offload="cpu"."""
+    new = {k: v + 0.25 for k, v in rc.model(seed=7).state_dict().items()}
+    got = {}
+    for offload in ("nvme", "cpu"):
+        m = rc.model()
+        opt = rc.build(m, 2, offload, "sgd_class", master=master)
+        rc.train(m, opt, steps=2)
+        m.load_state_dict(new)
+        rc.train(m, opt, steps=2, first=2)
+        got[offload] = rc.params(m, opt)
+        opt.close()
+    for a, b in zip(got["nvme"], got["cpu"]):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    start = [v for v in new.values()]
+    assert all(not torch.equal(a, b) for a, b in zip(got["nvme"], start))

@@ -251,7 +251,7 @@ class UpdateEngine:
             rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier,
                                    master_on_disk=master.is_meta)
             if master.is_meta:
-                rec.rule.init_master(initial_master)
+                rec.rule.write_master(initial_master)
         else:
             self._ensure_slots(n, unit)
         self.states.append(rec)
@@ -560,6 +560,8 @@ class UpdateEngine:
         memory, new CPU tensors read from the files where they are on disk."""
         self._settle_all()
         rec = self.states[unit_index]
+        if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
+            return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
         return tuple(self.files.read_all(rec, k) if t.is_meta else t
                      for k, t in zip(KINDS, rec.tensors()))
 
@@ -577,7 +579,10 @@ class UpdateEngine:
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:
                 t.copy_(src[k])
-        if self.files is not None:
+        if isinstance(rec.rule, SwappedRule):   # (a model.load_state_dict: the master only)
+            if rec.master.is_meta:
+                rec.rule.write_master(master.to("cpu", torch.float32))
+        elif self.files is not None:
             self._fill(rec, src)
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)

@@ -56,7 +56,7 @@ class SwappedRule:
         numel: the unit's shard elements.
         copier: brings a device gradient shard to the host.
         master_on_disk: the master lives in a file too (``nvme_master``); its initial values
-            go in by :meth:`init_master`.
+            go in by :meth:`write_master`.
 
     Attributes:
         swaps: state key -> its :class:`SwapFile`.
@@ -75,14 +75,15 @@ class SwappedRule:
         if master_on_disk:
             rule.use_master(self._placeholder)
 
-    def init_master(self, values: torch.Tensor) -> None:
-        """Create the master's file and write ``values`` ([numel] fp32) to it (not a step's
-        traffic)."""
-        self.master_file = self.files.create_file(self.unit, "master", self.numel)
+    def write_master(self, values: torch.Tensor) -> None:
+        """Write ``values`` ([numel] fp32) to the master's file, created at the first call
+        (the initial master, a load: not a step's traffic)."""
+        if self.master_file is None:
+            self.master_file = self.files.create_file(self.unit, "master", self.numel)
         buf = aligned_empty(self.master_file.data_bytes)
         view = buf.view(torch.float32)
         view[self.numel:].zero_()
-        view[:self.numel].copy_(values)
+        view[:self.numel].copy_(values.reshape(-1))
         self.files.io.write(self.master_file, buf, 0, self.master_file.data_bytes,
                             counted=False).result()
 
