@@ -500,6 +500,10 @@ ROWS = [
      ("parity",), TORCH_OPTIM_FULL),
     (R(3, offload="nvme", nvme_master=False, steps=3, optim="lion", micro=2), ("parity",),
      TORCH_OPTIM_FULL),
+    # ... and the master in files too (nvme_master, the default)
+    (R(2, offload="nvme", steps=4, optim="sgd_momentum", clip=0.05), ("parity",),
+     TORCH_OPTIM_FULL),
+    (R(3, offload="nvme", steps=3, optim="sgd_fused", micro=2), ("parity",), TORCH_OPTIM_FULL),
 ]
 
 
