@@ -224,10 +224,13 @@ class UpdateEngine:
                 master.copy_(initial_master)
         spec = self.specs[unit.group_index] if self.specs else None
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
+            if master.is_meta:   # (the shard master stays in RAM: [Note: whole matrices on NVMe])
+                master = self.copier.host_empty(n, torch.float32).copy_(initial_master)
             none = master.new_empty(0)
             rec = ShardState(unit, master, none, none)
             if self.matrix is None:
-                self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs)
+                self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs,
+                                           self.files)
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
         elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)
@@ -246,16 +249,17 @@ class UpdateEngine:
                              self._alloc(n, "exp_avg_sq", unit.device))
         if self.grad_sink is not None:
             rec.grad = self.grad_sink.add(n, torch.device("cpu"))
-        swapped = self.files is not None and rec.rule is not None
+        on_files = self.files is not None and rec.rule is not None   # (its own files)
+        swapped = on_files and not isinstance(rec.rule, MatrixUnitRule)
         if swapped:   # the rule's state in files, in RAM for its step ([Note: rule state on NVMe])
             rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier,
                                    master_on_disk=master.is_meta)
             if master.is_meta:
                 rec.rule.write_master(initial_master)
-        else:
+        elif not on_files:
             self._ensure_slots(n, unit)
         self.states.append(rec)
-        if self.files is not None and not swapped:
+        if self.files is not None and not on_files:
             # (a kept run's unit count; each parameter resumes at it: the run folder's
             # manifest keeps one count per unit)
             rec.set_step(self.files.open(rec))
@@ -582,7 +586,7 @@ class UpdateEngine:
         if isinstance(rec.rule, SwappedRule):   # (a model.load_state_dict: the master only)
             if rec.master.is_meta:
                 rec.rule.write_master(master.to("cpu", torch.float32))
-        elif self.files is not None:
+        elif self.files is not None and rec.rule is None:
             self._fill(rec, src)
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)
@@ -667,7 +671,7 @@ class UpdateEngine:
         if keep_files and self.where["master"] != "disk":
             raise ValueError("close(keep_files=True) needs OffloadConfig(nvme_master=True): "
                              "the master is in host RAM and would not survive")
-        if keep_files and any(isinstance(r.rule, SwappedRule) for r in self.states):
+        if keep_files and any(r.rule is not None for r in self.states):
             raise ValueError("close(keep_files=True) keeps the fused AdamW's files only: a "
                              "torch.optim class's or the fused Lion/SGD's step counts live in "
                              "RAM; save a checkpoint (zk.checkpoint.save) instead")
