@@ -179,17 +179,19 @@ def test_group_optimizer_refused_names_the_group():
                                            "optimizer": torch.optim.LBFGS}])
 
 
-def test_nvme_takes_element_wise_refuses_matrix_by_name(tmp_path):
+def test_nvme_takes_every_optimizer(tmp_path):
     """(offload='nvme' runs the element-wise classes and the fused Lion/SGD, master on disk
-    by default: tests/zero/test_rule_nvme.py; the whole-matrix classes are refused)"""
+    by default, and Muon/Adafactor: tests/zero/test_rule_nvme.py)"""
     opt = zk.ZeroOptimizer(_model(), stage=2, optimizer="sgd", offload="nvme",
                            offload_dir=str(tmp_path))
     assert opt.shard_update.states[0].master.is_meta   # nvme_master, the default
     opt.close()
     est = zk.estimate_memory(10 ** 6, 2, 2, optimizer="sgd", offload="nvme")
     assert est.by_location["disk"]["master"] == 4 * 10 ** 6 // 2
-    with pytest.raises(ValueError, match="offload='nvme' does not run optimizer Muon"):
-        zk.estimate_memory(10 ** 6, 2, 2, optimizer=torch.optim.Muon, offload="nvme")
+    # Muon: the owners' whole masters and state (8 B) on disk, its shard master in RAM
+    est = zk.estimate_memory(10 ** 6, 2, 2, optimizer=torch.optim.Muon, offload="nvme")
+    assert est.by_location["disk"]["optimizer_states"] == 8 * 10 ** 6 // 2
+    assert est.by_location["host"]["master"] == 4 * 10 ** 6 // 2
 
 
 def test_plan_takes_the_optimizer(capsys):

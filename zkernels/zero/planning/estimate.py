@@ -343,6 +343,7 @@ class _Counts:
     gathered: int           # stage 3's elements gathered at once
     state_bytes: int = ADAM_STATE_BYTES   # optimizer state per trainable element
     rule: bool = False      # a torch class or fused Lion/SGD (NVMe: swapped per unit)
+    matrix: bool = False    # a whole-matrix class (NVMe: its shard master in host RAM)
 
     @property
     def offload(self) -> Optional[str]:
@@ -467,9 +468,12 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         # A rule's state (and with nvme_master its master) in files, one unit's read into
         # host RAM for its step with the unit's gradient shard ([Note: rule state on NVMe]
         # in state/rule_swap.py).
+        # A whole-matrix class's shard master stays in host RAM ([Note: whole matrices on
+        # NVMe] in state/matrix_swap.py; its owners' whole masters count as its state).
         disk["optimizer_states"] = device.pop("optimizer_states")
-        (disk if opts.nvme_master else host)["master"] = device.pop("master")
-        read_in = c.state_bytes + (4 if opts.nvme_master else 0)
+        master_on_disk = opts.nvme_master and not c.matrix
+        (disk if master_on_disk else host)["master"] = device.pop("master")
+        read_in = c.state_bytes + (4 if master_on_disk else 0)
         host["staging"] = (read_in + c.g) * unit_shard if read_in else 0
     elif c.offload == "nvme":
         on_disk = ("master",) if opts.nvme_master else ()
@@ -594,14 +598,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     cfg = _model_param_dtype(model_or_num_params, cfg)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else \
         resolve_optimizer(optimizer, dict(optimizer_kwargs or {}), where="estimate_memory: ")
-    if spec.matrix and cfg.offload.kind == "nvme":
-        raise ValueError(f"estimate_memory: offload='nvme' does not run optimizer "
-                         f"{spec.name} (whole-matrix state in memory); use offload='cpu'")
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
                 frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
-    c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused)
+    c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused, matrix=spec.matrix)
     kinds = dict(_states(c), buffers=_buffers(c), transient=_transient(c))
     device, host, disk = _offload_split(c, kinds)
     comm, across, h2d, disk_io = _traffic(c, disk)

@@ -14,7 +14,6 @@ from typing import List, Optional, Tuple
 
 from .config import QuantizeConfig, ZeroConfig
 from .estimate import MemoryEstimate, count_params, estimate_config, estimate_memory
-from .optimizer_spec import nvme_optimizer
 from .policy import RUNGS, STAGES
 
 __all__ = ["RUNGS", "NoRungFitsError", "choose_rung", "ladder_rows", "quantized_choices"]
@@ -128,9 +127,6 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     rejected = []
     est = None
     tries = ladder_rows(rungs, offload_params)
-    if not nvme_optimizer(model_kw.get("optimizer", "adamw"),
-                          model_kw.get("optimizer_kwargs")):   # (whole-matrix state: no NVMe)
-        tries = [t for t in tries if t[1] != "nvme"]
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "
                          f"offload")

@@ -203,11 +203,3 @@ def _kernel_spec(name: str, hparams: dict, where: str) -> OptimizerSpec:
     if name == "lion":
         h["betas"] = tuple(h["betas"])
     return OptimizerSpec(name, None, h)
-
-
-def nvme_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:
-    """Whether ``optimizer`` (as ``estimate_memory`` takes it) runs with ``offload="nvme"``:
-    all but the whole-matrix classes ([Note: rule state on NVMe] in state/rule_swap.py)."""
-    if not isinstance(optimizer, OptimizerSpec):
-        optimizer = resolve_optimizer(optimizer, dict(optimizer_kwargs or {}))
-    return not optimizer.matrix
