@@ -275,3 +275,41 @@ def test_matrix_nvme_matches_cpu_offload(matrix_ranks, row, world_size):
         # master + each state key per owned matrix (Adafactor: row_var, col_var)
         assert got["whole_files"] == got["owned"] * (2 if row.startswith("muon") else 3)
         assert got["held"] == 0
+
+
+@pytest.mark.parametrize("lost", [None, "momentum_buffer", "master"])
+def test_matrix_nvme_holds_one_matrix_and_catches_a_lost_file(lost):
+    """Muon on NVMe: while the class steps one matrix, every other owned matrix is a 4-byte
+    placeholder (its whole master and momentum in files only); zeroing one whole-matrix file
+    between steps makes the run differ from CPU offload (the files are the state)."""
+    from tests.zero import _matrix_checks as mc
+    got = {}
+    for offload in ("nvme", "cpu"):
+        m = mc.model()
+        extra = dict(offload_dir=rc.tempfile.mkdtemp()) if offload == "nvme" else {}
+        opt = zk.ZeroOptimizer(m, stage=2, offload=offload, bucket_bytes=512,
+                               param_groups=mc.groups(m, "muon"), **extra)
+        mc.train(m, opt, 0, 0, 1)
+        if offload == "nvme":
+            mat = opt.shard_update.matrix
+            inner = mat.inner[0]
+            real = []
+
+            def spy(*a, _step=inner.step, **k):
+                real.append(sum(w.stride() != (0, 0) for w in mat.whole.values()))
+                return _step(*a, **k)
+            inner.step = spy
+            if lost is not None:
+                f = mat.swap.swaps[(0, lost)]
+                fd = os.open(f.path, os.O_WRONLY)   # (not the engine's fd: maybe O_DIRECT)
+                os.pwrite(fd, bytes(f.numel * 4), 4096)
+                os.close(fd)
+        for s in (1, 2):
+            mc.train(m, opt, s, 0, 1)
+        got[offload] = rc.params(m, opt)
+        if offload == "nvme":
+            assert real == [1] * (2 * len(mat.owned())), real
+            assert all(w.stride() == (0, 0) for w in mat.whole.values())   # between steps
+        opt.close()
+    same = all(torch.equal(a, b) for a, b in zip(got["nvme"], got["cpu"]))
+    assert same == (lost is None), lost
