@@ -36,6 +36,8 @@ adds the pairs' imbalance: measured 0.54 Ψ_m per shard group of 2 on the batter
 (hybrid, K = 2) and under ``Ψ_m / 2`` on tests/zero/test_matrix_optim.py's MLP, which holds
 it to that. Memory: the owners' whole masters add 4 bytes per matrix element over
 the group (``optimizer_spec.MATRIX``); the whole gradient lives on the owner during the step.
+With NVMe offload the owners' whole masters and state live in files, one matrix in RAM at a
+time ([Note: whole matrices on NVMe] in ``matrix_swap.py``).
 
 Checkpoints stay per piece: :meth:`MatrixUpdate.piece_states` (collective over the shard
 group) sends each rank its pieces of the owner's state, every state tensor broadcast to the
