@@ -230,7 +230,7 @@ class UpdateEngine:
             rec = ShardState(unit, master, none, none)
             if self.matrix is None:
                 self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs,
-                                           self.files)
+                                           self.files, self.copier)
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
         elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)

@@ -108,12 +108,15 @@ class MatrixUpdate:
         specs: each param group's :class:`OptimizerSpec`.
         files: NVMe offload: the run's ``NvmeFiles``; the owned whole masters and state then
             live in files ([Note: whole matrices on NVMe] in ``matrix_swap.py``).
+        copier: with ``files``: the engine's copier, which brings the gradient shards (on
+            the device with NVMe) to the host, counted as a rule's are.
     """
 
     def __init__(self, rank: int, world_size: int, specs: Sequence[OptimizerSpec],
-                 files=None) -> None:
+                 files=None, copier=None) -> None:
         self.rank, self.world_size, self.specs = rank, world_size, list(specs)
         self.swap = WholeSwap(files) if files is not None else None
+        self.copier = copier
         self.items: List[_Item] = []
         self.records: Dict[int, object] = {}          # unit index -> ShardState
         self.load = [0.0] * world_size
@@ -238,6 +241,8 @@ class MatrixUpdate:
         gradient shard; ``live[u]``: its per-parameter gradient flags (None: all)."""
         if not self.items:
             return
+        if self.swap is not None:   # (NVMe: the shards to the host, counted)
+            shards = {u: self._host(shards[u]) for u in self.records}
         n, me, stale = self.world_size, self.rank, self.stale
         per = 2 if stale else 1
         sizes = [[0] * n for _ in range(n)]
@@ -275,6 +280,11 @@ class MatrixUpdate:
                     for p in opt.param_groups[0]["params"]:
                         p.grad = None
         self._publish(comm, meter, sent if self.swap is not None else None)
+
+    def _host(self, shard: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(shard.shape, dtype=shard.dtype)
+        self.copier.to_host(host, shard).wait()
+        return host
 
     def _step_one(self, k: int, group: dict) -> None:
         gi = self.items[k].group_index
