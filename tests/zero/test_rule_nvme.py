@@ -313,3 +313,34 @@ def test_matrix_nvme_holds_one_matrix_and_catches_a_lost_file(lost):
         opt.close()
     same = all(torch.equal(a, b) for a, b in zip(got["nvme"], got["cpu"]))
     assert same == (lost is None), lost
+
+
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_matrix_nvme_state_dict_round_trip(kind):
+    """opt.state_dict() of an NVMe Muon/Adafactor run (the owner's class format, read from
+    the files) and model.load_state_dict load into a fresh NVMe run (written to its files)
+    that continues bit for bit as the first one does."""
+    from tests.zero import _matrix_checks as mc
+
+    def build(m):
+        return zk.ZeroOptimizer(m, stage=2, offload="nvme", offload_dir=rc.tempfile.mkdtemp(),
+                                bucket_bytes=512, param_groups=mc.groups(m, kind))
+    m = mc.model()
+    opt = build(m)
+    for s in range(2):
+        mc.train(m, opt, s, 0, 1)
+    sd, weights = opt.state_dict(), {k: v.clone() for k, v in m.state_dict().items()}
+    assert any(sd["state"].values())
+    for s in (2, 3):
+        mc.train(m, opt, s, 0, 1)
+    want = rc.params(m, opt)
+    opt.close()
+    m2 = mc.model(seed=5)
+    opt2 = build(m2)
+    m2.load_state_dict(weights)
+    opt2.load_state_dict(sd)
+    for s in (2, 3):
+        mc.train(m2, opt2, s, 0, 1)
+    for a, b in zip(rc.params(m2, opt2), want):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    opt2.close()
