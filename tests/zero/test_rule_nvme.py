@@ -310,6 +310,10 @@ def test_matrix_nvme_holds_one_matrix_and_catches_a_lost_file(lost):
         if offload == "nvme":
             assert real == [1] * (2 * len(mat.owned())), real
             assert all(w.stride() == (0, 0) for w in mat.whole.values())   # between steps
+            # the matrix units' shard masters stay in host RAM, counted by stats()
+            host = opt.stats()["memory_bytes_by_location"]["host"]
+            assert host["master"] == sum(r.numel * 4 for r in opt.shard_update.states
+                                         if r.rule is not None) > 0
         opt.close()
     same = all(torch.equal(a, b) for a, b in zip(got["nvme"], got["cpu"]))
     assert same == (lost is None), lost

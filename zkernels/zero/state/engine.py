@@ -626,7 +626,10 @@ class UpdateEngine:
         out = {"master": [], "optimizer_states": []}
         for rec in self.states:
             for k, t in zip(KINDS, rec.tensors()):
-                if self.where[k] == where:
+                at = self.where[k]
+                if at == "disk" and not t.is_meta:   # (a whole-matrix unit's shard master:
+                    at = "host"                      # [Note: whole matrices on NVMe])
+                if at == where:
                     out["master" if k == "master" else "optimizer_states"].append(t)
             if rec.rule is not None and self.where["master"] == where:
                 out["optimizer_states"].extend(rec.rule.held())
