@@ -664,7 +664,8 @@ class UpdateEngine:
 
         Args:
             keep_files: NVMe: keep the folder with a manifest (steps, rank, kinds) so that a
-                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it.
+                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it
+                (the fused AdamW only: a rule's step counts live in RAM, refused by name).
 
         Returns:
             the kept folder, or None.
