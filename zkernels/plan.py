@@ -41,7 +41,6 @@ from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, posi
 from .hf_params import (count_hf_config, gathered_from_hf_config, largest_unit_from_hf_config,
                         params_from_hf_config)
 from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
-from .zero.planning.optimizer_spec import fused_optimizer
 from .zero.planning.phases import PHASES, estimate_phases
 from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
 
@@ -94,17 +93,16 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     ``shard_size``: hybrid sharding's K (the rungs shard over K ranks, data parallel
     nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
     once (its transient column; a module counts its own units). ``optimizer``,
-    ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element; a
-    torch class has no NVMe rungs: they keep the master on disk, which runs the fused AdamW
-    only; ``offload="nvme"`` with ``nvme_master=False`` runs the others).
-    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (no NVMe rungs either)."""
+    ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element).
+    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (no NVMe rungs: the NVMe files
+    hold fp32 moments)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
               shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,
               optimizer_kwargs=optimizer_kwargs)
     if state_dtype is not None:
         kw["state_dtype"] = state_dtype
-    nvme = fused_optimizer(optimizer, optimizer_kwargs) and state_dtype is None
+    nvme = state_dtype is None
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]

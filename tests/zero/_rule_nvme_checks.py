@@ -1,6 +1,8 @@
 """Rank bodies of tests/zero/test_rule_nvme.py: one optimizer trained with offload="nvme"
 (its rule state in swap files: [Note: rule state on NVMe] in zkernels/zero/state/rule_swap.py)
 and with offload="cpu" on the same data, several units per rank."""
+import os
+import shutil
 import tempfile
 
 import torch
@@ -19,6 +21,7 @@ CASES = {
     "sgd": ("sgd", SGD),
 }
 NVME = OffloadConfig(nvme_master=False)
+MASTER = OffloadConfig()   # nvme_master=True, the default: the master in a file too
 
 
 def model(seed=0):
@@ -34,11 +37,12 @@ def train(m, opt, steps=3, first=0):
         opt.step()
 
 
-def build(m, stage, offload, case, **kw):
-    """Several units per rank: small buckets at stage 2, one unit per Linear at stage 3."""
+def build(m, stage, offload, case, master=False, **kw):
+    """Several units per rank: small buckets at stage 2, one unit per Linear at stage 3;
+    ``master``: NVMe keeps the master in files too (``nvme_master=True``)."""
     opt, hp = CASES[case]
     cut = dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
-    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=NVME) \
+    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=MASTER if master else NVME) \
         if offload == "nvme" else {}
     return zk.ZeroOptimizer(m, stage=stage, offload=offload, optimizer=opt, **cut, **extra,
                             **hp, **kw)
@@ -49,17 +53,60 @@ def params(m, opt):
         return [p.detach().clone() for p in m.parameters()]
 
 
-def nvme_and_cpu(rank, world_size, stage, case):
+def nvme_and_cpu(rank, world_size, stage, case, master=False):
     """Every rank trains the same batches (the mean gradient is the one-process gradient):
     the NVMe run's parameters, the CPU run's, and the NVMe run's bytes on disk."""
     out = {}
     for offload in ("nvme", "cpu"):
         m = model()
-        opt = build(m, stage, offload, case)
+        opt = build(m, stage, offload, case, master=master)
         train(m, opt)
         out[offload] = [p.tolist() for p in params(m, opt)]   # (lists travel between ranks)
         if offload == "nvme":
-            out["disk"] = opt.stats()["memory_bytes_by_location"]["disk"]["optimizer_states"]
+            disk = opt.stats()["memory_bytes_by_location"]["disk"]
+            out["disk"], out["disk_master"] = disk["optimizer_states"], disk["master"]
             out["units"] = len(opt.shard_update.states)
         opt.close()
+    return out
+
+
+def matrix_nvme_and_cpu(rank, world_size, stage, kind):
+    """Muon / Adafactor (on the matrices, the fused AdamW on the rest) with offload="nvme"
+    (each owner's whole master and state in files: [Note: whole matrices on NVMe]) and with
+    offload="cpu", each rank its slice of the batches: both runs' parameters; the NVMe run
+    saves a checkpoint after 2 steps that a CPU-offload run loads and continues from; the
+    whole-matrix files on disk and the owner's whole tensors in RAM between steps."""
+    from tests.zero import _matrix_checks as mc
+    # (one folder for the ranks of this run: they share the spawning process)
+    spawner = os.getppid() if world_size > 1 else os.getpid()
+    folder = os.path.join(tempfile.gettempdir(), f"zk-matrix-nvme-{spawner}-{stage}-{kind}")
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)   # (the first step is collective: after it)
+    out = {}
+    for offload in ("nvme", "cpu"):
+        m = mc.model()
+        cut = dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
+        extra = dict(offload_dir=tempfile.mkdtemp()) if offload == "nvme" else {}
+        opt = zk.ZeroOptimizer(m, stage=stage, offload=offload, param_groups=mc.groups(m, kind),
+                               **cut, **extra)
+        for s in range(4):
+            mc.train(m, opt, s, rank, world_size)
+            if offload == "nvme" and s == 1:
+                zk.checkpoint.save(opt, folder)
+        out[offload] = [p.tolist() for p in params(m, opt)]
+        if offload == "nvme":
+            files = [n for n in os.listdir(opt.shard_update.files.folder) if ".whole" in n]
+            out["whole_files"] = len(files)
+            out["owned"] = len(opt.shard_update.matrix.owned())
+            out["held"] = sum(len(opt.shard_update.matrix.held(r.unit.index))
+                              for r in opt.shard_update.states if r.rule is not None)
+        opt.close()
+    m = mc.model(seed=3)
+    opt = zk.ZeroOptimizer(m, stage=stage, offload="cpu", param_groups=mc.groups(m, kind),
+                           **(dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)))
+    zk.checkpoint.load(opt, folder)
+    for s in (2, 3):
+        mc.train(m, opt, s, rank, world_size)
+    out["resumed"] = [p.tolist() for p in params(m, opt)]
+    opt.close()
     return out

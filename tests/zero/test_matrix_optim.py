@@ -82,10 +82,11 @@ def test_muon_on_a_vector_is_refused_by_name(tmp_path):
                                          r"updates only 2-D"):
         zk.ZeroOptimizer(m, param_groups=[{"params": list(m.parameters()),
                                           "optimizer": torch.optim.Muon}])
-    with pytest.raises(ValueError,
-                       match="offload='nvme' does not run torch.optim.Muon: its "
-                             "whole-matrix state"):
+    # (offload="nvme" runs Muon: tests/zero/test_rule_nvme.py; a kept folder does not)
+    with pytest.raises(ValueError, match="resume_dir resumes the fused AdamW's files only, "
+                                         "not torch.optim.Muon's"):
         zk.ZeroOptimizer(m, stage=2, offload="nvme", offload_dir=str(tmp_path),
+                         offload_config=zk.zero.OffloadConfig(resume_dir=str(tmp_path)),
                          param_groups=mc.groups(m, "muon"))
 
 

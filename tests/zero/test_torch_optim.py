@@ -179,15 +179,19 @@ def test_group_optimizer_refused_names_the_group():
                                            "optimizer": torch.optim.LBFGS}])
 
 
-def test_nvme_refused_by_name(tmp_path):
-    """(offload='nvme' runs these classes with the master in host RAM:
-    tests/zero/test_rule_nvme.py)"""
-    with pytest.raises(ValueError, match="swaps the fused SGD op's state.*nvme_master=False"):
-        zk.ZeroOptimizer(_model(), stage=2, optimizer="sgd", offload="nvme",
-                         offload_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="offload='nvme' runs optimizer sgd only with "
-                                         "nvme_master=False"):
-        zk.estimate_memory(10 ** 6, 2, 2, optimizer="sgd", offload="nvme")
+def test_nvme_takes_every_optimizer(tmp_path):
+    """(offload='nvme' runs the element-wise classes and the fused Lion/SGD, master on disk
+    by default, and Muon/Adafactor: tests/zero/test_rule_nvme.py)"""
+    opt = zk.ZeroOptimizer(_model(), stage=2, optimizer="sgd", offload="nvme",
+                           offload_dir=str(tmp_path))
+    assert opt.shard_update.states[0].master.is_meta   # nvme_master, the default
+    opt.close()
+    est = zk.estimate_memory(10 ** 6, 2, 2, optimizer="sgd", offload="nvme")
+    assert est.by_location["disk"]["master"] == 4 * 10 ** 6 // 2
+    # Muon: the owners' whole masters and state (8 B) on disk, its shard master in RAM
+    est = zk.estimate_memory(10 ** 6, 2, 2, optimizer=torch.optim.Muon, offload="nvme")
+    assert est.by_location["disk"]["optimizer_states"] == 8 * 10 ** 6 // 2
+    assert est.by_location["host"]["master"] == 4 * 10 ** 6 // 2
 
 
 def test_plan_takes_the_optimizer(capsys):
@@ -195,7 +199,7 @@ def test_plan_takes_the_optimizer(capsys):
     assert main(["--params", "1e9", "--world-size", "8", "--optimizer", "sgd",
                  "--momentum", "0.9", "--param-dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "fp32 sgd" in out and "nvme" not in out
+    assert "fp32 sgd" in out and "stage 2 + nvme offload" in out   # (master on disk too)
     stage2 = next(line for line in out.splitlines() if line.strip().startswith("stage 2 "))
     assert stage2.split()[5] == "0.5"   # optim column: 4 B x 1e9 / 8 ranks, in GB
     assert main(["--params", "1e9", "--world-size", "8", "--optimizer", "lbfgs"]) == 2

@@ -68,7 +68,10 @@ master when ``nvme_master=False``. At stage 3 the parameter shard stays on the d
 and in pure fp32 no master of its own, the shard is the master), into files with ``"nvme"``
 (``param_nvme.py``: host RAM adds two bounces of the largest unit shard, at most
 ``nvme_param_buffer_bytes``, and in pure fp32
-with a host master every slot of the arena stages its output).
+with a host master every slot of the arena stages its output). An element-wise class or the
+fused Lion/SGD on NVMe has no arena: its state (and master, with ``nvme_master``) is in files
+and host ``staging`` holds one unit's state, master and gradient shard ([Note: rule state on
+NVMe] in ``state/rule_swap.py``).
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
@@ -342,6 +345,7 @@ class _Counts:
     state_bytes: int = ADAM_STATE_BYTES   # optimizer state per trainable element
     rule: bool = False      # a torch class or fused Lion/SGD (NVMe: swapped per unit)
     state_format: Optional[StateFormat] = None   # low-bit AdamW moments (state_dtype)
+    matrix: bool = False    # a whole-matrix class (NVMe: its shard master in host RAM)
 
     @property
     def offload(self) -> Optional[str]:
@@ -464,11 +468,16 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         host["staging"] = 2 * p * min(opts.sub_group_numel, c.shard) \
             if c.mixed and not c.offload_params else 0
     elif c.offload == "nvme" and c.rule:
-        # A rule's state in files, one unit's read into host RAM for its step with the
-        # unit's gradient shard ([Note: rule state on NVMe] in state/rule_swap.py).
+        # A rule's state (and with nvme_master its master) in files, one unit's read into
+        # host RAM for its step with the unit's gradient shard ([Note: rule state on NVMe]
+        # in state/rule_swap.py).
+        # A whole-matrix class's shard master stays in host RAM ([Note: whole matrices on
+        # NVMe] in state/matrix_swap.py; its owners' whole masters count as its state).
         disk["optimizer_states"] = device.pop("optimizer_states")
-        host["master"] = device.pop("master")
-        host["staging"] = (c.state_bytes + c.g) * unit_shard if c.state_bytes else 0
+        master_on_disk = opts.nvme_master and not c.matrix
+        (disk if master_on_disk else host)["master"] = device.pop("master")
+        read_in = c.state_bytes + (4 if master_on_disk else 0)
+        host["staging"] = (read_in + c.g) * unit_shard if read_in else 0
     elif c.offload == "nvme":
         on_disk = ("master",) if opts.nvme_master else ()
         for k in on_disk + ("optimizer_states",):
@@ -594,17 +603,11 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     cfg = _model_param_dtype(model_or_num_params, cfg)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else \
         resolve_optimizer(optimizer, dict(optimizer_kwargs or {}), where="estimate_memory: ")
-    if not spec.fused and cfg.offload.kind == "nvme" and \
-            (spec.matrix or cfg.offload.options.nvme_master):
-        raise ValueError(f"estimate_memory: offload='nvme' runs optimizer {spec.name} only "
-                         f"with nvme_master=False (its master in host RAM)" if not spec.matrix
-                         else f"estimate_memory: offload='nvme' does not run optimizer "
-                         f"{spec.name} (whole-matrix state in memory); use offload='cpu'")
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
                 frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
-    c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused)
+    c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused, matrix=spec.matrix)
     if cfg.state.state_dtype is not None:   # low-bit moments (planning/state_format.py)
         if not spec.fused:
             raise ValueError(f"estimate_memory: state_dtype applies to the fused AdamW only "

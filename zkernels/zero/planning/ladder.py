@@ -14,7 +14,6 @@ from typing import List, Optional, Tuple
 
 from .config import QuantizeConfig, ZeroConfig
 from .estimate import MemoryEstimate, count_params, estimate_config, estimate_memory
-from .optimizer_spec import fused_optimizer
 from .policy import RUNGS, STAGES
 
 __all__ = ["RUNGS", "NoRungFitsError", "choose_rung", "ladder_rows", "quantized_choices"]
@@ -128,9 +127,7 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     rejected = []
     est = None
     tries = ladder_rows(rungs, offload_params)
-    if not fused_optimizer(model_kw.get("optimizer", "adamw"), model_kw.get(
-            "optimizer_kwargs")) or base.state.state_dtype is not None:
-        # NVMe rungs: nvme_master and the fused AdamW with fp32 moments only
+    if base.state.state_dtype is not None:   # the NVMe files hold fp32 moments
         tries = [t for t in tries if t[1] != "nvme"]
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "

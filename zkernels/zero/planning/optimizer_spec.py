@@ -203,10 +203,3 @@ def _kernel_spec(name: str, hparams: dict, where: str) -> OptimizerSpec:
     if name == "lion":
         h["betas"] = tuple(h["betas"])
     return OptimizerSpec(name, None, h)
-
-
-def fused_optimizer(optimizer, optimizer_kwargs: Optional[dict] = None) -> bool:
-    """Whether ``optimizer`` (as ``estimate_memory`` takes it) is the fused AdamW."""
-    if isinstance(optimizer, OptimizerSpec):
-        return optimizer.fused
-    return resolve_optimizer(optimizer, dict(optimizer_kwargs or {})).fused

@@ -247,10 +247,13 @@ class UpdateEngine:
                 master.copy_(initial_master)
         spec = self.specs[unit.group_index] if self.specs else None
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
+            if master.is_meta:   # (the shard master stays in RAM: [Note: whole matrices on NVMe])
+                master = self.copier.host_empty(n, torch.float32).copy_(initial_master)
             none = master.new_empty(0)
             rec = ShardState(unit, master, none, none)
             if self.matrix is None:
-                self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs)
+                self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs,
+                                           self.files, self.copier)
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
         elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)
@@ -275,13 +278,17 @@ class UpdateEngine:
                              self._alloc(n, "exp_avg_sq", unit.device))
         if self.grad_sink is not None:
             rec.grad = self.grad_sink.add(n, torch.device("cpu"))
-        swapped = self.files is not None and rec.rule is not None
+        on_files = self.files is not None and rec.rule is not None   # (its own files)
+        swapped = on_files and not isinstance(rec.rule, MatrixUnitRule)
         if swapped:   # the rule's state in files, in RAM for its step ([Note: rule state on NVMe])
-            rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier)
-        else:
+            rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier,
+                                   master_on_disk=master.is_meta)
+            if master.is_meta:
+                rec.rule.write_master(initial_master)
+        elif not on_files:
             self._ensure_slots(n, unit)
         self.states.append(rec)
-        if self.files is not None and not swapped:
+        if self.files is not None and not on_files:
             # (a kept run's unit count; each parameter resumes at it: the run folder's
             # manifest keeps one count per unit)
             rec.set_step(self.files.open(rec))
@@ -395,16 +402,14 @@ class UpdateEngine:
         scale = self._host_scale if self.on_host else grad_scale
         if rec.rule is not None:   # a torch.optim class on the pieces
             # (a piece of a parameter without a gradient gets .grad None: the class skips it)
-            rec.rule.step(grad, group, scale, None if live is None else [
-                live[i] for i, _, _, _ in unit.layout.tensor_slices_in_shard(unit.rank)])
-            shard = unit.compute_shard
-            if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
-                # the device's shard from the host master: one counted copy up, as AdamW's
-                src = rec.master if shard.dtype == torch.float32 else \
-                    self.host_ops.cast(rec.master.contiguous(), shard.dtype)
-                self.copier.to_device(shard, src).wait()
+            flags = None if live is None else [
+                live[i] for i, _, _, _ in unit.layout.tensor_slices_in_shard(unit.rank)]
+            if isinstance(rec.rule, SwappedRule):   # (its master may be in RAM only now)
+                rec.rule.step(grad, group, scale, flags,
+                              publish=lambda m: self._publish_rule(unit, m))
             else:
-                self._write_compute(unit, rec.master)
+                rec.rule.step(grad, group, scale, flags)
+                self._publish_rule(unit, rec.master)
             self._update_s += time.perf_counter() - t0
             return
         segments, whole = live_segments(
@@ -440,6 +445,17 @@ class UpdateEngine:
         if last is not None:
             last.wait()  # the gather (publish) reads the compute shard after the copy
         self._update_s += time.perf_counter() - t0
+
+    def _publish_rule(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
+        """A rule's unit: its compute shard from the updated fp32 master."""
+        shard = unit.compute_shard
+        if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
+            # the device's shard from the host master: one counted copy up, as AdamW's
+            src = master if shard.dtype == torch.float32 else \
+                self.host_ops.cast(master.contiguous(), shard.dtype)
+            self.copier.to_device(shard, src).wait()
+        else:
+            self._write_compute(unit, master)
 
     def _ranges(self, n: int, align: int = 1) -> List[Tuple[int, int]]:
         """Sub-groups of ``n`` elements, each starting at a multiple of ``align`` (a low-bit
@@ -590,6 +606,8 @@ class UpdateEngine:
         memory, new CPU tensors read from the files where they are on disk."""
         self._settle_all()
         rec = self.states[unit_index]
+        if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
+            return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
         if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
             return (rec.master,) + dequantized(rec.fmt, rec.exp_avg, rec.exp_avg_sq,
                                                rec.exp_avg_scales, rec.exp_avg_sq_scales)
@@ -617,7 +635,10 @@ class UpdateEngine:
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:
                 t.copy_(src[k])
-        if self.files is not None:
+        if isinstance(rec.rule, SwappedRule):   # (a model.load_state_dict: the master only)
+            if rec.master.is_meta:
+                rec.rule.write_master(master.to("cpu", torch.float32))
+        elif self.files is not None and rec.rule is None:
             self._fill(rec, src)
         self._write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
                             else rec.master)
@@ -651,13 +672,18 @@ class UpdateEngine:
     def rule_state(self, unit_index: int):
         """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
         rec = self.states[unit_index]
-        return rec.step, rec.master, rec.rule.piece_states()
+        master = rec.rule.master_copy() if rec.master.is_meta else rec.master
+        return rec.step, master, rec.rule.piece_states()
 
     def load_rule_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
                         states, group: dict) -> None:
         """Overwrite a torch class's unit state and rebuild its compute shard."""
         rec = self.states[unit.index]
         rec.step = int(step)
+        if rec.master.is_meta:   # the master in a file ([Note: rule state on NVMe])
+            rec.rule.load(states, group, master=master)
+            self._write_compute(unit, master.to("cpu", torch.float32))
+            return
         rec.master.copy_(master)
         rec.rule.load(states, group)
         self._write_compute(unit, rec.master)
@@ -678,7 +704,10 @@ class UpdateEngine:
         out = {"master": [], "optimizer_states": []}
         for rec in self.states:
             for k, t in zip(KINDS, rec.tensors()):
-                if self.where[k] == where:
+                at = self.where[k]
+                if at == "disk" and not t.is_meta:   # (a whole-matrix unit's shard master:
+                    at = "host"                      # [Note: whole matrices on NVMe])
+                if at == where:
                     out["master" if k == "master" else "optimizer_states"].append(t)
             if self.where["exp_avg"] == where:
                 out["optimizer_states"].extend(rec.scales())
@@ -715,7 +744,8 @@ class UpdateEngine:
 
         Args:
             keep_files: NVMe: keep the folder with a manifest (steps, rank, kinds) so that a
-                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it.
+                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it
+                (the fused AdamW only: a rule's step counts live in RAM, refused by name).
 
         Returns:
             the kept folder, or None.
@@ -725,6 +755,10 @@ class UpdateEngine:
         if keep_files and self.where["master"] != "disk":
             raise ValueError("close(keep_files=True) needs OffloadConfig(nvme_master=True): "
                              "the master is in host RAM and would not survive")
+        if keep_files and any(r.rule is not None for r in self.states):
+            raise ValueError("close(keep_files=True) keeps the fused AdamW's files only: a "
+                             "torch.optim class's or the fused Lion/SGD's step counts live in "
+                             "RAM; save a checkpoint (zk.checkpoint.save) instead")
         if not self.on_host:
             return None
         if not self._closed:

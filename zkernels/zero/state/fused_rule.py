@@ -121,6 +121,10 @@ class FusedShardRule:
         flat, self.flat = self.flat, {}
         return flat
 
+    def use_master(self, master: torch.Tensor) -> None:
+        """Step ``master`` from now on ([Note: rule state on NVMe] in rule_swap.py)."""
+        self.master = master
+
     def attach(self, flat: Dict[str, torch.Tensor]) -> None:
         """Adopt flat buffers (:meth:`detach`'s, read back)."""
         self.flat = dict(flat)

@@ -36,6 +36,8 @@ adds the pairs' imbalance: measured 0.54 Ψ_m per shard group of 2 on the batter
 (hybrid, K = 2) and under ``Ψ_m / 2`` on tests/zero/test_matrix_optim.py's MLP, which holds
 it to that. Memory: the owners' whole masters add 4 bytes per matrix element over
 the group (``optimizer_spec.MATRIX``); the whole gradient lives on the owner during the step.
+With NVMe offload the owners' whole masters and state live in files, one matrix in RAM at a
+time ([Note: whole matrices on NVMe] in ``matrix_swap.py``).
 
 Checkpoints stay per piece: :meth:`MatrixUpdate.piece_states` (collective over the shard
 group) sends each rank its pieces of the owner's state, every state tensor broadcast to the
@@ -48,12 +50,14 @@ owner's class format is what ``opt.state_dict()`` saves (:meth:`owned_states`).
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..planning.optimizer_spec import OptimizerSpec
+from .matrix_swap import WholeSwap
 
 # Each class's state tensors (their keys) and 0-dim state for a parameter of ``ndim`` dims.
 _KEYS = {
@@ -102,10 +106,17 @@ class MatrixUpdate:
     Args:
         rank, world_size: this rank in the shard group.
         specs: each param group's :class:`OptimizerSpec`.
+        files: NVMe offload: the run's ``NvmeFiles``; the owned whole masters and state then
+            live in files ([Note: whole matrices on NVMe] in ``matrix_swap.py``).
+        copier: with ``files``: the engine's copier, which brings the gradient shards (on
+            the device with NVMe) to the host, counted as a rule's are.
     """
 
-    def __init__(self, rank: int, world_size: int, specs: Sequence[OptimizerSpec]) -> None:
+    def __init__(self, rank: int, world_size: int, specs: Sequence[OptimizerSpec],
+                 files=None, copier=None) -> None:
         self.rank, self.world_size, self.specs = rank, world_size, list(specs)
+        self.swap = WholeSwap(files) if files is not None else None
+        self.copier = copier
         self.items: List[_Item] = []
         self.records: Dict[int, object] = {}          # unit index -> ShardState
         self.load = [0.0] * world_size
@@ -153,8 +164,8 @@ class MatrixUpdate:
             k = len(self.items)
             self.items.append(it)
             if it.owner == self.rank:
-                self.whole[k] = torch.zeros(it.shape, dtype=torch.float32,
-                                            device=rec.master.device)
+                self.whole[k] = WholeSwap.placeholder(it.shape) if self.swap is not None \
+                    else torch.zeros(it.shape, dtype=torch.float32, device=rec.master.device)
 
     def owned(self, unit_index: Optional[int] = None) -> List[int]:
         return [k for k, it in enumerate(self.items) if it.owner == self.rank and
@@ -174,6 +185,29 @@ class MatrixUpdate:
 
     def _hparams(self, gi: int, group: dict) -> dict:
         return {k: group[k] for k in self.specs[gi].defaults if k in group}
+
+    def _state(self, k: int) -> dict:
+        inner = self.inner.get(self.items[k].group_index)
+        return inner.state.get(self.whole[k], {}) if inner is not None else {}
+
+    @contextmanager
+    def _held(self, k: int, master: str = "read", write: bool = True):
+        """Owned item ``k``'s whole master and state in RAM for the block (with files: read
+        in, then written back if ``write``; [Note: whole matrices on NVMe])."""
+        if self.swap is None:
+            yield
+            return
+        it = self.items[k]
+        self.swap.bring_in(k, self.whole[k], self._state(k), master)
+        try:
+            yield
+        finally:
+            self.swap.write_out(k, it.unit_index, it.pos, self.whole[k], self._state(k),
+                                master != "none", write)
+
+    def _pieces_of(self, k: int) -> Dict[int, torch.Tensor]:
+        flat, it = self.whole[k].view(-1), self.items[k]
+        return {r: flat[a:a + m].clone() for r, (a, _, m) in enumerate(it.pieces) if m}
 
     # -- the exchanges ------------------------------------------------------------------
 
@@ -207,6 +241,8 @@ class MatrixUpdate:
         gradient shard; ``live[u]``: its per-parameter gradient flags (None: all)."""
         if not self.items:
             return
+        if self.swap is not None:   # (NVMe: the shards to the host, counted)
+            shards = {u: self._host(shards[u]) for u in self.records}
         n, me, stale = self.world_size, self.rank, self.stale
         per = 2 if stale else 1
         sizes = [[0] * n for _ in range(n)]
@@ -223,54 +259,86 @@ class MatrixUpdate:
         got = self._exchange(comm, meter, "reduce_scatter", send, sizes)
         cursor = [0] * n
         stepped = set()
+        sent: Dict[int, Dict[int, torch.Tensor]] = {}   # (files) each item's pieces
         for kk in self.owned():
             it = self.items[kk]
             w = self.whole[kk]
-            g = torch.empty(it.numel, dtype=torch.float32, device=w.device)
-            flat_w = w.view(-1)
-            for r in range(n):
-                a, s, k = it.pieces[r]
-                if not k:
-                    continue
-                if r == me:
-                    g[a:a + k] = shards[it.unit_index][s:s + k]
-                    if stale:
-                        flat_w[a:a + k] = self.records[it.unit_index].master[s:s + k]
-                    continue
-                c = cursor[r]
-                g[a:a + k] = got[r][c:c + k]
-                if stale:
-                    flat_w[a:a + k] = got[r][c + k:c + 2 * k]
-                cursor[r] += per * k
-            flags = live[it.unit_index] if live is not None else None
-            w.grad = _scaled(g, grad_scale).view(it.shape) \
-                if flags is None or flags[it.pos] else None
+            with self._held(kk, "fresh" if stale else "read"):
+                self._gather_one(it, w, shards, got, cursor, stale, per, grad_scale, live)
+                if self.swap is not None:   # one matrix at a time (its own class step)
+                    self._step_one(kk, groups[it.group_index])
+                    sent[kk] = self._pieces_of(kk)
             stepped.add(it.group_index)
         self.stale = False
-        for gi in sorted(stepped):
-            opt = self._class(gi, groups[gi])
-            opt.param_groups[0].update(self._hparams(gi, groups[gi]))
-            try:
-                opt.step()
-            finally:
-                for p in opt.param_groups[0]["params"]:
-                    p.grad = None
-        self._publish(comm, meter)
+        if self.swap is None:
+            for gi in sorted(stepped):
+                opt = self._class(gi, groups[gi])
+                opt.param_groups[0].update(self._hparams(gi, groups[gi]))
+                try:
+                    opt.step()
+                finally:
+                    for p in opt.param_groups[0]["params"]:
+                        p.grad = None
+        self._publish(comm, meter, sent if self.swap is not None else None)
 
-    def _publish(self, comm, meter) -> None:
-        """Every rank's master pieces from the owners' whole masters (the Note's step 3)."""
+    def _host(self, shard: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(shard.shape, dtype=shard.dtype)
+        self.copier.to_host(host, shard).wait()
+        return host
+
+    def _step_one(self, k: int, group: dict) -> None:
+        gi = self.items[k].group_index
+        opt = self._class(gi, group)
+        opt.param_groups[0].update(self._hparams(gi, group))
+        try:
+            opt.step()   # (the other parameters' .grad is None: skipped)
+        finally:
+            self.whole[k].grad = None
+
+    def _gather_one(self, it, w, shards, got, cursor, stale, per, grad_scale,
+                    live) -> None:
+        """An owned item's whole gradient (and, ``stale``, master) from the pieces."""
         n, me = self.world_size, self.rank
+        g = torch.empty(it.numel, dtype=torch.float32, device=w.device)
+        flat_w = w.view(-1)
+        for r in range(n):
+            a, s, k = it.pieces[r]
+            if not k:
+                continue
+            if r == me:
+                g[a:a + k] = shards[it.unit_index][s:s + k]
+                if stale:
+                    flat_w[a:a + k] = self.records[it.unit_index].master[s:s + k]
+                continue
+            c = cursor[r]
+            g[a:a + k] = got[r][c:c + k]
+            if stale:
+                flat_w[a:a + k] = got[r][c + k:c + 2 * k]
+            cursor[r] += per * k
+        flags = live[it.unit_index] if live is not None else None
+        w.grad = _scaled(g, grad_scale).view(it.shape) \
+            if flags is None or flags[it.pos] else None
+
+    def _publish(self, comm, meter, sent=None) -> None:
+        """Every rank's master pieces from the owners' whole masters (the Note's step 3);
+        ``sent``: each owned item's pieces by rank (with files: copied out at its step)."""
+        n, me = self.world_size, self.rank
+
+        def piece(k: int, r: int) -> torch.Tensor:
+            if sent is not None:
+                return sent[k][r]
+            a, _, m = self.items[k].pieces[r]
+            return self.whole[k].view(-1)[a:a + m]
+
         sizes = [[0] * n for _ in range(n)]
         send: Dict[int, List[torch.Tensor]] = {q: [] for q in range(n)}
         for k, it in enumerate(self.items):
             for r in range(n):
                 sizes[it.owner][r] += it.pieces[r][2]
             if it.owner == me:
-                flat = self.whole[k].view(-1)
                 for r in range(n):
-                    a, _, m = it.pieces[r]
-                    if m and r != me:
-                        send[r].append(flat[a:a + m])
+                    if it.pieces[r][2] and r != me:
+                        send[r].append(piece(k, r))
         got = self._exchange(comm, meter, "all_gather", send, sizes)
         cursor = [0] * n
         for k, it in enumerate(self.items):
@@ -279,7 +347,7 @@ class MatrixUpdate:
                 continue
             master = self.records[it.unit_index].master
             if it.owner == me:
-                master[s:s + m] = self.whole[k].view(-1)[a:a + m]
+                master[s:s + m] = piece(k, me)
             else:
                 c = cursor[it.owner]
                 master[s:s + m] = got[it.owner][c:c + m]
@@ -310,11 +378,11 @@ class MatrixUpdate:
                     sizes[it.owner][r] += len(keys) * m + len(scalars) + 1
             if it.owner != me:
                 continue
-            st = self.inner[it.group_index].state.get(self.whole[k], {}) \
-                if it.group_index in self.inner else {}
-            has = torch.tensor([1.0 if st else 0.0], device=self.whole[k].device)
-            tens = [st[key].expand(it.shape).reshape(-1) if key in st else
-                    torch.zeros(it.numel, device=self.whole[k].device) for key in keys]
+            with self._held(k, "none", write=False):
+                st = self._state(k)
+                has = torch.tensor([1.0 if st else 0.0], device=self.whole[k].device)
+                tens = [st[key].expand(it.shape).reshape(-1).clone() if key in st else
+                        torch.zeros(it.numel, device=self.whole[k].device) for key in keys]
             sc = torch.tensor([float(st.get(key, 0.0)) for key in scalars],
                               device=self.whole[k].device)
             full[k] = (tens, sc, has)
@@ -389,48 +457,47 @@ class MatrixUpdate:
                 continue
             keys, scalars = self._keys(it)
             w = self.whole[k]
-            tens = [torch.zeros(it.numel, device=w.device) for _ in keys]
-            sc, has = None, False
-            for r in range(n):
-                a, _, m = it.pieces[r]
-                if not m:
-                    continue
-                if r == me:
-                    vals = mine[k]
-                else:
-                    c, src, vals = cursor[r], got[r], []
-                    for _ in range(1 + len(keys)):
-                        vals.append(src[c:c + m])
-                        c += m
-                    vals += [src[c:c + len(scalars)], src[c + len(scalars):
-                                                          c + len(scalars) + 1]]
-                    cursor[r] = c + len(scalars) + 1
-                w.view(-1)[a:a + m] = vals[0]
-                for t, v in zip(tens, vals[1:1 + len(keys)]):
-                    t[a:a + m] = v
-                if float(vals[-1][0]) != 0.0:
-                    sc, has = vals[-2], True
-            opt = self._class(it.group_index, group)
-            opt.state.pop(w, None)
-            if has:
-                st = {}
-                for key, t in zip(keys, tens):
-                    t = t.view(it.shape)
-                    st[key] = t[..., :, :1].clone() if key == "row_var" else \
-                        t[..., :1, :].clone() if key == "col_var" else t.clone()
-                st.update({key: torch.tensor(float(v)) for key, v in zip(scalars, sc)})
-                opt.state[w] = st
+            with self._held(k, "fresh"):   # (files: written back at the end)
+                tens = [torch.zeros(it.numel, device=w.device) for _ in keys]
+                sc, has = None, False
+                for r in range(n):
+                    a, _, m = it.pieces[r]
+                    if not m:
+                        continue
+                    if r == me:
+                        vals = mine[k]
+                    else:
+                        c, src, vals = cursor[r], got[r], []
+                        for _ in range(1 + len(keys)):
+                            vals.append(src[c:c + m])
+                            c += m
+                        vals += [src[c:c + len(scalars)], src[c + len(scalars):
+                                                              c + len(scalars) + 1]]
+                        cursor[r] = c + len(scalars) + 1
+                    w.view(-1)[a:a + m] = vals[0]
+                    for t, v in zip(tens, vals[1:1 + len(keys)]):
+                        t[a:a + m] = v
+                    if float(vals[-1][0]) != 0.0:
+                        sc, has = vals[-2], True
+                opt = self._class(it.group_index, group)
+                opt.state.pop(w, None)
+                if has:
+                    st = {}
+                    for key, t in zip(keys, tens):
+                        t = t.view(it.shape)
+                        st[key] = t[..., :, :1].clone() if key == "row_var" else \
+                            t[..., :1, :].clone() if key == "col_var" else t.clone()
+                    st.update({key: torch.tensor(float(v)) for key, v in zip(scalars, sc)})
+                    opt.state[w] = st
 
     def owned_states(self, unit_index: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """The class's own state of each parameter of the unit this rank owns, by name
         (clones; a parameter without state yet has an empty dict)."""
         out = {}
         for k in self.owned(unit_index):
-            it = self.items[k]
-            inner = self.inner.get(it.group_index)
-            st = inner.state.get(self.whole[k], {}) if inner is not None else {}
-            out[it.name] = {key: v.clone() if isinstance(v, torch.Tensor) else v
-                            for key, v in st.items()}
+            with self._held(k, "none", write=False):
+                out[self.items[k].name] = {key: v.clone() if isinstance(v, torch.Tensor)
+                                           else v for key, v in self._state(k).items()}
         return out
 
     def load_owned(self, unit_index: int, states: Dict[str, dict], group: dict) -> None:
@@ -442,14 +509,18 @@ class MatrixUpdate:
             opt.state.pop(self.whole[k], None)
             st = states.get(it.name)
             if st:
-                opt.state[self.whole[k]] = {key: v.clone().to(self.whole[k].device)
-                                            if isinstance(v, torch.Tensor) else v
-                                            for key, v in st.items()}
+                with self._held(k, "none"):   # (files: the state written to them)
+                    opt.state[self.whole[k]] = {key: v.clone().to(self.whole[k].device)
+                                                if isinstance(v, torch.Tensor) else v
+                                                for key, v in st.items()}
         self.stale = True
 
     def held(self, unit_index: int) -> List[torch.Tensor]:
-        """The owner's tensors of the unit's parameters (whole masters, state)."""
+        """The owner's tensors of the unit's parameters (whole masters, state; in files with
+        NVMe: none held between steps)."""
         out = []
+        if self.swap is not None:
+            return out
         for k in self.owned(unit_index):
             out.append(self.whole[k])
             inner = self.inner.get(self.items[k].group_index)

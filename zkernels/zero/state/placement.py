@@ -55,8 +55,10 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
 
 def check_nvme_rules(specs, config: OffloadConfig) -> None:
     """``offload="nvme"`` takes the fused AdamW, the torch.optim classes and the fused Lion /
-    SGD (their state swapped per unit: [Note: rule state on NVMe] in ``rule_swap.py``); the
-    whole-matrix classes and a rule with the master on disk are refused by name.
+    SGD (their state, and with ``nvme_master`` their master, swapped per unit: [Note: rule
+    state on NVMe] in ``rule_swap.py``), and the whole-matrix classes (the owners' whole
+    masters and state swapped per matrix: [Note: whole matrices on NVMe] in
+    ``matrix_swap.py``); resuming a kept folder with any of them is refused by name.
 
     Raises:
         ValueError: naming the optimizer and what to use instead.
@@ -66,15 +68,10 @@ def check_nvme_rules(specs, config: OffloadConfig) -> None:
             continue
         what = f"the fused {'Lion' if spec.kernel == 'lion' else 'SGD'} op" \
             if spec.kernel else f"torch.optim.{spec.name}"
-        if spec.matrix:
-            raise ValueError(f"offload='nvme' does not run {what}: its whole-matrix state "
-                             f"lives on owner ranks in memory and is not swapped to files; "
-                             f"use offload='cpu'")
-        if config.nvme_master:
-            raise ValueError(f"offload='nvme' swaps {what}'s state through files but steps "
-                             f"its master in host RAM: pass offload_config=OffloadConfig("
-                             f"nvme_master=False) (a master on disk, the default, runs the "
-                             f"fused AdamW only)")
+        if config.resume_dir is not None:
+            raise ValueError(f"OffloadConfig.resume_dir resumes the fused AdamW's files only, "
+                             f"not {what}'s (its step counts lived in RAM): load a checkpoint "
+                             f"(zk.checkpoint.load) instead")
 
 
 def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optional[str],

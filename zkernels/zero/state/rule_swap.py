@@ -12,9 +12,19 @@ the folder's removal takes it). Before the unit's step the files are read into f
 host buffers, which the rule adopts (``attach``); after the step they are written back and
 dropped (``detach``: a torch class's state entries become meta placeholders, so a read
 without the files fails loudly instead of restarting the state). So host RAM holds one unit's
-state at a time, bounded by the largest unit shard times the class's state size, on top of
-the fp32 master, which stays where NVMe keeps it (host RAM; ``nvme_master`` is refused for
-rules in ``placement.py``). A class creates its state lazily at its first step, so a key's
+state at a time, bounded by the largest unit shard times the class's state size. The fp32
+master stays where NVMe keeps it: in host RAM (``nvme_master=False``), or, with
+``nvme_master`` (the default), in one more file of the unit (``unit00003.master.swap``, the
+name and kind of the fused AdamW's, counted as "master" on disk), read in with the state
+before the step and written back after it; between steps the rule steps a placeholder
+(``use_master``: a torch class's pieces keep their identity, the keys of its state, and view
+the buffer read in), so a step without the files fails loudly. The engine writes the unit's
+compute shard from the master while it is in RAM (``step(publish=...)``), and reads it for a
+checkpoint from the file (:meth:`SwappedRule.master_copy`). Host RAM then holds one unit's
+master and state at a time, and nothing between steps. A kept folder cannot be resumed with
+a rule (its 0-dim state, ``step``, lives in RAM): ``placement.check_nvme_rules`` refuses
+``resume_dir`` and the engine ``close(keep_files=True)`` by name; a checkpoint resumes it.
+A class creates its state lazily at its first step, so a key's
 file is created when the key first appears (after the unit's first step, or at a load).
 Reads and writes are synchronous (no prefetch of the next unit: the class's step is the
 bottleneck on the host, and a prefetch would hold two units' state). The gradient shard comes
@@ -27,7 +37,7 @@ dropped again) and load through :meth:`SwappedRule.load` (written to the files).
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -45,16 +55,46 @@ class SwappedRule:
         unit_index: the unit (file names and headers).
         numel: the unit's shard elements.
         copier: brings a device gradient shard to the host.
+        master_on_disk: the master lives in a file too (``nvme_master``); its initial values
+            go in by :meth:`write_master`.
 
     Attributes:
         swaps: state key -> its :class:`SwapFile`.
     """
 
-    def __init__(self, rule, files: NvmeFiles, unit_index: int, numel: int, copier) -> None:
+    def __init__(self, rule, files: NvmeFiles, unit_index: int, numel: int, copier,
+                 master_on_disk: bool = False) -> None:
         self.rule, self.files, self.unit, self.numel = rule, files, unit_index, numel
         self.copier = copier
         self.swaps: Dict[str, SwapFile] = {}
         self._bufs: Dict[str, torch.Tensor] = {}   # key -> padded aligned buffer (in RAM)
+        self.master_file: Optional[SwapFile] = None
+        self._master_buf: Optional[torch.Tensor] = None
+        # (4 bytes standing for the master between steps: a read of it is no step)
+        self._placeholder = torch.zeros(1).expand(numel) if master_on_disk else None
+        if master_on_disk:
+            rule.use_master(self._placeholder)
+
+    def write_master(self, values: torch.Tensor) -> None:
+        """Write ``values`` ([numel] fp32) to the master's file, created at the first call
+        (the initial master, a load: not a step's traffic)."""
+        if self.master_file is None:
+            self.master_file = self.files.create_file(self.unit, "master", self.numel)
+        buf = aligned_empty(self.master_file.data_bytes)
+        view = buf.view(torch.float32)
+        view[self.numel:].zero_()
+        view[:self.numel].copy_(values.reshape(-1))
+        self.files.io.write(self.master_file, buf, 0, self.master_file.data_bytes,
+                            counted=False).result()
+
+    def master_copy(self) -> torch.Tensor:
+        """The fp32 master as a new CPU tensor (read from its file where it lives there)."""
+        if self.master_file is None:
+            return self.rule.master
+        f = self.master_file
+        buf = aligned_empty(f.data_bytes)
+        self.files.io.read(f, buf, 0, f.data_bytes, counted=False).result()
+        return buf.view(torch.float32)[:self.numel]
 
     @property
     def inner(self):
@@ -62,8 +102,12 @@ class SwappedRule:
 
     # -- in and out ---------------------------------------------------------------------
 
-    def _bring_in(self) -> None:
+    def _bring_in(self, master: bool = True) -> None:
         futs, flat = [], {}
+        if master and self.master_file is not None:
+            f = self.master_file
+            self._master_buf = aligned_empty(f.data_bytes)
+            futs.append(self.files.io.read(f, self._master_buf, 0, f.data_bytes))
         for k, f in self.swaps.items():
             buf = aligned_empty(f.data_bytes)
             futs.append(self.files.io.read(f, buf, 0, f.data_bytes))
@@ -71,6 +115,8 @@ class SwappedRule:
             flat[k] = buf.view(torch.float32)[:self.numel]
         for fu in futs:
             fu.result()
+        if self._master_buf is not None:
+            self.rule.use_master(self._master_buf.view(torch.float32)[:self.numel])
         self.rule.attach(flat)
 
     def _write_out(self) -> None:
@@ -87,39 +133,56 @@ class SwappedRule:
             if k not in self.swaps:
                 self.swaps[k] = self.files.create_file(self.unit, f"rule-{k}", self.numel)
             futs.append(self.files.io.write(self.swaps[k], buf, 0, self.swaps[k].data_bytes))
+        if self._master_buf is not None:
+            f = self.master_file
+            futs.append(self.files.io.write(f, self._master_buf, 0, f.data_bytes))
         try:
             for fu in futs:
                 fu.result()
         finally:
-            self._bufs = {}
+            self._drop()
+
+    def _drop(self) -> None:
+        self._bufs = {}
+        if self._master_buf is not None:
+            self.rule.use_master(self._placeholder)
+            self._master_buf = None
 
     # -- the rule's interface -----------------------------------------------------------
 
     def step(self, grad: torch.Tensor, group: dict, grad_scale,
-             live: Optional[List[bool]] = None) -> None:
-        """The rule's step with its state read in before and written back after."""
+             live: Optional[List[bool]] = None,
+             publish: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """The rule's step with its state (and master) read in before and written back
+        after; ``publish`` gets the updated fp32 master while it is in RAM (the engine writes
+        the unit's compute shard from it)."""
         host = torch.empty(grad.shape, dtype=grad.dtype)   # (counted, as AdamW's slices)
         self.copier.to_host(host, grad).wait()
         self._bring_in()
         try:
             self.rule.step(host, group, grad_scale, live)
+            if publish is not None:
+                publish(self.rule.master)
         finally:
             self._write_out()
 
     def piece_states(self) -> List[Dict[str, torch.Tensor]]:
         """Each piece's state (copies: the buffers go back to disk)."""
-        self._bring_in()
+        self._bring_in(master=False)
         try:
             return [{k: t.clone() if isinstance(t, torch.Tensor) else t
                      for k, t in st.items()} for st in self.rule.piece_states()]
         finally:
             self.rule.detach()
-            self._bufs = {}
+            self._drop()
 
-    def load(self, states, group: dict) -> None:
-        """Set each piece's state (written to the files)."""
+    def load(self, states, group: dict, master: Optional[torch.Tensor] = None) -> None:
+        """Set each piece's state (written to the files); ``master``: the fp32 master's
+        values too (where it lives in a file)."""
         self._bring_in()
         try:
+            if master is not None and self.master_file is not None:
+                self.rule.master.copy_(master)
             self.rule.load(states, group)
         finally:
             self._write_out()
@@ -132,5 +195,5 @@ class SwappedRule:
         return list(self.rule.flat.values())
 
     def disk_bytes(self) -> int:
-        """Bytes of this unit's state files (headers included)."""
+        """Bytes of this unit's state files (headers included; the master's not)."""
         return sum(os.fstat(f.fd).st_size for f in self.swaps.values() if f.fd >= 0)

@@ -37,9 +37,11 @@ class ShardState:
         files: NVMe offload: the unit's swap files by kind ("master", "exp_avg", ...).
         rule: a torch.optim class's :class:`~zkernels.zero.state.torch_rule.TorchShardRule`
             (which holds that class's state; ``exp_avg``/``exp_avg_sq`` are then empty), the
-            fused Lion/SGD's or a whole-matrix class's rule; with NVMe offload wrapped in a
-            :class:`~zkernels.zero.state.rule_swap.SwappedRule` (its state in files); or
-            None for the fused AdamW.
+            fused Lion/SGD's or a whole-matrix class's rule; with NVMe offload the first two
+            wrapped in a :class:`~zkernels.zero.state.rule_swap.SwappedRule` (their state,
+            and with ``nvme_master`` the master, in files; ``master`` is then a meta tensor),
+            a whole-matrix class's owners swapping their own files ([Note: whole matrices on
+            NVMe], its shard master in host RAM); or None for the fused AdamW.
         fmt: the group's low-bit :class:`~zkernels.zero.planning.state_format.StateFormat`
             (``exp_avg``/``exp_avg_sq`` bf16, or int8/uint8 codes), or None (fp32 moments);
             see [Note: low-bit state in shards] in ``lowbit_state.py``.

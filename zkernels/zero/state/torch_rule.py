@@ -141,6 +141,17 @@ class TorchShardRule:
                         st[k] = torch.empty(st[k].shape, dtype=st[k].dtype, device="meta")
         return flat
 
+    def use_master(self, master: torch.Tensor) -> None:
+        """Step ``master`` from now on (a master read in from its file, or a placeholder
+        between steps: [Note: rule state on NVMe] in ``rule_swap.py``): the pieces keep their
+        identity (the class's state is keyed by them) and view it."""
+        self.master = master
+        if self.inner is None:
+            self.pieces = [master[s:s + n] for s, n in self.slices]
+            return
+        for p, (s, n) in zip(self.pieces, self.slices):
+            p.data = master[s:s + n]
+
     def attach(self, flat: Dict[str, torch.Tensor]) -> None:
         """Adopt flat buffers (:meth:`detach`'s, read back): the pieces' entries view them."""
         self.flat = dict(flat)
