@@ -118,3 +118,28 @@ def test_auto_choice_is_shown_once_on_rank_0():
     budget = _need(_model(), 2, 1)
     err0, err1 = run_ranks(_auto_on_ranks_stderr, 2, budget)
     assert "chose stage 1" in err0 and err1 == ""
+
+
+def test_auto_sizes_the_rungs_with_the_optimizers_state():
+    """stage='auto' estimates with the optimizer the groups run (issue 26: it took AdamW's 8
+    bytes per element for every optimizer): a budget that fits stage 1 with plain SGD (no
+    state) but not with AdamW takes stage 1 for SGD and a higher rung for AdamW; a mix takes
+    the largest state (every group must fit)."""
+    from zkernels.zero.planning.auto import resolve_rung
+    from zkernels.zero.planning.config import ZeroConfig
+    from zkernels.zero.planning.optimizer_spec import resolve_optimizer
+    model = _model()
+    sgd = estimate_memory(model, 4, 1, bucket_bytes=BUCKET, optimizer="sgd",
+                          optimizer_kwargs={"lr": 0.1}).device_bytes
+    assert sgd < _need(model, 4, 1)
+    groups = [{"params": list(model.parameters())}]
+    cfg = ZeroConfig.from_kwargs(stage="auto", bucket_bytes=BUCKET)
+    specs = {"sgd": resolve_optimizer("sgd", {"lr": 0.1}), "adamw": resolve_optimizer("adamw", {})}
+
+    def stage(*names):
+        return resolve_rung(cfg, param_groups=groups, world_size=4, memory_budget_bytes=sgd,
+                            process_group=None, model=model,
+                            specs=[specs[n] for n in names]).stage
+    assert stage("sgd") == 1
+    assert stage("adamw") > 1
+    assert stage("sgd", "adamw") == stage("adamw")

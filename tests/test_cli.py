@@ -43,6 +43,17 @@ def test_plan_paper_example_subprocess():
     assert states["stage 3"] == "1.9"
     # 24 GiB = 25.8 GB, 90% usable = 23.2 GB: stage 1 (31.4 GB + buffers) does not fit.
     assert chosen == "stage 2"
+
+
+def test_plan_module_runs_as_the_subcommand():
+    """``python -m zkernels.plan`` prints the same table as ``python -m zkernels plan`` (it
+    printed nothing and exited 0)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    args = ["--params", "7.5e9", "--world-size", "64", "--paper", "--optimizer", "sgd"]
+    outs = [subprocess.run([sys.executable, "-m", *mod, *args], capture_output=True,
+                           text=True, env=env, timeout=120, check=True).stdout
+            for mod in (["zkernels.plan"], ["zkernels", "plan"])]
+    assert "stage 3" in outs[0] and outs[0] == outs[1]
     assert "stage 2 is the lowest rung that fits" in out
 
 

@@ -481,3 +481,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        else list(choice[0])}, f, indent=1)
         os.replace(tmp, args.json)
     return 1 if isinstance(choice, Exception) else 0
+
+
+if __name__ == "__main__":   # python -m zkernels.plan: the same as python -m zkernels plan
+    from .__main__ import main as _cli
+    sys.exit(_cli(["plan"] + sys.argv[1:]))

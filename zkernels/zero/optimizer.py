@@ -237,7 +237,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The rung: as asked, or stage="auto"'s choice (planning/auto.py).
         self.config = cfg = resolve_rung(
             cfg, param_groups=groups, world_size=self.comm.world_size,
-            memory_budget_bytes=memory_budget_bytes, process_group=process_group, model=model)
+            memory_budget_bytes=memory_budget_bytes, process_group=process_group, model=model,
+            specs=self.optimizer_specs)
         self.stage, self.policy = cfg.stage, STAGES[cfg.stage]
         self.offload_params = cfg.offload.params
         reshard_after_forward = check_parameter_schedule(

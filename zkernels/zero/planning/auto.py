@@ -138,8 +138,8 @@ def auto_rungs(device: torch.device, offload, offload_dir) -> tuple:
 def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
                            config: Optional[ZeroConfig] = None,
                            memory_budget_bytes: Optional[int] = None, group=None,
-                           num_param_groups: int = 1, model=None, **config_kwargs
-                           ) -> Tuple[int, Optional[str], bool]:
+                           num_param_groups: int = 1, model=None, optimizer="adamw",
+                           **config_kwargs) -> Tuple[int, Optional[str], bool]:
     """The rung ``stage="auto"`` resolves to: the lowest rung that fits.
 
     Args:
@@ -158,6 +158,8 @@ def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
         model: the module, when known: stage 3's estimate then counts its units (the gathered
             root and blocks, one reduce buffer per unit); without it, gathered units are not
             counted.
+        optimizer: what ``estimate_memory`` takes (a name, a class or an ``OptimizerSpec``):
+            its state bytes per element size the rungs.
 
     Returns:
         ``(stage, offload, offload_params)``. Rank 0 says which rung and why, in one line
@@ -193,17 +195,19 @@ def resolve_auto_placement(params: Iterable[torch.Tensor], *, world_size: int,
         world_size, budget, config=cfg, headroom=headroom,
         max_tensor_numel=max(p.numel() for p in distinct),
         num_param_groups=num_param_groups, rungs=rungs,
-        offload_params=True if cfg.offload.params else None)
+        offload_params=True if cfg.offload.params else None, optimizer=optimizer)
     chosen = f"stage {stage}" if offload is None else est.name
     announce(f"stage='auto' chose {chosen} (budget from {source}): {reason}", group)
     return stage, offload, est.offload_params
 
 
 def resolve_rung(config: ZeroConfig, *, param_groups, world_size: int,
-                 memory_budget_bytes: Optional[int], process_group, model) -> ZeroConfig:
+                 memory_budget_bytes: Optional[int], process_group, model,
+                 specs=()) -> ZeroConfig:
     """The config the optimizer runs: ``config`` itself for an explicit stage; for "auto"
     the rung :func:`resolve_auto_placement` chooses (``ZeroConfig.at_rung``: the NVMe folder
-    kept only for an NVMe rung, the offload knobs only for an offload rung).
+    kept only for an NVMe rung, the offload knobs only for an offload rung), sized with the
+    groups' optimizer ``specs`` (their largest state per element, so that every group fits).
 
     Raises:
         ValueError: ``memory_budget_bytes`` at an explicit stage.
@@ -218,5 +222,6 @@ def resolve_rung(config: ZeroConfig, *, param_groups, world_size: int,
         [p for g in param_groups for p in g["params"]], world_size=world_size, config=config,
         memory_budget_bytes=memory_budget_bytes,
         group=None if is_device_mesh(process_group) else process_group,
-        num_param_groups=len(param_groups), model=model)
+        num_param_groups=len(param_groups), model=model,
+        optimizer=max(specs, key=lambda s: s.state_bytes()) if specs else "adamw")
     return config.at_rung(*rung)
