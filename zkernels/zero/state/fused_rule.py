@@ -22,6 +22,7 @@ import torch
 
 from ...ops import OpSet
 from ..planning.optimizer_spec import OptimizerSpec
+from .torch_rule import load_piece
 
 
 class FusedShardRule:
@@ -101,12 +102,7 @@ class FusedShardRule:
         for k, ((s, n), st) in enumerate(zip(self.slices, states)):
             for key, t in st.items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    if t.numel() != n:
-                        raise ValueError(f"state {key!r} has {t.numel()} elements, the piece "
-                                         f"{n}")
-                    if key not in self.flat:
-                        self.flat[key] = torch.zeros_like(self.master)
-                    self.flat[key][s:s + n].copy_(t.reshape(-1))
+                    load_piece(self.flat, self.master, key, t, s, n)
             self.steps[k] = int(float(st["step"])) if "step" in st else \
                 (1 if st else 0)
 

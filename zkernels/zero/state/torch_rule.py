@@ -26,6 +26,23 @@ import torch
 from ..planning.optimizer_spec import OptimizerSpec
 
 
+def load_piece(flat: Dict[str, torch.Tensor], master: torch.Tensor, key: str,
+               t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Copy a piece's element-wise state ``t`` into ``flat[key]`` (a [shard_numel] fp32 buffer
+    beside ``master``, made on first use) at ``start``; return the piece's view of it.
+
+    Raises:
+        ValueError: ``t`` does not have the piece's ``n`` elements.
+    """
+    if t.numel() != n:
+        raise ValueError(f"state {key!r} has {t.numel()} elements, the piece {n}")
+    if key not in flat:
+        flat[key] = torch.zeros_like(master)
+    view = flat[key][start:start + n]
+    view.copy_(t.reshape(-1))
+    return view
+
+
 class TorchShardRule:
     """A ``torch.optim`` instance over one unit's pieces (see [Note: torch.optim on pieces]).
 
@@ -110,14 +127,7 @@ class TorchShardRule:
             new = {}
             for k, t in st.items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    if t.numel() != n:
-                        raise ValueError(f"state {k!r} has {t.numel()} elements, the piece "
-                                         f"{n}")
-                    if k not in self.flat:
-                        self.flat[k] = torch.zeros_like(self.master)
-                    view = self.flat[k][s:s + n]
-                    view.copy_(t.reshape(-1))
-                    new[k] = view
+                    new[k] = load_piece(self.flat, self.master, k, t, s, n)
                 else:
                     new[k] = t.clone() if isinstance(t, torch.Tensor) else t
             self.inner.state[p] = new
