@@ -587,6 +587,9 @@ ROWS = [
     # whole-matrix classes on owners ([Note: whole matrices on owners]) beside the fused AdamW
     (R(2, steps=4, optim="muon_adamw"), ("parity",), TORCH_OPTIM),
     (R(3, steps=3, optim="muon_adamw", clip=0.05), ("parity",), TORCH_OPTIM_FULL),
+    # (Newton-Schulz in fp32 for the comparison: [Note: Muon's parity in fp32])
+    (R(2, offload="cpu", steps=3, optim="muon_adamw", clip=0.05), ("parity",),
+     TORCH_OPTIM_FULL),
     (R(2, steps=3, optim="adafactor_adamw"), ("parity",), TORCH_OPTIM_FULL),
     (R(2, steps=2, optim="muon_adamw"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM),
     # the fused Lion and SGD ops by name, against the reference Lion and torch.optim.SGD
@@ -623,8 +626,7 @@ ROWS = [
      TORCH_OPTIM_FULL),
     (R(3, offload="nvme", steps=3, optim="sgd_fused", micro=2), ("parity",), TORCH_OPTIM_FULL),
     # Muon's owners with their whole masters and state in files ([Note: whole matrices on
-    # NVMe]), the fused AdamW's files beside them (no clip: Muon + clipping with offload
-    # misses parity at 4 ranks with offload="cpu" as well, an open issue of its own)
+    # NVMe]), the fused AdamW's files beside them
     (R(2, offload="nvme", steps=3, optim="muon_adamw"), ("parity",),
      TORCH_OPTIM_FULL),
 ]

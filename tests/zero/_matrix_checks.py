@@ -149,6 +149,27 @@ def resume(rank, ws, folder, kind, stage, offload, zero_state=False):
     return out
 
 
+def resume_same_run(kind, stage, folder):
+    """Save after STEPS and go on STEPS (at world size 1, units of one Linear at stage 3, of
+    512 bytes at stage 2: the matrices' units between the fused AdamW's bias units); a fresh
+    optimizer loading the checkpoint goes on the same STEPS. Both runs' parameters."""
+    out, cut = [], dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
+    for load in (False, True):
+        m = model(seed=7 if load else 0)
+        opt = zk.ZeroOptimizer(m, stage=stage, param_groups=groups(m, kind), **cut)
+        if load:
+            zk.checkpoint.load(opt, folder)
+        else:
+            for s in range(STEPS):
+                train(m, opt, s, 0, 1)
+            zk.checkpoint.save(opt, folder)
+        for s in range(STEPS, 2 * STEPS):
+            train(m, opt, s, 0, 1)
+        out.append(params(m, opt))
+        opt.close()
+    return out
+
+
 def state_dict_round_trip(rank, ws, kind):
     """opt.state_dict() (the owners' class format) into a fresh optimizer over other values:
     the two continue alike; the owned entries' keys."""

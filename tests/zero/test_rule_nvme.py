@@ -268,9 +268,10 @@ def test_matrix_nvme_matches_cpu_offload(matrix_ranks, row, world_size):
     for r, got in enumerate(res):
         for a, b in zip(got["nvme"], got["cpu"]):
             assert torch.equal(torch.tensor(a), torch.tensor(b)), (row, r)
-        # (stage 2 only: a stage-3 Muon/Adafactor checkpoint resumes off by round-off even
-        # without offload, a limit of the matrix checkpoint path, not of the files)
-        for a, b in zip(got["resumed"], got["nvme"]) if row.endswith("_s2") else ():
+        # (stage 3, one unit per Linear: the matrices' units follow the fused AdamW's bias
+        # units, whose pieces once rebound the loader's saved fields, so the momentum and
+        # factors of all but the first matrix loaded as nothing)
+        for a, b in zip(got["resumed"], got["nvme"]):
             assert torch.equal(torch.tensor(a), torch.tensor(b)), (row, r, "resumed")
         # master + each state key per owned matrix (Adafactor: row_var, col_var)
         assert got["whole_files"] == got["owned"] * (2 if row.startswith("muon") else 3)

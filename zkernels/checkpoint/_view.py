@@ -320,17 +320,19 @@ class OptimizerView:
                 continue
             _, tensors = self._state(u)
             steps = self._param_steps(u)
-            fields = dict(zip(FIELDS, tensors))
+            # (``own``, not ``fields``: the argument is read again by the next rule unit's
+            # pieces; rebinding it lost their saved keys after a fused unit)
+            own = dict(zip(FIELDS, tensors))
             desc = self.opt.state_format(u) if as_trained else None
             low = self.opt.read_lowbit_state(u) if desc is not None else None
             for name, a, s, n in u.param_slices_in_shard():
                 if low is None:
                     yield ShardPiece(name, a, a + n, steps[name],
-                                     {f: t[s:s + n] for f, t in fields.items()})
+                                     {f: t[s:s + n] for f, t in own.items()})
                     continue
                 bs = desc["block_size"]
                 yield ShardPiece(name, a, a + n, steps[name], {
-                    "master": fields["master"][s:s + n],
+                    "master": own["master"][s:s + n],
                     **{k: t[s:s + n] if not k.endswith("_scales") else
                        t[s // bs:-(-(s + n) // bs)] for k, t in low.items()}},
                     state_format=desc)
