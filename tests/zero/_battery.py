@@ -133,6 +133,9 @@ MATRIX_OPTIMS = {
 # MUON_ATOL = lr/16 (1.25e-3), while a wrong mapping (every piece reads its neighbour's
 # gradient: a different matrix) moves the update by O(lr) and fails (the catches row). The
 # row's AdamW group is held to the same bound; AdamW's own rows hold it to tol(float32).
+# The rows also run the iteration in fp32 ([Note: Muon's parity in fp32] in test_battery.py),
+# which removes the bf16 flips; the bound covers the steep iteration's own amplification on
+# CPUs whose BLAS rounds the gradients otherwise.
 MUON_ATOL = MATRIX_OPTIMS["muon_adamw"][1]["lr"] / 16
 
 
