@@ -201,8 +201,9 @@ def _lowbit_rows(n: int, threads: int, reps: int, warm: int) -> List[dict]:
         t = _time_interleaved({mine: native, peer: _torch_lowbit_stepper(q, g, theirs, fmt)},
                               reps, warm)
         rows += [_row(mine, n, threads, LOWBIT_BYTES[fmt], t[mine], peer=peer,
-                      speedup=t[peer]["median_ms"] / t[mine]["median_ms"]),
-                 _row(peer, n, threads, LOWBIT_BYTES[fmt], t[peer])]
+                      speedup=t[peer]["median_ms"] / t[mine]["median_ms"],
+                      block=LOWBIT_BLOCK),
+                 _row(peer, n, threads, LOWBIT_BYTES[fmt], t[peer], block=LOWBIT_BLOCK)]
     return rows
 
 
