@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.optim._muon as _muon
 
 import zkernels as zk
+from tests.zero._optim_checks import batch, params, train  # noqa: F401 - one data recipe
 
 STEPS = 3
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
@@ -43,22 +44,6 @@ def reference(m, kind):
     cls = torch.optim.Muon if kind == "muon" else torch.optim.Adafactor
     return [cls(matrices(m), lr=0.02), torch.optim.AdamW(rest(m), **ADAMW)]
 
-
-def batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 12, generator=g)
-
-
-def train(m, opt, step, rank, ws):
-    x = batch(step).chunk(ws)[rank]
-    opt.zero_grad()
-    (m(x).pow(2).mean()).backward()
-    opt.step()
-
-
-def params(m, opt):
-    with opt.gathered():
-        return [p.detach().clone() for p in m.parameters()]
 
 
 def oracle(kind, steps=STEPS):
