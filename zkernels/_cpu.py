@@ -30,7 +30,9 @@ a composition of torch calls, which is all the reference can be while it stays t
   them, in an fp64 order that is the same on every path and thread count ([Note: sum_squares
   order] in csrc/cpu_ops/kernel.h), so it equals the reference exactly where fp32 is exact
   and is within the tolerance table elsewhere.
-- adamw_step: native (csrc/cpu_adam), bit-exact with the reference.
+- adamw_step: native (csrc/cpu_adam), one fused pass in its own operation order, so it is
+  within the fp32 tolerance table of the reference, not bit for bit (tests/ops/test_adamw.py,
+  tests/native/test_cpu_adam.py); its bf16/fp16 parameter copy is torch's cast bit for bit.
 - adamw_step_lowbit: native (csrc/cpu_adam_lowbit), one pass with each block staged in L1;
   the reference dequantizes, steps and requantizes whole buffers, a dozen passes with their
   fp32 temporaries. It fuses where torch's CPU kernels fuse, so it is bit-exact with the

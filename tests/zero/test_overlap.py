@@ -1,8 +1,6 @@
 """Overlap at stages 1-2: stage 1 reduces during backward yet ``step()`` sees exactly the
 gradients ``param.grad`` holds; ``overlap_param_gather=True`` leaves the all-gathers in flight
 for the next forward and trains bit-identically; buckets sized from the model."""
-import contextlib
-
 import pytest
 import torch
 

@@ -62,7 +62,6 @@ import torch
 
 from ..zero.checkpoint_view import CheckpointSource
 from ._lowbit import describe, field_specs
-from .errors import IncompatibleCheckpointError
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
 
