@@ -46,7 +46,6 @@ rank 0 renames it to ``DIR`` (an existing DCP folder there is replaced: ``DIR`` 
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -55,6 +54,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ._atomic import TMP_SUFFIX, prepare, publish
 from ._collective import agree
 from ._dcp_io import BoxSavePlanner, SafeReader, boxes, covering_box, read
 from ._import import HPARAMS, Source, fill
@@ -62,7 +62,6 @@ from ._view import FIELDS, OptimizerView
 from .errors import (CheckpointError, IncompatibleCheckpointError, NotACheckpointError,
                      SaveAbortedError)
 
-TMP_SUFFIX, OLD_SUFFIX = ".zk-tmp", ".zk-old"
 _METADATA = ".metadata"
 
 
@@ -267,12 +266,13 @@ def export_dcp(opt, dcp_dir: str, *, model_key: str = "model",
             raise IncompatibleCheckpointError(
                 f"param group {g} runs {name!r}: export_dcp writes AdamW's state only")
     path = os.path.abspath(os.fspath(dcp_dir))
-    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
+    tmp = path + TMP_SUFFIX
     intact = f"{path} is as it was"
     error: Optional[BaseException] = None
     if view.leads:
         try:
-            _prepare(path, tmp, old)
+            prepare(path, _is_dcp, f"dcp_dir {path} exists and is not a DCP folder (no "
+                                   f"{_METADATA}): refusing to replace it")
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by agree()
             error = exc
     agree(view, error, f"preparing {tmp}", intact, SaveAbortedError)
@@ -291,30 +291,12 @@ def export_dcp(opt, dcp_dir: str, *, model_key: str = "model",
     error = None
     if view.leads:
         try:
-            if os.path.lexists(path):
-                os.rename(path, old)
-            os.rename(tmp, path)
-            if os.path.lexists(old):
-                shutil.rmtree(old)
+            publish(path, fsync=True)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     agree(view, error, f"publishing {path}", intact, SaveAbortedError)
 
 
-def _prepare(path: str, tmp: str, old: str) -> None:
-    if os.path.lexists(old):
-        if not os.path.lexists(path) and _is_dcp(old):
-            os.rename(old, path)    # an earlier export died between its two renames
-        else:
-            shutil.rmtree(old)
-    if os.path.lexists(path) and not _is_dcp(path):
-        if not (os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)):
-            raise CheckpointError(f"dcp_dir {path} exists and is not a DCP folder (no "
-                                  f"{_METADATA}): refusing to replace it")
-        os.rmdir(path)
-    if os.path.lexists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
 
 
 def _process_group(view: OptimizerView):

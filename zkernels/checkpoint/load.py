@@ -22,7 +22,7 @@ from ._tensorfile import dtype_from_name
 from ._lowbit import read_lowbit, saved_format
 from ._view import FIELDS, OptimizerView
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
-from .save import OLD_SUFFIX
+from ._atomic import OLD_SUFFIX
 
 _SHOW = 5  # differences listed per kind
 _log = logging.getLogger("zkernels.checkpoint")

@@ -47,6 +47,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from . import _atomic
+from ._atomic import OLD_SUFFIX, TMP_SUFFIX
 from ._collective import agree
 from ._tensorfile import TensorFileWriter
 from ._view import OptimizerView
@@ -58,8 +60,6 @@ INDEX = "model.safetensors.index.json"
 _PEFT_PREFIX = "base_model.model."
 _OURS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
                    r"|config\.json|generation_config\.json)$")
-TMP_SUFFIX = ".zk-tmp"
-OLD_SUFFIX = ".zk-old"
 
 
 @dataclass
@@ -390,17 +390,12 @@ def prepare(path: str, keep_others: bool) -> str:
     return tmp
 
 
-def publish(tmp: str, path: str, keep_others: bool) -> None:
+def publish(tmp: str, path: str, keep_others: bool, fsync: bool) -> None:
     """Move the finished ``tmp`` to ``path``: the whole folder (``keep_others=False``), or
     file by file into ``path``, after removing the files of this layout an earlier save left
     there (stale shards, index, config), as transformers' ``save_pretrained`` does."""
-    old = path + OLD_SUFFIX
     if not keep_others:
-        if os.path.lexists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if os.path.lexists(old):
-            shutil.rmtree(old)
+        _atomic.publish(path, fsync)
         return
     os.makedirs(path, exist_ok=True)
     for f in os.listdir(path):
@@ -465,7 +460,7 @@ def save_pretrained(opt, path: str, max_shard_size="5GB", dtype=None,
     error = None
     if view.leads:
         try:
-            publish(tmp, path, keep_others)
+            publish(tmp, path, keep_others, fsync)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     agree(view, error, f"publishing {path}", intact, SaveAbortedError)
@@ -528,4 +523,4 @@ def consolidate_to_pretrained(checkpoint: str, out: str, max_shard_size="5GB", d
         writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    publish(tmp, out, keep_others=False)
+    publish(tmp, out, keep_others=False, fsync=fsync)

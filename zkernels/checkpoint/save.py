@@ -31,19 +31,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import _codec, manifest
+from ._atomic import TMP_SUFFIX, prepare, publish, write_bytes
 from ._collective import agree
 from ._tensorfile import TensorFileWriter, dtype_name
 from ._view import OptimizerView
 from .errors import CheckpointError, SaveAbortedError
 
-TMP_SUFFIX = ".zk-tmp"
-OLD_SUFFIX = ".zk-old"
 _MODEL_INDEX = "model-index.json"   # the leader's model.safetensors index, until the merge
 
 
@@ -79,14 +77,15 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
     """
     view = OptimizerView(opt)
     path = os.path.abspath(os.fspath(path))
-    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
+    tmp = path + TMP_SUFFIX
     intact = f"the previous checkpoint at {path} (if any) is intact"
     error: Optional[BaseException] = None
     state = None
     if view.leads:
         try:
             state = _model_state(view, model_extra)   # refuse what cannot be stored first
-            _prepare(path, tmp, old)
+            prepare(path, _is_checkpoint, f"{path} exists and is not a zkernels checkpoint "
+                                          f"(no {manifest.MANIFEST}): refusing to replace it")
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by agree()
             error = exc
     agree(view, error, f"preparing {tmp}", intact, SaveAbortedError)
@@ -110,11 +109,11 @@ def save(opt, path: str, model_extra: Any = None, *, fsync: bool = True) -> None
     if view.leads:
         try:
             body = manifest.dumps(_merge(view, tmp))
-            _write_bytes(os.path.join(tmp, manifest.MANIFEST), body, fsync)
+            write_bytes(os.path.join(tmp, manifest.MANIFEST), body, fsync)
             for r in range(view.world_size):
                 os.remove(os.path.join(tmp, _index_file(r, view.world_size)))
             os.remove(os.path.join(tmp, _MODEL_INDEX))
-            _publish(tmp, path, old, fsync)
+            publish(path, fsync)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     agree(view, error, f"publishing {path}", intact, SaveAbortedError)
@@ -124,40 +123,14 @@ def _is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, manifest.MANIFEST))
 
 
-def _prepare(path: str, tmp: str, old: str) -> None:
-    if os.path.lexists(old):
-        if not os.path.lexists(path) and _is_checkpoint(old):
-            os.rename(old, path)    # an earlier save died between its two renames
-        else:
-            shutil.rmtree(old)      # an earlier save died before deleting it
-    if os.path.lexists(path) and not _is_checkpoint(path):
-        if not (os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)):
-            raise CheckpointError(f"{path} exists and is not a zkernels checkpoint (no "
-                                  f"{manifest.MANIFEST}): refusing to replace it")
-        os.rmdir(path)
-    if os.path.lexists(tmp):
-        shutil.rmtree(tmp)          # an earlier save died before publishing
-    os.makedirs(tmp)
 
 
-def _write_bytes(path: str, data: bytes, fsync: bool) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
 
 
 def _write_json(path: str, obj: Any, fsync: bool) -> None:
-    _write_bytes(path, json.dumps(obj).encode(), fsync)
+    write_bytes(path, json.dumps(obj).encode(), fsync)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _key(field: str, name: str, start: int) -> str:
@@ -276,17 +249,6 @@ def _merge(view: OptimizerView, tmp: str) -> Dict[str, Any]:
     return m
 
 
-def _publish(tmp: str, path: str, old: str, fsync: bool) -> None:
-    parent = os.path.dirname(path)
-    if fsync:
-        _fsync_dir(tmp)
-    if os.path.lexists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if fsync:
-        _fsync_dir(parent)
-    if os.path.lexists(old):
-        shutil.rmtree(old)
 
 
 def _version() -> str:
