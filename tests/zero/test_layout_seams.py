@@ -44,8 +44,8 @@ def test_subpackages_import_only_downward():
 
 
 def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
-    """The update engine reads ``unit.gather.shard_on_host`` (the parameter side says where
-    its shard lives); none tests ``isinstance`` against a class of parameters/."""
+    """The update engine asks ``unit.shard`` where its bytes live ([Note: shard storage]);
+    none tests ``isinstance`` against a class of parameters/."""
     bad = []
     for f in sorted((ZERO / "state").glob("*.py")):
         tree = ast.parse(f.read_text())

@@ -6,6 +6,7 @@ import torch
 from tests._dist import run_ranks
 from zkernels.comm import LocalComm, make_comm
 from zkernels.layout import FlatLayout
+from zkernels.zero.parameters.storage import DeviceShard
 from zkernels.zero.parameters.units import ShardedParams
 
 SHAPES = [(3, 5), (7,), (2, 2, 3)]   # 34 elements: padding on 2 ranks with align 4
@@ -20,7 +21,7 @@ def _check(rank, world_size, comm):
     for t, o in zip(originals, layout.offsets):
         flat[o:o + t.numel()] = t.view(-1)
     lo, hi = layout.shard_range(rank)
-    sp = ShardedParams(params, layout, flat[lo:hi].to(torch.bfloat16))
+    sp = ShardedParams(params, layout, DeviceShard(flat[lo:hi].to(torch.bfloat16)))
     # Built freed: the parameters are empty (a use fails loudly), no storage.
     assert not sp.is_gathered and sp.full is None
     assert all(p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in params)
