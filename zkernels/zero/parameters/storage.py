@@ -9,10 +9,14 @@ give each unit the per-unit shard it ``keep``s:
 - :class:`DeviceStorage` / :class:`DeviceShard`: on the compute device (no
   ``offload_params``, and stages 1-2's replicated units, whose shard is a view of the full
   buffer);
-- ``param_offload.HostStorage`` / ``HostShard``: in host RAM, brought to the device ahead of
-  each gather ([Note: parameter offload]);
-- ``param_nvme.DiskStorage`` / ``DiskShard``: in a file, through bounded host bounces
-  ([Note: parameters on NVMe]).
+- ``state/param_offload.py``'s ``HostStorage`` / ``HostShard``: in host RAM, brought to the
+  device ahead of each gather ([Note: parameter offload]);
+- ``state/param_nvme.py``'s ``DiskStorage`` / ``DiskShard``: in a file, through bounded host
+  bounces ([Note: parameters on NVMe]).
+
+The parameter side knows only this module's protocol: the host and disk storages live on the
+state side, beside the copier and the swap files they share with the offloaded state, so
+parameters/ imports nothing of state/.
 
 The gather policy (``units.ShardedParams``) composes a shard instead of being subclassed per
 place: it owns the full buffer and its states, the shard only ``issue_gather``s into it. The

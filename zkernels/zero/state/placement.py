@@ -18,11 +18,11 @@ from ... import ops as _ops
 from ...ops import OpSet
 from ..planning.offload_config import OffloadConfig
 from ..planning.config import OffloadSpec
-from ..parameters.param_nvme import DiskStorage
-from ..parameters.param_offload import HostStorage
 from ..parameters.storage import DeviceStorage
 from .engine import UpdateEngine
 from .nvme_files import NvmeFiles
+from .param_nvme import DiskStorage
+from .param_offload import HostStorage
 from .swap import check_writable
 from .transfer import Copier
 

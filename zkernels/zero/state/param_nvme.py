@@ -42,9 +42,9 @@ from typing import Dict, List, Optional
 import torch
 
 from ..planning.offload_config import NUM_PARAM_BOUNCES, param_bounce_bytes
-from ..state.swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty,
-                          make_run_folder, probe_direct_io, remove_run_folder, round_up)
-from ..state.transfer import Copier, Fence
+from .swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty, make_run_folder,
+                   probe_direct_io, remove_run_folder, round_up)
+from .transfer import Copier, Fence
 from .param_offload import HostShard, HostStorage
 
 
@@ -55,7 +55,7 @@ class DiskShard(HostShard):
 
     Args:
         file: the unit's :class:`~zkernels.zero.state.swap.SwapFile`.
-        lo, hi, device: as :class:`~zkernels.zero.parameters.param_offload.HostShard`.
+        lo, hi, device: as :class:`~zkernels.zero.state.param_offload.HostShard`.
         storage: the :class:`DiskStorage` that reads, copies and counts.
     """
 

@@ -54,8 +54,8 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from ..state.transfer import Copier, Fence
-from .storage import DeviceShard
+from ..parameters.storage import DeviceShard
+from .transfer import Copier, Fence
 
 
 class HostShard(DeviceShard):
