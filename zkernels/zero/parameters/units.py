@@ -44,7 +44,7 @@ from ...comm.base import Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
 from .freed_guard import guard, unguard
-from .storage import DeviceShard, Shard
+from .storage import DeviceShard
 from .unit_state import ShardedState, move
 
 _ALLOCATED = (ShardedState.UNSHARDING, ShardedState.UNSHARDED)
@@ -60,7 +60,7 @@ class GatherPolicy(Protocol):
     :class:`ReplicatedParams` (stages 1-2); stage 3's sharded policy implements the same.
     ``is_gathered``: whether ``full`` holds the current parameters."""
 
-    shard: Shard  # this rank's persistent shard, wherever its bytes live (storage.py)
+    shard: DeviceShard  # this rank's persistent shard, wherever its bytes live (storage.py)
     compute_shard: torch.Tensor  # its ``values``: the update writes them
     full: Optional[torch.Tensor]  # [padded_numel], the parameters are views of it; or None
 
@@ -147,15 +147,16 @@ class ShardedParams:
     Args:
         params: the unit's parameters, in layout order; they become views of the full buffer.
         layout: the unit's layout.
-        shard: this rank's persistent shard (owned), wherever its bytes live: a
-            :class:`~zkernels.zero.parameters.storage.Shard` ([Note: shard storage]).
+        shard: this rank's persistent shard (owned), wherever its bytes live
+            (:class:`~zkernels.zero.parameters.storage.DeviceShard` or one overriding it:
+            [Note: shard storage]).
     """
 
     name = "a sharded flat"  # its GatherUnit's name
     param_names: Tuple[str, ...] = ()  # its parameters' names (set with the name)
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
-                 shard: Shard) -> None:
+                 shard: DeviceShard) -> None:
         compute_shard = shard.values
         if compute_shard.numel() != layout.shard_numel:
             raise ValueError(f"compute_shard has {compute_shard.numel()} elements, the layout's "
@@ -297,7 +298,7 @@ class FlatParamUnit:
         return self.gather.compute_shard
 
     @property
-    def shard(self) -> Shard:
+    def shard(self) -> DeviceShard:
         """This rank's persistent shard: asked where its bytes live ([Note: shard storage])."""
         return self.gather.shard
 

@@ -151,11 +151,6 @@ class DiskStorage(HostStorage):
         self.shards.append(shard)
         return shard
 
-    @staticmethod
-    def empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A meta tensor of ``n`` elements (a state kind kept in files: ``nvme_files.py``)."""
-        return torch.empty(n, dtype=dtype, device="meta")
-
     def _grow_bounces(self, nbytes: int) -> None:
         """Bounces for a file of ``nbytes`` within the budget (units are built before any
         gather)."""

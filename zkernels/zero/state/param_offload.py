@@ -54,7 +54,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from ..parameters.storage import DeviceShard
+from ..parameters.storage import DeviceShard, DeviceStorage
 from .transfer import Copier, Fence
 
 
@@ -91,7 +91,7 @@ class HostShard(DeviceShard):
         self._storage.settle()
 
 
-class HostStorage:
+class HostStorage(DeviceStorage):
     """Owner of the host parameter shards of one optimizer (see [Note: parameter offload]);
     the state side's host kinds are allocated here too (:meth:`empty`).
 
@@ -168,13 +168,4 @@ class HostStorage:
     def held_host(self) -> List[torch.Tensor]:
         """The host shards (for ``stats()``)."""
         return [p.values for p in self.shards]
-
-    def buffers(self) -> List[torch.Tensor]:
-        """Host buffers beside the shards (for ``stats()``): none here (param_nvme.py's
-        bounces)."""
-        return []
-
-    def disk_bytes(self) -> int:
-        """Bytes of parameter files: none here (param_nvme.py's)."""
-        return 0
 
