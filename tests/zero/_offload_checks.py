@@ -74,7 +74,7 @@ def params_leave_the_device(rank, ws, *, kind, param_dtype):
         assert w0["device"] - w1["device"] == shard_bytes, (w0, w1, shard_bytes)
         on = st1["memory_bytes_by_location"]
         if kind == "nvme":
-            files = [u.gather.file for u in o1.units]
+            files = [u.shard.file for u in o1.units]
             file_bytes = sum(f.file_bytes for f in files)
             assert file_bytes == sum(round_up(u.layout.shard_numel *
                                               u.compute_shard.element_size()) + HEADER_BYTES
@@ -128,7 +128,7 @@ def nvme_params_host_ram_is_bounded(rank, ws, *, param_dtype):
                                units=list(model.blocks), **kw)
         _train(model, opt, rank, ws)
         st = opt.stats()
-        files = [u.gather.file for u in opt.units]
+        files = [u.shard.file for u in opt.units]
         shards = sum(f.numel * f.dtype.itemsize for f in files)
         cfg = kw["offload_config"]
         budget, bounces = cfg.nvme_buffer_bytes, cfg.nvme_param_buffer_bytes

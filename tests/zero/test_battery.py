@@ -198,7 +198,7 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
                                  for u in opt.units)
         out["grad_bytes"] = sum(u.layout.shard_numel * 4 for u in opt.units)
         if row.offload == "nvme" and row.offload_params:
-            out["file_bytes"] = sum(u.gather.file.data_bytes for u in opt.units)
+            out["file_bytes"] = sum(u.shard.file.data_bytes for u in opt.units)
     if row.shard_size:
         # The gathered() above is counted in the next step: measure a step after a clean one.
         for batch in make_batches(2, ws * MICRO_BATCH, seed=3):

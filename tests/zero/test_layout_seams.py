@@ -1,9 +1,10 @@
 """zkernels/zero/ shows the design ([Note: parameters and state]): planning/ imports nothing
 of the other sub-packages; gradients/ reaches into the state side only for its gradient
-sink; nothing below the optimizer imports it. The edges left between the sub-packages (stage
-3's host-sharded parameters use the state side's copy engine; the update engine reads the
-units; the gradient strategies fill the state side's gradient sink) are listed here, so a new
-one is a decision, not an accident."""
+sink; parameters/ imports nothing of state/ (stage 3's host and disk shard storages are
+state-side objects injected into it); nothing below the optimizer imports it. The edges left
+between the sub-packages (the update engine reads the units; the gradient strategies fill
+the state side's gradient sink) are listed here, so a new one is a decision, not an
+accident."""
 import ast
 from pathlib import Path
 
@@ -11,9 +12,9 @@ ZERO = Path(__file__).resolve().parents[2] / "zkernels" / "zero"
 SUBPACKAGES = ("planning", "parameters", "gradients", "state")
 ALLOWED = {
     "planning": set(),
-    # Stage 3's offloaded parameter shards use the state side's copy engine and, on NVMe,
-    # its swap files (param_offload.py, param_nvme.py).
-    "parameters": {"planning", "state.transfer", "state.swap"},
+    # Stage 3's offloaded parameter shards are injected storage objects of the state side
+    # (state/param_offload.py, state/param_nvme.py: [Note: shard storage]).
+    "parameters": {"planning"},
     # The gradient strategies' default sink is the state side's one GradSink (grad_sink.py).
     "gradients": {"planning", "parameters", "state.grad_sink"},
     "state": {"planning", "parameters"},
@@ -44,8 +45,8 @@ def test_subpackages_import_only_downward():
 
 
 def test_state_side_asks_the_parameter_side_instead_of_testing_its_type():
-    """The update engine reads ``unit.gather.shard_on_host`` (the parameter side says where
-    its shard lives); none tests ``isinstance`` against a class of parameters/."""
+    """The update engine asks ``unit.shard`` where its bytes live ([Note: shard storage]);
+    none tests ``isinstance`` against a class of parameters/."""
     bad = []
     for f in sorted((ZERO / "state").glob("*.py")):
         tree = ast.parse(f.read_text())

@@ -429,12 +429,12 @@ def test_offload_params_close_and_eval_loops_stay_bounded(kind, folder, one_thre
         if kind == "nvme" else {}
     opt = ZeroOptimizer(model, stage=3, lr=1e-3, offload=kind, offload_params=True, **kw)
     _train(model, opt, steps=1)
-    store = opt.shard_update.param_store
+    store = opt.shard_update.param_storage
     batch = make_batches(1, MICRO_BATCH)[0]
     with torch.no_grad():
         for _ in range(20):
             model(*chunk(batch, 0))
-    assert len(store._done) <= 2 * len(store.policies) + 2
+    assert len(store._done) <= 2 * len(store.shards) + 2
     assert opt.stats()["gather"]["gathered_bytes"] == 0
     opt.close()
     assert store._done == []
@@ -463,7 +463,7 @@ def test_auto_offers_offload_params(caplog, capsys):
                             memory_budget_bytes=10 ** 9, bucket_bytes=3000)
     assert (opt.stage, opt.offload, opt.offload_params) == (3, "cpu", True)
     assert "params on host" in caplog.text
-    assert type(opt.units[0].gather).__name__ == "HostShardedParams"
+    assert type(opt.units[0].shard).__name__ == "HostShard"
     opt.close()
     capsys.readouterr()
     assert zk_main(["plan", "--params", "1e9", "--world-size", "8", "--param-dtype", "bf16",

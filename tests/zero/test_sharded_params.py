@@ -1,17 +1,23 @@
 """Stage 3's gather policy on its own: gather rebuilds the parameters as views of the full
 buffer, free gives its storage back, an updated shard is seen by the next gather, on one
-rank (LocalComm) and on two gloo ranks."""
+rank (LocalComm) and on two gloo ranks, with the shard kept by each storage ([Note: shard
+storage]): on the device, in host RAM, in a file."""
+import pytest
 import torch
 
 from tests._dist import run_ranks
 from zkernels.comm import LocalComm, make_comm
 from zkernels.layout import FlatLayout
+from zkernels.zero.parameters.storage import DeviceShard, DeviceStorage
+from zkernels.zero.state.param_nvme import DiskStorage
+from zkernels.zero.state.param_offload import HostStorage
+from zkernels.zero.state.transfer import Copier
 from zkernels.zero.parameters.units import ShardedParams
 
 SHAPES = [(3, 5), (7,), (2, 2, 3)]   # 34 elements: padding on 2 ranks with align 4
 
 
-def _check(rank, world_size, comm):
+def _check(rank, world_size, comm, storage=None):
     torch.manual_seed(0)
     originals = [torch.randn(s) for s in SHAPES]
     params = [torch.nn.Parameter(t.clone()) for t in originals]
@@ -20,11 +26,15 @@ def _check(rank, world_size, comm):
     for t, o in zip(originals, layout.offsets):
         flat[o:o + t.numel()] = t.view(-1)
     lo, hi = layout.shard_range(rank)
-    sp = ShardedParams(params, layout, flat[lo:hi].to(torch.bfloat16))
-    # Built freed: the parameters are empty (a use fails loudly), no storage.
+    values = flat[lo:hi].to(torch.bfloat16)
+    sp = ShardedParams(params, layout, storage.keep(values, lo, hi) if storage is not None
+                       else DeviceShard(values))
+    # Built freed: the parameters are empty (a use fails loudly), no storage; the device
+    # holds the shard only where the storage keeps it there.
     assert not sp.is_gathered and sp.full is None
     assert all(p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in params)
-    assert sum(t.untyped_storage().nbytes() for t in sp.held()) == (hi - lo) * 2
+    on_device = storage is None or type(storage) is DeviceStorage
+    assert sum(t.untyped_storage().nbytes() for t in sp.held()) == (hi - lo) * 2 * on_device
     for _ in range(2):   # gather, free, gather again
         h = sp.ensure_gathered(comm)
         assert sp.ensure_gathered(comm) is h, "a gather in flight is not repeated"
@@ -37,7 +47,9 @@ def _check(rank, world_size, comm):
         sp.free()
         assert not sp.is_gathered and params[1].numel() == 0
     # An update of this rank's shard reaches every rank at the next gather.
-    sp.compute_shard.add_(1.0 + rank)
+    shard = sp.shard.read_values()   # (a file's values come back by load_values)
+    shard.add_(1.0 + rank)
+    sp.shard.load_values(shard)
     sp.ensure_gathered(comm).wait()
     sp.publish(comm)            # a gathered copy is stale after an update: freed
     assert not sp.is_gathered
@@ -53,6 +65,17 @@ def _check(rank, world_size, comm):
 
 def test_sharded_params_local():
     assert _check(0, 1, LocalComm())
+
+
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_each_storage_gathers_the_updated_shard(where, tmp_path):
+    copier = Copier(torch.device("cpu"), None)
+    storage = {"device": DeviceStorage, "host": lambda: HostStorage(copier),
+               "disk": lambda: DiskStorage(copier, tmp_path, 0, 1, 1, None, 1 << 20)}[where]()
+    try:
+        assert _check(0, 1, LocalComm(), storage)
+    finally:
+        copier.close()
 
 
 def _rank(rank, world_size):

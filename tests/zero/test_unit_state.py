@@ -12,6 +12,7 @@ from zkernels.comm import LocalComm
 from zkernels.layout import FlatLayout
 from zkernels.zero.parameters.secondary import SecondaryShard
 from zkernels.zero.parameters.unit_state import ShardedState as S, TrainingState as T
+from zkernels.zero.parameters.storage import DeviceShard
 from zkernels.zero.parameters.units import ShardedParams
 
 TRAIN = [T.FORWARD, T.POST_FORWARD, T.PRE_BACKWARD, T.POST_BACKWARD]
@@ -107,7 +108,7 @@ def test_flat_storage_through_gather_reshard_and_free():
         flat[o:o + p.numel()] = p.detach().reshape(-1)
     values = [p.detach().clone() for p in params]
     comm = LocalComm()
-    sp = ShardedParams(params, layout, flat.clone())
+    sp = ShardedParams(params, layout, DeviceShard(flat.clone()))
     sp.name = "unit 'u' (flat 0)"
     sp.secondary = SecondaryShard(comm, layout.padded_numel, flat.dtype, flat.device)
     assert sp.state is S.SHARDED and sp.full is None

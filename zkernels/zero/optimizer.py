@@ -249,7 +249,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructing = False
         # Where the state lives (state/placement.py), then the units that feed it
         # (parameters/build.py); a failure closes the engine's threads and files at once.
-        self.shard_update = make_engine(
+        self.shard_update, storage = make_engine(
             cfg.offload.kind, ops=self.ops, device=device, ops_backend=ops_backend,
             offload_dir=cfg.offload.dir, rank=self.comm.rank, world_size=self.comm.world_size,
             offload_config=cfg.offload.config, offload_params=self.offload_params,
@@ -261,7 +261,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.units, self.frozen_units, gather_units = build_parameter_side(
                 self.policy, model, self.param_groups, self.precision.param_dtype,
                 self.precision.reduce_dtype, self.comm.world_size, self.comm.rank, self.ops,
-                self.shard_update, units=units, bucket_bytes=cfg.buckets.bucket_bytes,
+                self.shard_update, storage, units=units, bucket_bytes=cfg.buckets.bucket_bytes,
                 device=meta_device, param_init=param_init, seed=seed)
             if self.shard_update.resumed:
                 self.shard_update.adopt(len(self.units))

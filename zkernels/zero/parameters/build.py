@@ -21,12 +21,13 @@ from ..planning.unit_plan import plan_units
 from .groups import frozen_params
 from .meta_init import MetaMaterializer
 from .stage3 import GatherUnit, build_units
+from .storage import DeviceStorage
 from .units import FlatParamUnit, build_flat_unit, param_names
 
 
 def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Sequence[dict],
                          param_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int,
-                         rank: int, ops: OpSet, engine, units=None,
+                         rank: int, ops: OpSet, engine, storage=None, units=None,
                          bucket_bytes: Optional[int] = None, device: Optional[torch.device] = None,
                          param_init=None, seed: Optional[int] = None
                          ) -> Tuple[List[FlatParamUnit], List[FlatParamUnit], List[GatherUnit]]:
@@ -35,8 +36,9 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     Args:
         policy: the stage's policy (``shards_params``: stage 3's units, else buckets).
         param_groups: the optimizer's groups (their order numbers the units' groups).
-        engine: the update engine: ``init_state(unit, initial_master)`` per unit; at stage 3
-            its ``sharded_params`` builds each unit's gather policy.
+        engine: the update engine: ``init_state(unit, initial_master)`` per unit.
+        storage: stage 3: where the persistent parameter shards live, injected ([Note: shard
+            storage] in ``storage.py``; None: on the device).
         units: stage 3's unit choice (see [Note: stage-3 units] in ``unit_plan.py``).
         bucket_bytes: stages 1-2's bucket size (None: from the model; see [Note: buckets
             sized from the model] in ``buckets.py``).
@@ -64,7 +66,8 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
             p for g in param_groups for p in g["params"]).device)  # sharded with their unit
         # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
         flat, gather_units = build_units(model, units, group_of, names, world_size, rank,
-                                         align, param_dtype, ops, engine, materializer)
+                                         align, param_dtype, ops, engine,
+                                         storage or DeviceStorage(), materializer)
         return flat, [f for g in gather_units for f in g.flats if f.frozen], gather_units
     if materializer is not None:  # replicated: the whole model, unit by unit, in module order
         for spec in materializer.specs:

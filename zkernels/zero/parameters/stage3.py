@@ -515,7 +515,7 @@ class GatherSchedule:
 
 def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size: int,
                 rank: int, align: int, compute_dtype: torch.dtype, ops: OpSet,
-                shard_update, materializer=None) -> tuple:
+                shard_update, storage, materializer=None) -> tuple:
     """Plan the units of ``model`` (``unit_plan.plan_units``) and build their flat sharded
     buffers, one FlatParamUnit per (unit, param group), each state initialized at once (so only
     one unit's full fp32 copy exists at a time).
@@ -523,9 +523,9 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
     Args:
         group_of: ``id(param) -> param group index`` of every trainable parameter.
         names: ``units.param_names(model)``.
-        shard_update: the update strategy: its ``sharded_params`` builds each unit's gather
-            policy (where the persistent parameter shard lives is the strategy's placement),
-            its ``init_state`` is called per flat unit.
+        shard_update: the update strategy: its ``init_state`` is called per flat unit.
+        storage: where the persistent parameter shards live ([Note: shard storage] in
+            ``storage.py``): it keeps each flat's shard.
         materializer: a :class:`~zkernels.zero.parameters.meta_init.MetaMaterializer` (a
             meta-device model) or None: each unit is materialized just before it is sharded.
 
@@ -556,15 +556,14 @@ def build_units(model: nn.Module, units, group_of: dict, names: dict, world_size
         for k, (dtype, ps) in enumerate(frozen_by_spec[si].items()):
             layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
             fi = first_frozen[id(spec.module)] + k
-            frozen[fi] = build_frozen_unit(fi, ps, names, layout, rank, dtype,
-                                           shard_update.sharded_params)
+            frozen[fi] = build_frozen_unit(fi, ps, names, layout, rank, dtype, storage)
             flats_of[id(spec.module)].append(frozen[fi])
         mine = []
         for gi in sorted({group_of[id(p)] for p in spec.params}):
             ps = [p for p in spec.params if group_of[id(p)] == gi]
             layout = FlatLayout.build([p.numel() for p in ps], world_size, align)
             unit, initial = build_flat_unit(len(flat_units), gi, ps, names, layout, rank,
-                                            compute_dtype, ops, shard_update.sharded_params)
+                                            compute_dtype, ops, storage)
             shard_update.init_state(unit, initial)
             del initial
             flat_units.append(unit)

@@ -14,7 +14,9 @@ side only:
   ``free`` do nothing and ``publish`` (after the update wrote this rank's shard) all-gathers
   the shards into the full buffer. A sharded policy (stage 3) keeps only this rank's compute
   shard persistently and allocates the full buffer in ``ensure_gathered``, frees it in ``free``
-  (the interface is :class:`GatherPolicy`); the unit is the same object either way.
+  (the interface is :class:`GatherPolicy`); the unit is the same object either way. Where the
+  shard's bytes live (device, host RAM, a file) is the policy's composed ``shard``, kept by
+  the storage object injected into the builders ([Note: shard storage] in ``storage.py``).
 - a :class:`~zkernels.zero.state.shard_state.ShardState` is the optimizer side: this rank's fp32
   master shard, AdamW moments and step count of one unit. The update engine
   (``state/engine.py``) allocates the states (its placement decides where they live: the
@@ -42,6 +44,7 @@ from ...comm.base import Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
 from .freed_guard import guard, unguard
+from .storage import DeviceShard
 from .unit_state import ShardedState, move
 
 _ALLOCATED = (ShardedState.UNSHARDING, ShardedState.UNSHARDED)
@@ -57,12 +60,9 @@ class GatherPolicy(Protocol):
     :class:`ReplicatedParams` (stages 1-2); stage 3's sharded policy implements the same.
     ``is_gathered``: whether ``full`` holds the current parameters."""
 
-    compute_shard: torch.Tensor  # [shard_numel] compute dtype, this rank's: the update writes it
+    shard: DeviceShard  # this rank's persistent shard, wherever its bytes live (storage.py)
+    compute_shard: torch.Tensor  # its ``values``: the update writes them
     full: Optional[torch.Tensor]  # [padded_numel], the parameters are views of it; or None
-    shard_on_host: bool  # compute_shard is host memory (the update writes it there)
-    # The shard is in a file (compute_shard is a meta tensor; values through read_values /
-    # load_values / write_shard: param_nvme.py).
-    shard_on_disk: bool
 
     @property
     def is_gathered(self) -> bool: ...
@@ -89,12 +89,10 @@ class ReplicatedParams:
         shard: this rank's slice of it.
     """
 
-    shard_on_host = False
-    shard_on_disk = False
-
     def __init__(self, full: torch.Tensor, shard: slice) -> None:
         self.full = full
-        self.compute_shard = full[shard]
+        self.shard = DeviceShard(full[shard])
+        self.compute_shard = self.shard.values
 
     @property
     def is_gathered(self) -> bool:
@@ -149,21 +147,21 @@ class ShardedParams:
     Args:
         params: the unit's parameters, in layout order; they become views of the full buffer.
         layout: the unit's layout.
-        compute_shard: [shard_numel] compute dtype, this rank's persistent shard (owned).
+        shard: this rank's persistent shard (owned), wherever its bytes live
+            (:class:`~zkernels.zero.parameters.storage.DeviceShard` or one overriding it:
+            [Note: shard storage]).
     """
 
-    shard_on_host = False
-    shard_on_disk = False
     name = "a sharded flat"  # its GatherUnit's name
     param_names: Tuple[str, ...] = ()  # its parameters' names (set with the name)
 
     def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout,
-                 compute_shard: torch.Tensor, device: Optional[torch.device] = None) -> None:
+                 shard: DeviceShard) -> None:
+        compute_shard = shard.values
         if compute_shard.numel() != layout.shard_numel:
             raise ValueError(f"compute_shard has {compute_shard.numel()} elements, the layout's "
                              f"shard {layout.shard_numel}")
-        self.compute_shard = compute_shard
-        self.device = torch.device(device) if device is not None else compute_shard.device
+        self.shard, self.compute_shard, self.device = shard, compute_shard, shard.device
         self._full = torch.empty(layout.padded_numel, dtype=compute_shard.dtype,
                                  device=self.device)
         self._nbytes = self._full.untyped_storage().nbytes()
@@ -206,7 +204,7 @@ class ShardedParams:
         chunk = self.state is ShardedState.SHARDED_POST_FORWARD  # within the smaller group
         self._move(ShardedState.UNSHARDING)
         self._gathering = _Gathering(self, self.secondary.gather_into(self._full, tag) if chunk
-                                     else self._issue_gather(comm, tag))
+                                     else self.shard.issue_gather(self._full, comm, tag))
         return self._gathering
 
     def reshard(self) -> None:
@@ -219,11 +217,6 @@ class ShardedParams:
                 self._gathering.wait()
             self.secondary.keep(self._full)
             self._release(ShardedState.SHARDED_POST_FORWARD)
-
-    def _issue_gather(self, comm: Comm, tag: Optional[str]) -> Handle:
-        """Start the all-gather of the shards into the (allocated) full buffer; a policy whose
-        shard lives elsewhere brings it in first (``param_offload.HostShardedParams``)."""
-        return comm.all_gather(self._full, self.compute_shard, tag=tag)
 
     def free(self) -> None:
         """Release the full buffer (after a gather in flight) and a secondary chunk."""
@@ -247,9 +240,9 @@ class ShardedParams:
         return _Done()
 
     def held(self) -> List[torch.Tensor]:
-        """Parameter storage held (for ``stats()``): the shard, the full buffer while
-        gathered, and a secondary chunk while kept."""
-        return [self.compute_shard] + ([self._full] if self.full is not None else []) + \
+        """Device parameter storage held (for ``stats()``): the shard where it is on the
+        device, the full buffer while gathered, and a secondary chunk while kept."""
+        return self.shard.held() + ([self._full] if self.full is not None else []) + \
             (self.secondary.held() if self.secondary is not None else [])
 
 
@@ -291,9 +284,8 @@ class FlatParamUnit:
 
     def __post_init__(self) -> None:
         self.shapes = tuple(self.shapes) or tuple(p.shape for p in self.params)
-        # The compute device: a gather policy whose persistent shard lives elsewhere (stage 3's
-        # offload_params keeps it in host RAM) names the device its full buffer lives on.
-        self.device = getattr(self.gather, "device", None) or self.gather.compute_shard.device
+        # The compute device (a shard whose bytes live elsewhere names it: storage.py).
+        self.device = self.gather.shard.device
 
     @property
     def shard_slice(self) -> slice:
@@ -306,6 +298,11 @@ class FlatParamUnit:
         return self.gather.compute_shard
 
     @property
+    def shard(self) -> DeviceShard:
+        """This rank's persistent shard: asked where its bytes live ([Note: shard storage])."""
+        return self.gather.shard
+
+    @property
     def full(self) -> Optional[torch.Tensor]:
         """[padded_numel] full compute buffer, or None while not gathered."""
         return self.gather.full
@@ -315,13 +312,10 @@ class FlatParamUnit:
         """This rank's compute shard as a tensor with values: the shard itself where it is in
         memory; a host copy read from its file where it is on disk ([Note: parameters on
         NVMe] in ``param_nvme.py``), written back on exit with ``write_back``."""
-        if not self.gather.shard_on_disk:
-            yield self.gather.compute_shard
-            return
-        values = self.gather.read_values()
+        values = self.shard.read_values()
         yield values
         if write_back:
-            self.gather.load_values(values)
+            self.shard.load_values(values)
 
     def param_slices_in_shard(self):
         """For each parameter overlapping this rank's shard, yield ``(name, start_in_param,
@@ -363,11 +357,11 @@ def remove_hooks(handles) -> None:
 def build_flat_unit(index: int, group_index: int, params: Sequence[torch.Tensor],
                     names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
                     rank: int, compute_dtype: torch.dtype, ops: OpSet,
-                    make_gather=None) -> Tuple[FlatParamUnit, torch.Tensor]:
-    """Copy ``params`` into a new flat buffer: stages 1-2 (``make_gather`` None) keep the full
+                    storage=None) -> Tuple[FlatParamUnit, torch.Tensor]:
+    """Copy ``params`` into a new flat buffer: stages 1-2 (``storage`` None) keep the full
     compute buffer, the parameters views of it (:class:`ReplicatedParams`); stage 3 keeps this
-    rank's compute shard only, in the gather policy ``make_gather(params, layout, rank,
-    compute_shard)`` (the update strategy's ``sharded_params`` places it), built freed.
+    rank's compute shard only, where ``storage`` keeps it ([Note: shard storage]), in a
+    :class:`ShardedParams` built freed.
 
     Returns:
         ``(unit, initial_master)``: this rank's shard of the original values in fp32 (taken
@@ -386,7 +380,7 @@ def build_flat_unit(index: int, group_index: int, params: Sequence[torch.Tensor]
     with torch.no_grad():
         ops.flatten(values, out=fp32, offsets=layout.offsets)
     del values
-    if make_gather is None:
+    if storage is None:
         initial = fp32[lo:hi]
         compute = fp32 if compute_dtype == torch.float32 else ops.cast(fp32, compute_dtype)
         for p, v in zip(params, ops.unflatten(compute, [p.shape for p in params],
@@ -397,8 +391,8 @@ def build_flat_unit(index: int, group_index: int, params: Sequence[torch.Tensor]
     initial = fp32[lo:hi].clone()
     del fp32
     compute = initial if compute_dtype == torch.float32 else ops.cast(initial, compute_dtype)
-    gather = make_gather(params, layout, rank, compute)
-    if compute_dtype == torch.float32 and not gather.shard_on_disk:
+    gather = ShardedParams(params, layout, storage.keep(compute, lo, hi))
+    if compute_dtype == torch.float32 and not gather.shard.in_file:
         initial = gather.compute_shard  # the master starts as the (possibly moved) shard
     return _flat_unit(index, group_index, params, names, layout, rank, compute_dtype,
                       gather), initial
@@ -437,11 +431,11 @@ def frozen_compute_dtype(param: torch.Tensor, param_dtype: torch.dtype) -> torch
 
 def build_frozen_unit(index: int, params: Sequence[torch.Tensor],
                       names: Dict[int, Tuple[str, Tuple[str, ...]]], layout: FlatLayout,
-                      rank: int, dtype: torch.dtype, make_gather) -> FlatParamUnit:
+                      rank: int, dtype: torch.dtype, storage) -> FlatParamUnit:
     """Stage 3: keep only this rank's ``dtype`` shard (:func:`frozen_compute_dtype`) of the
-    frozen ``params`` (layout order; see [Note: frozen parameters at stage 3]), built freed by
-    ``make_gather`` as in :func:`build_flat_unit`; ``index`` among the optimizer's frozen flat
-    units, ``group_index`` -1.
+    frozen ``params`` (layout order; see [Note: frozen parameters at stage 3]), kept by
+    ``storage`` and built freed as in :func:`build_flat_unit`; ``index`` among the optimizer's
+    frozen flat units, ``group_index`` -1.
     """
     device = params[0].device
     lo, hi = layout.shard_range(rank)
@@ -452,4 +446,4 @@ def build_frozen_unit(index: int, params: Sequence[torch.Tensor],
             if a < b:
                 shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
     return _flat_unit(index, -1, params, names, layout, rank, dtype,
-                      make_gather(params, layout, rank, shard), frozen=True)
+                      ShardedParams(params, layout, storage.keep(shard, lo, hi)), frozen=True)

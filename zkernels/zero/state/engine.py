@@ -69,6 +69,7 @@ from ...ops.adamw import Scalar
 from ..planning.state_format import block_align
 from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_bytes,
                                        nvme_sub_group_numel)
+from ..parameters.storage import DeviceStorage
 from ..parameters.units import FlatParamUnit
 from .grad_sink import GradShards
 from .nvme_files import NvmeFiles
@@ -164,11 +165,11 @@ class UpdateEngine:
         copier: offload: the :class:`Copier` of host<->device copies, else None.
         config: the :class:`OffloadConfig` (offload).
         files: NVMe: the :class:`~zkernels.zero.state.nvme_files.NvmeFiles`, else None.
-        param_store: stage 3 ``offload_params``: the parameter side's shard store
-            (``param_offload.HostParamStore``, settled before the step writes a host shard,
-            or ``param_nvme.DiskParamStore``, whose files the step writes).
-        sharded_params: stage 3's gather-policy builder (the parameter side's, fed by
-            ``offload_params``: ``param_offload.sharded_params_factory``).
+        storages: the storage objects by where ("device", "host") that allocate the state
+            kinds kept in memory, and ``"params"``: the one the parameter shards live in (the
+            same object with ``offload_params``: [Note: shard storage] in
+            ``parameters/storage.py``), whose figures the step reports. Each unit's shard is
+            asked where its bytes are; the engine reads no flag.
         specs: each param group's :class:`~zkernels.zero.planning.optimizer_spec.OptimizerSpec`
             by group index (empty: every group the fused AdamW); a torch class's units step
             through a :class:`~zkernels.zero.state.torch_rule.TorchShardRule` ([Note:
@@ -190,8 +191,8 @@ class UpdateEngine:
 
     def __init__(self, placement: str, *, ops: OpSet, host_ops: Optional[OpSet] = None,
                  copier: Optional[Copier] = None, config: Optional[OffloadConfig] = None,
-                 files: Optional[NvmeFiles] = None, param_store=None,
-                 sharded_params=None, specs: Sequence = (), formats: Sequence = ()) -> None:
+                 files: Optional[NvmeFiles] = None, storages: Optional[dict] = None,
+                 specs: Sequence = (), formats: Sequence = ()) -> None:
         self.placement = placement
         self.specs = list(specs)
         self.formats = list(formats)
@@ -204,7 +205,10 @@ class UpdateEngine:
         self.on_host = placement != "device"          # the step runs on the host
         self.step_ops = host_ops if self.on_host else ops
         self.host_ops, self.copier, self.config = host_ops, copier, config
-        self.files, self.param_store, self.sharded_params = files, param_store, sharded_params
+        self.files = files
+        self.storages = storages or {"device": DeviceStorage()}
+        self.param_storage = self.storages.get("params", self.storages["device"])
+        self.step_at = "host" if self.on_host else "device"   # where the update runs
         # Where each kind lives: "device", "host" or "disk" (the files' kinds).
         disk = files.kinds if files is not None else ()
         self.where = {k: "disk" if k in disk else "host" if self.on_host else "device"
@@ -237,9 +241,7 @@ class UpdateEngine:
             raise ValueError(f"init_state: unit {unit.index} out of order (expected "
                              f"{len(self.states)})")
         n = unit.layout.shard_numel
-        shard_at = "disk" if unit.gather.shard_on_disk else \
-            "host" if unit.gather.shard_on_host else "device"
-        if self.where["master"] == shard_at != "disk" and unit.compute_dtype == torch.float32:
+        if unit.shard.holds(self.where["master"]) and unit.compute_dtype == torch.float32:
             master = unit.compute_shard   # the fp32 parameter shard is its own master
         else:
             master = self._alloc(n, "master", unit.device)
@@ -305,11 +307,9 @@ class UpdateEngine:
     def _alloc(self, n: int, kind: str, device: torch.device,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         where = self.where[kind]
-        if where == "disk":
+        if where == "disk":   # (the files are nvme_files.py's)
             return torch.empty(n, dtype=dtype, device="meta")
-        if where == "host":
-            return self.copier.host_empty(n, dtype).zero_()
-        return torch.zeros(n, dtype=dtype, device=device)
+        return self.storages[where].empty(n, dtype, device)
 
     def _ensure_slots(self, n: int, unit: FlatParamUnit) -> None:
         """Host slots big enough for ``unit``: CPU offload's two output staging slots (mixed
@@ -317,7 +317,7 @@ class UpdateEngine:
         cdt = unit.compute_dtype
         if self.placement == "cpu":
             need = min(n, self.sub_group_numel)
-            if cdt == torch.float32 or unit.gather.shard_on_host or self._slots and \
+            if cdt == torch.float32 or unit.shard.holds("host") or self._slots and \
                     self._slots[0].out.numel() >= need and self._slots[0].out.dtype == cdt:
                 return
             self._release_buffers()   # (unpinned: the larger ones replace them)
@@ -328,7 +328,7 @@ class UpdateEngine:
             # its slot; a host master is not aligned, so the output is staged in the slot.
             # With a parameter file a sub-group starts at an aligned byte of it too.
             kinds = self.files.kinds
-            on_disk = unit.gather.shard_on_disk
+            on_disk = unit.shard.in_file
             cb = 0 if cdt == torch.float32 and ("master" in kinds or not on_disk) \
                 else cdt.itemsize
             sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n,
@@ -418,10 +418,10 @@ class UpdateEngine:
         mixed = unit.compute_dtype != torch.float32
         # The compute shard lives beside the step: the AdamW writes it in place; or in a file
         # (parameters on NVMe): each sub-group's output goes from its slot to the file.
-        to_file = unit.gather.shard_on_disk
-        direct = unit.gather.shard_on_host == self.on_host and not to_file
-        if direct and self.param_store is not None:
-            self.param_store.settle()   # no copy still reads the shard written now
+        to_file = unit.shard.in_file
+        direct = unit.shard.holds(self.step_at)
+        if direct:
+            unit.shard.settle()   # no copy still reads the shard written now
         shard, last = unit.compute_shard, None
         pieces = self._streamed(rec, grad) if self.files is not None else \
             self._resident(rec, grad, staged=mixed and not direct)
@@ -436,7 +436,7 @@ class UpdateEngine:
             if to_file:
                 if not mixed and p.out is not None:   # (a host master: staged aligned)
                     p.out.copy_(p.master)
-                p.busy.append(unit.gather.write_shard(p.slot_out, lo, hi))
+                p.busy.append(unit.shard.write_range(p.slot_out, lo, hi))
             elif not direct:
                 last = self.copier.to_device(shard[lo:hi], out if mixed else p.master)
                 p.busy.append(last)
@@ -449,7 +449,7 @@ class UpdateEngine:
     def _publish_rule(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
         """A rule's unit: its compute shard from the updated fp32 master."""
         shard = unit.compute_shard
-        if self.on_host and not unit.gather.shard_on_host and not unit.gather.shard_on_disk:
+        if self.on_host and unit.shard.holds("device"):
             # the device's shard from the host master: one counted copy up, as AdamW's
             src = master if shard.dtype == torch.float32 else \
                 self.host_ops.cast(master.contiguous(), shard.dtype)
@@ -534,7 +534,7 @@ class UpdateEngine:
         t0 = time.perf_counter()
         self._settle_all()
         c = self.copier.take_counters()
-        params = self.param_store.take_counters() if self.param_store is not None else {}
+        params = self.param_storage.take_counters()
         io = self.files.io.take_counters() if self.files is not None else None
         tail = time.perf_counter() - t0
         exposed = self._exposed_s + tail
@@ -585,15 +585,14 @@ class UpdateEngine:
 
     def _write_compute(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
         """The unit's compute shard from an fp32 master (a load: not a step's traffic)."""
-        if unit.gather.shard_on_disk:
-            unit.gather.load_values(master)
+        if unit.shard.in_file:
+            unit.shard.load_values(master)
             return
         shard = unit.compute_shard
         if master.data_ptr() == shard.data_ptr():
             return   # fp32: the master is the shard
-        if unit.gather.shard_on_host == self.on_host:
-            if self.param_store is not None:
-                self.param_store.settle()
+        if unit.shard.holds(self.step_at):
+            unit.shard.settle()
             self.step_ops.cast(master.contiguous(), out=shard) \
                 if shard.dtype != torch.float32 else shard.copy_(master)
             return
@@ -724,19 +723,18 @@ class UpdateEngine:
         (``offload_params``), master, moments, gradient shards and the slots' buffers."""
         if not self.on_host:
             return {}
-        store = self.param_store
-        return {"params": store.held_host() if store is not None else [],
+        store = self.param_storage
+        return {"params": store.held_host(),
                 **self._held_at("host"),
                 "grads": list(self.grad_sink.shards) if self.grad_sink is not None else [],
-                "buffers": list(self._buffers) + (store.buffers() if store is not None else [])}
+                "buffers": list(self._buffers) + store.buffers()}
 
     def disk_bytes(self) -> Dict[str, int]:
         """Bytes of files held by kind (NVMe offload; the parameter shards' too where they
         are on disk), measured from the files."""
         if self.files is None:
             return {}
-        return {**self.files.disk_bytes(), "params": self.param_store.disk_bytes()
-                if self.param_store is not None else 0}
+        return {**self.files.disk_bytes(), "params": self.param_storage.disk_bytes()}
 
     def close(self, keep_files: bool = False) -> Optional[str]:
         """Finish copies and I/O, stop the copy thread, close the files and remove the run

@@ -1,5 +1,7 @@
 """Where the optimizer state lives: the one place that turns ``offload=`` into a placement of
-the update engine (``engine.UpdateEngine``: "device", "cpu" or "nvme").
+the update engine (``engine.UpdateEngine``: "device", "cpu" or "nvme"), and ``offload_params``
+into the storage object the parameter shards live in ([Note: shard storage] in
+``parameters/storage.py``), injected into the parameter side's builders.
 
 The registry (``policy.OFFLOADS``) says which kinds exist and the lowest stage each combines
 with, ``ZeroConfig`` checks the run's offload arguments against it; this module checks the
@@ -16,10 +18,11 @@ from ... import ops as _ops
 from ...ops import OpSet
 from ..planning.offload_config import OffloadConfig
 from ..planning.config import OffloadSpec
-from ..parameters.param_nvme import DiskParamStore
-from ..parameters.param_offload import HostParamStore, sharded_params_factory
+from ..parameters.storage import DeviceStorage
 from .engine import UpdateEngine
 from .nvme_files import NvmeFiles
+from .param_nvme import DiskStorage
+from .param_offload import HostStorage
 from .swap import check_writable
 from .transfer import Copier
 
@@ -78,13 +81,15 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
                 offload_dir, rank: int, world_size: int,
                 offload_config: Optional[OffloadConfig], offload_params: bool = False,
                 specs=(), formats=()):
-    """The update engine placed for ``offload`` (None: states on the device); with
-    ``offload_params`` (stage 3, checked by ``ZeroConfig``) the parameter side
-    keeps its shards beside the offloaded state: in host RAM with CPU offload
-    (``param_offload.py``), in files with NVMe offload (``param_nvme.py``)."""
+    """``(engine, storage)``: the update engine placed for ``offload`` (None: states on the
+    device) and the storage the parameter shards live in: the device's, or with
+    ``offload_params`` (stage 3, checked by ``ZeroConfig``) beside the offloaded state: in
+    host RAM with CPU offload (``param_offload.py``, the state's host storage itself), in
+    files with NVMe offload (``param_nvme.py``)."""
+    device_storage = DeviceStorage()
     if offload is None:
-        return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None),
-                            specs=specs, formats=formats)
+        return UpdateEngine("device", ops=ops, storages={"device": device_storage},
+                            specs=specs, formats=formats), device_storage
     if offload == "nvme" and any(f is not None for f in formats):
         raise ValueError("state_dtype (low-bit moments) with offload='nvme' is not supported: "
                          "the NVMe swap files and slots hold fp32 moments; use offload='cpu'")
@@ -92,21 +97,21 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
     if offload == "nvme":
         check_nvme_rules(specs, config)
     copier = Copier(device, config.pin_memory)
-    store = files = None
+    files = None
     try:
         files = NvmeFiles(config, offload_dir, rank, world_size) if offload == "nvme" else None
+        host = HostStorage(copier)
+        params = host if offload_params else device_storage
         if offload_params and files is not None:
-            store = DiskParamStore(copier, offload_dir or os.path.dirname(files.folder), rank,
-                                   world_size, config.io_threads, config.direct_io,
-                                   config.nvme_param_buffer_bytes)
-        elif offload_params:
-            store = HostParamStore(copier)
+            params = DiskStorage(copier, offload_dir or os.path.dirname(files.folder), rank,
+                                 world_size, config.io_threads, config.direct_io,
+                                 config.nvme_param_buffer_bytes)
     except BaseException:
         if files is not None:
             files.close()
         copier.close()
         raise
+    storages = {"device": device_storage, "host": host, "params": params}
     return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,
-                        config=config, files=files, param_store=store,
-                        sharded_params=sharded_params_factory(store), specs=specs,
-                        formats=formats)
+                        config=config, files=files, storages=storages, specs=specs,
+                        formats=formats), params

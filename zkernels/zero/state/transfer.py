@@ -160,7 +160,7 @@ class Copier:
     def copy_untracked(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         """Copy ``src`` into ``dst`` off the compute stream, outside :meth:`take_counters`:
         the caller keeps the fence and counts the bytes (stage 3's parameter shards come in
-        during forward and backward, between steps: ``param_offload.HostParamStore``)."""
+        during forward and backward, between steps: ``param_offload.HostStorage``)."""
         return self._copy(dst, src, None)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: Optional[str]) -> Fence:

@@ -4,17 +4,18 @@ uses and come to the device ahead of their unit's all-gather.
 [Note: parameter offload]
 At stage 3 a rank holds its parameter shard (pΨ/N) permanently; with ``offload_params`` it
 keeps that shard in host RAM instead (beside the offloaded state of the update engine,
-``state/engine.py``, whose copier it shares), in a buffer of a :class:`HostParamStore`
-(pinned when a GPU is present, see ``OffloadConfig.pin_memory``), and
-:func:`sharded_params_factory` gives each unit a :class:`HostShardedParams` gather policy:
+``state/engine.py``, whose copier it shares), in a buffer of the injected
+:class:`HostStorage` (pinned when a GPU is present, see ``OffloadConfig.pin_memory``), which
+keeps each unit's shard as a :class:`HostShard` ([Note: shard storage] in ``storage.py``):
 
 - ``ensure_gathered`` (the unit's forward or backward, or the schedule's prefetch of the unit
   predicted next: [Note: stage-3 gather schedule]) allocates the full device buffer, copies the
   host shard into this rank's slice of it on the copier's stream (see [Note: offload copies])
   and all-gathers in place once the copy is done ([Note: gathers after their copy]). On a GPU
   neither step blocks the host or the compute stream: the copy and the gather of unit k+1 are
-  issued during unit k's compute and run beside it. On a CPU-only machine the "device" buffer is a separate allocation and the
-  copy runs on the copy thread; the gather waits for it (a memcpy of one shard).
+  issued during unit k's compute and run beside it. On a CPU-only machine the "device"
+  buffer is a separate allocation and the copy runs on the copy thread; the gather waits for
+  it (a memcpy of one shard).
 - ``free`` releases the full buffer: between uses the device holds no parameter bytes of the
   unit (``stats()`` measures it: ``memory_location_bytes`` puts the shards under host).
 - The update writes the new compute-dtype parameters straight into the host shard (the fused
@@ -49,51 +50,50 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List
 
 import torch
 
-from ...layout import FlatLayout
-from ..state.transfer import Copier, Fence
-from .units import ShardedParams
+from ..parameters.storage import DeviceShard, DeviceStorage
+from .transfer import Copier, Fence
 
 
-class HostShardedParams(ShardedParams):
-    """Stage 3's gather policy with the persistent shard in host RAM (see
-    [Note: parameter offload]).
+class HostShard(DeviceShard):
+    """A unit's shard in host RAM (see [Note: parameter offload]): ``values`` is the
+    storage's host buffer, which the update writes in place.
 
     Args:
-        params, layout: as :class:`~zkernels.zero.parameters.units.ShardedParams`.
-        shard: this rank's slice of the full buffer.
-        host_shard: [shard_numel] compute dtype, host RAM (the store's buffer): the
-            ``compute_shard`` the update writes.
+        values: [shard_numel] compute dtype, host RAM.
+        lo, hi: this rank's slice of the full buffer.
         device: the compute device (where the full buffer lives while gathered).
-        store: the :class:`HostParamStore` that copies and counts.
+        storage: the :class:`HostStorage` that copies and counts.
     """
 
-    shard_on_host = True
+    def __init__(self, values: torch.Tensor, lo: int, hi: int, device: torch.device,
+                 storage: "HostStorage") -> None:
+        self.values, self.device = values, device
+        self._lo, self._hi, self._storage = lo, hi, storage
 
-    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout, shard: slice,
-                 host_shard: torch.Tensor, device: torch.device,
-                 store: "HostParamStore") -> None:
-        self._slice, self._store = shard, store
-        self.fence: Optional[Fence] = None
-        super().__init__(params, layout, host_shard, device=device)
+    def holds(self, where: str) -> bool:
+        return where == "host"
 
-    def _issue_gather(self, comm, tag: Optional[str]):
-        dst = self._full[self._slice]
-        self.fence = self._store.bring_in(dst, self.compute_shard)
-        with self._store.after(self.fence):
-            return comm.all_gather(self._full, dst, tag=tag)
+    def issue_gather(self, full, comm, tag):
+        dst = full[self._lo:self._hi]
+        fence = self._storage.bring_in(dst, self.values)
+        with self._storage.after(fence):
+            return comm.all_gather(full, dst, tag=tag)
 
     def held(self) -> List[torch.Tensor]:
-        """Device parameter storage held: the full buffer while gathered, else nothing (the
-        shard is host memory: the store reports it)."""
-        return [self._full] if self.full is not None else []
+        """No device bytes (the shard is host memory: the storage reports it)."""
+        return []
+
+    def settle(self) -> None:
+        self._storage.settle()
 
 
-class HostParamStore:
-    """Owner of the host parameter shards of one optimizer (see [Note: parameter offload]).
+class HostStorage(DeviceStorage):
+    """Owner of the host parameter shards of one optimizer (see [Note: parameter offload]);
+    the state side's host kinds are allocated here too (:meth:`empty`).
 
     Args:
         copier: the offload strategy's :class:`~zkernels.zero.state.transfer.Copier` (its stream or
@@ -102,32 +102,33 @@ class HostParamStore:
 
     def __init__(self, copier: Copier) -> None:
         self.copier = copier
-        self.policies: List[HostShardedParams] = []
+        self.shards: List[HostShard] = []
         self._bytes = 0
         self._busy_s = 0.0
         self._exposed_s = 0.0
         self._done: List[Fence] = []
         copier.on_close.append(self.settle)
 
-    def sharded_params(self, params, layout: FlatLayout, rank: int,
-                       compute_shard: torch.Tensor) -> HostShardedParams:
-        """Move ``compute_shard`` (built on the device) into a new host buffer and return the
-        unit's gather policy over it."""
-        lo, hi = layout.shard_range(rank)
-        host = self.copier.host_empty(compute_shard.numel(), compute_shard.dtype)
-        host.copy_(compute_shard)
-        policy = HostShardedParams(params, layout, slice(lo, hi), host,
-                                   compute_shard.device, self)
-        self.policies.append(policy)
-        return policy
+    def keep(self, values: torch.Tensor, lo: int, hi: int) -> HostShard:
+        """Move a unit's shard ``values`` (built on the device; elements ``[lo, hi)`` of its
+        full buffer) into a new host buffer."""
+        host = self.copier.host_empty(values.numel(), values.dtype)
+        host.copy_(values)
+        shard = HostShard(host, lo, hi, values.device, self)
+        self.shards.append(shard)
+        return shard
+
+    def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` zeros of ``dtype`` in host RAM (a state kind kept on the host)."""
+        return self.copier.host_empty(n, dtype).zero_()
 
     def bring_in(self, dst: torch.Tensor, host: torch.Tensor) -> Fence:
         """Issue the copy of ``host`` into the device slice ``dst``."""
         self._bytes += host.numel() * host.element_size()
         fence = self.copier.copy_untracked(dst, host)
         self._done.append(fence)
-        if len(self._done) > 2 * len(self.policies) + 2:
-            self._retire(len(self.policies))   # eval loops without step(): stay bounded
+        if len(self._done) > 2 * len(self.shards) + 2:
+            self._retire(len(self.shards))   # eval loops without step(): stay bounded
         return fence
 
     @contextlib.contextmanager
@@ -153,8 +154,6 @@ class HostParamStore:
     def settle(self) -> None:
         """Every copy issued is done (the host shards may be written)."""
         self._retire(len(self._done))
-        for p in self.policies:
-            p.fence = None
 
     def take_counters(self) -> Dict[str, float]:
         """Settle; return and reset the parameter copy figures since the last call."""
@@ -168,23 +167,5 @@ class HostParamStore:
 
     def held_host(self) -> List[torch.Tensor]:
         """The host shards (for ``stats()``)."""
-        return [p.compute_shard for p in self.policies]
+        return [p.values for p in self.shards]
 
-    def buffers(self) -> List[torch.Tensor]:
-        """Host buffers beside the shards (for ``stats()``): none here (param_nvme.py's
-        bounces)."""
-        return []
-
-    def disk_bytes(self) -> int:
-        """Bytes of parameter files: none here (param_nvme.py's)."""
-        return 0
-
-
-def sharded_params_factory(store: Optional[HostParamStore]):
-    """Stage 3's gather-policy builder ``(params, layout, rank, compute_shard) -> policy``:
-    the shard stays on the device (:class:`ShardedParams`), or, with ``offload_params`` (a
-    ``store``), moves to host RAM (:class:`HostShardedParams`)."""
-    if store is not None:
-        return store.sharded_params
-    return lambda params, layout, rank, compute_shard: ShardedParams(params, layout,
-                                                                     compute_shard)

@@ -17,7 +17,7 @@ file in its compute dtype ([Note: swap files and their I/O]) in a run folder of 
   comes in chunks): host RAM for parameters stays within that budget whatever the model
   size, as the state's stays within ``nvme_buffer_bytes``.
 - The update engine writes each updated sub-group (compute dtype) straight from its slot to the
-  file (:meth:`DiskShardedParams.write_shard`): nothing is sent to the device in ``step()``,
+  file (:meth:`DiskShard.write_range`): nothing is sent to the device in ``step()``,
   as with parameters in host RAM. A gather first waits for any write of its file still running.
 - Checkpoints and ``state_dict`` read and write a frozen shard through
   :meth:`~zkernels.zero.parameters.units.FlatParamUnit.shard_values` (a temporary host copy);
@@ -37,52 +37,53 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 
-from ...layout import FlatLayout
 from ..planning.offload_config import NUM_PARAM_BOUNCES, param_bounce_bytes
-from ..state.swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty,
-                          make_run_folder, probe_direct_io, remove_run_folder, round_up)
-from ..state.transfer import Copier, Fence
-from .param_offload import HostParamStore, HostShardedParams
+from .swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty, make_run_folder,
+                   probe_direct_io, remove_run_folder, round_up)
+from .transfer import Copier, Fence
+from .param_offload import HostShard, HostStorage
 
 
-class DiskShardedParams(HostShardedParams):
-    """Stage 3's gather policy with the persistent shard in a file (see [Note: parameters on
-    NVMe]). ``compute_shard`` is a meta tensor (shape and dtype, no storage): values go through
-    :meth:`read_values`, :meth:`load_values` and :meth:`write_shard`.
+class DiskShard(HostShard):
+    """A unit's shard in a file (see [Note: parameters on NVMe]). ``values`` is a meta tensor
+    (shape and dtype, no storage): values go through :meth:`read_values`,
+    :meth:`load_values` and :meth:`write_range`.
 
     Args:
-        params, layout, shard, device: as :class:`HostShardedParams`.
         file: the unit's :class:`~zkernels.zero.state.swap.SwapFile`.
-        store: the :class:`DiskParamStore` that reads, copies and counts.
+        lo, hi, device: as :class:`~zkernels.zero.state.param_offload.HostShard`.
+        storage: the :class:`DiskStorage` that reads, copies and counts.
     """
 
-    shard_on_host = False
-    shard_on_disk = True
+    in_file = True
 
-    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout, shard: slice,
-                 device: torch.device, file: SwapFile, store: "DiskParamStore") -> None:
+    def __init__(self, file: SwapFile, lo: int, hi: int, device: torch.device,
+                 storage: "DiskStorage") -> None:
         self.file = file
         self._writes: List[Future] = []
-        meta = torch.empty(layout.shard_numel, dtype=file.dtype, device="meta")
-        super().__init__(params, layout, shard, meta, device, store)
+        super().__init__(torch.empty(file.numel, dtype=file.dtype, device="meta"), lo, hi,
+                         device, storage)
 
-    def _issue_gather(self, comm, tag: Optional[str]):
+    def holds(self, where: str) -> bool:
+        return False
+
+    def issue_gather(self, full, comm, tag):
         self.wait_writes()
-        dst = self._full[self._slice]
-        self.fence = self._store.bring_in_from(self.file, dst)
-        with self._store.after(self.fence):
-            return comm.all_gather(self._full, dst, tag=tag)
+        dst = full[self._lo:self._hi]
+        fence = self._storage.bring_in_from(self.file, dst)
+        with self._storage.after(fence):
+            return comm.all_gather(full, dst, tag=tag)
 
-    def write_shard(self, buf: torch.Tensor, lo: int, hi: int) -> Future:
+    def write_range(self, buf: torch.Tensor, lo: int, hi: int) -> Future:
         """Write elements ``[lo, hi)`` of the shard from the aligned host ``buf`` (its first
         ``hi - lo`` elements; ``lo`` and ``buf`` aligned for O_DIRECT, the engine's slots
         are); returns the write's future (the next gather waits for it)."""
         isz = self.file.dtype.itemsize
-        fut = self._store.io.write(self.file, buf, lo * isz, round_up((hi - lo) * isz))
+        fut = self._storage.io.write(self.file, buf, lo * isz, round_up((hi - lo) * isz))
         self._writes = [f for f in self._writes if not f.done()] + [fut]
         return fut
 
@@ -95,19 +96,19 @@ class DiskShardedParams(HostShardedParams):
         """The shard's values as a new host tensor (a load or save, not a step's traffic)."""
         self.wait_writes()
         buf = aligned_empty(self.file.data_bytes)
-        self._store.io.read(self.file, buf, 0, self.file.data_bytes, counted=False).result()
+        self._storage.io.read(self.file, buf, 0, self.file.data_bytes, counted=False).result()
         return buf.view(self.file.dtype)[:self.file.numel]
 
     def load_values(self, values: torch.Tensor) -> None:
         """Overwrite the shard with ``values`` (cast to its dtype; a load, not a step's)."""
         self.wait_writes()
-        self._store.settle()
+        self._storage.settle()
         buf = aligned_empty(self.file.data_bytes).zero_()
         buf.view(self.file.dtype)[:self.file.numel].copy_(values.reshape(-1))
-        self._store.io.write(self.file, buf, 0, self.file.data_bytes, counted=False).result()
+        self._storage.io.write(self.file, buf, 0, self.file.data_bytes, counted=False).result()
 
 
-class DiskParamStore(HostParamStore):
+class DiskStorage(HostStorage):
     """Owner of the parameter files of one optimizer (see [Note: parameters on NVMe]).
 
     Args:
@@ -138,21 +139,17 @@ class DiskParamStore(HostParamStore):
         self._read_s = 0.0
         copier.on_close.append(self._release)
 
-    def sharded_params(self, params, layout: FlatLayout, rank: int,
-                       compute_shard: torch.Tensor) -> DiskShardedParams:
-        """Write ``compute_shard`` (built on the device) into a new file of the unit and
-        return the unit's gather policy over it."""
-        lo, hi = layout.shard_range(rank)
-        index = len(self.policies)
+    def keep(self, values: torch.Tensor, lo: int, hi: int) -> DiskShard:
+        """Write a unit's shard ``values`` (built on the device) into a new file of it."""
+        index = len(self.shards)
         path = os.path.join(self.folder, f"param{index:05d}.swap")
-        f = SwapFile.create(path, compute_shard.numel(), "param", index, self.rank,
-                            self.world_size, self.direct_io, compute_shard.dtype)
+        f = SwapFile.create(path, values.numel(), "param", index, self.rank,
+                            self.world_size, self.direct_io, values.dtype)
         self._grow_bounces(f.data_bytes)
-        policy = DiskShardedParams(params, layout, slice(lo, hi), compute_shard.device, f,
-                                   self)
-        policy.load_values(compute_shard)   # (copied into the aligned write buffer)
-        self.policies.append(policy)
-        return policy
+        shard = DiskShard(f, lo, hi, values.device, self)
+        shard.load_values(values)   # (copied into the aligned write buffer)
+        self.shards.append(shard)
+        return shard
 
     def _grow_bounces(self, nbytes: int) -> None:
         """Bounces for a file of ``nbytes`` within the budget (units are built before any
@@ -189,7 +186,7 @@ class DiskParamStore(HostParamStore):
         return fence
 
     def take_counters(self) -> Dict[str, float]:
-        """As :meth:`HostParamStore.take_counters`, plus the files' bytes read for gathers
+        """As :meth:`HostStorage.take_counters`, plus the files' bytes read for gathers
         (``param_disk_read_*``: the gathers waited for the reads) and written by the update
         (``param_disk_write_bytes``), and the host bytes of the bounces
         (``param_bounce_bytes``)."""
@@ -211,17 +208,17 @@ class DiskParamStore(HostParamStore):
 
     def disk_bytes(self) -> int:
         """Bytes of the parameter files, from ``fstat`` (headers included)."""
-        return sum(os.fstat(p.file.fd).st_size for p in self.policies if p.file.fd >= 0)
+        return sum(os.fstat(p.file.fd).st_size for p in self.shards if p.file.fd >= 0)
 
     def _release(self) -> None:
         """At ``close()``: finish I/O, close the files, remove the folder (idempotent)."""
         if not self.folder:
             return
         self.settle()
-        for p in self.policies:
+        for p in self.shards:
             p.wait_writes()
         self.io.close()
-        for p in self.policies:
+        for p in self.shards:
             p.file.close()
         for b in self._bounces:
             self.copier.unpin(b)
