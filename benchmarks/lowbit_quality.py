@@ -183,21 +183,14 @@ def main(argv=None) -> int:
         print(f"{PEER}: {peer_note}")
     if args.json:
         import torch
+        from zkernels.bench._common import git_revision
         meta = {"machine": platform.node(), "cpu_count": os.cpu_count(),
-                "torch": torch.__version__, "commit": _commit(),
+                "torch": torch.__version__, "commit": git_revision(),
                 "args": {k: v for k, v in vars(args).items()}}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "runs": runs, "within_1pct": ok, "table": text,
                        "torchao": peer_note or "ran"}, f, indent=1)
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=ROOT).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":
