@@ -244,14 +244,13 @@ def main(argv=None) -> int:
           f"(backend {prim['backend']}), ms per step (timeit median)")
     ddp_total = prim["ddp_mul_out"] + prim["ddp_copy_back"]
     zk_total = prim["zk_bucket_pack"] + prim["zk_accumulate"]
-    print(f"   DDP in:      torch.mul(g, 1/N, out=bucket_view) per grad: {prim['ddp_mul_out']:.3f}")
-    print(f"   DDP back:    g.copy_(bucket_view) per grad:              "
-          f"{prim['ddp_copy_back']:.3f}")
-    print(f"   stage 2 in:  OpSet.bucket_pack([g], bucket, [o], 1/N):    "
-          f"{prim['zk_bucket_pack']:.3f}  ({prim['zk_bucket_pack'] / prim['ddp_mul_out']:.2f}x "
-          f"DDP in)")
-    print(f"   stage 2:     shard.copy_(reduced) per bucket:            "
-          f"{prim['zk_accumulate']:.3f}")
+    for label, key, extra in (
+            ("DDP in:      torch.mul(g, 1/N, out=bucket_view) per grad:", "ddp_mul_out", ""),
+            ("DDP back:    g.copy_(bucket_view) per grad:             ", "ddp_copy_back", ""),
+            ("stage 2 in:  OpSet.bucket_pack([g], bucket, [o], 1/N):   ", "zk_bucket_pack",
+             f"  ({prim['zk_bucket_pack'] / prim['ddp_mul_out']:.2f}x DDP in)"),
+            ("stage 2:     shard.copy_(reduced) per bucket:           ", "zk_accumulate", "")):
+        print(f"   {label} {prim[key]:.3f}{extra}")
     print(f"   per step: DDP {ddp_total:.3f}, stage 2 {zk_total:.3f} "
           f"({zk_total / ddp_total:.2f}x)")
     print(f"   (stage 2's hook also frees each gradient, p.grad = None: "
