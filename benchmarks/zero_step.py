@@ -198,7 +198,8 @@ def _rank(run, rank: int, world_size: int, port: int, opts: dict, queue) -> None
 
 def launch(run, opts: dict, world_size: int, timeout_s: float) -> list:
     """``run(rank, world_size, opts)`` on each of ``world_size`` spawned gloo ranks; return
-    each rank's result, or raise with the failing rank's trace. Also hook_path.py's."""
+    each rank's result, or raise with the failing rank's trace. Also the launcher of
+    hook_path.py, after_backward.py and build_peak.py."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
