@@ -388,6 +388,15 @@ def _ds_quantizer() -> None:
             f"{type(QuantizerBuilder()).__name__}: {exc}") from exc
 
 
+def deepspeed_env() -> None:
+    """What DeepSpeed reads from the environment, for its CPU accelerator over the existing
+    gloo group (set before it is imported; also build_peak.py's)."""
+    rank, n = str(dist.get_rank()), str(dist.get_world_size())
+    for k, v in (("DS_ACCELERATOR", "cpu"), ("LOCAL_RANK", rank), ("RANK", rank),
+                 ("LOCAL_WORLD_SIZE", n), ("WORLD_SIZE", n)):
+        os.environ.setdefault(k, v)
+
+
 def _first_role(kinds: Dict[str, Iterable], order) -> Dict[str, List[torch.Tensor]]:
     """``kinds`` with each storage kept only under the first kind of ``order`` that holds it."""
     seen: set = set()
@@ -420,10 +429,7 @@ class DeepSpeedMethod(_Method):
     def __init__(self, model: nn.Module, ctx: Context, stage: int,
                  offload_optimizer: Optional[str] = None, offload_param: Optional[str] = None,
                  **zero_kw):
-        rank, n = str(dist.get_rank()), str(dist.get_world_size())
-        for k, v in (("DS_ACCELERATOR", "cpu"), ("LOCAL_RANK", rank), ("RANK", rank),
-                     ("LOCAL_WORLD_SIZE", n), ("WORLD_SIZE", n)):
-            os.environ.setdefault(k, v)
+        deepspeed_env()
         try:
             import deepspeed
         except ImportError as exc:

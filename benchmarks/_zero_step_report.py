@@ -29,10 +29,6 @@ def _over_ranks(steps_by_rank: List[List[dict]], keys) -> tuple:
     return {k: statistics.fmean(d[k] for d in by_rank) for k in keys}, by_rank
 
 
-def _varies(dicts: List[dict], key: str) -> bool:
-    return len({d.get(key) for d in dicts}) > 1
-
-
 def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
     """One JSON row from every rank's record of method ``name``."""
     errors = [r["error"] for r in per_rank if "error" in r]
@@ -56,7 +52,7 @@ def summarize(name: str, per_rank: List[dict], world_size: int) -> dict:
         # --shard-size: the bytes within the shard group and across groups (_comm_meter.py)
         row["comm_scopes_per_rank"] = _over_ranks(
             [[s["scopes"] for s in r["meter"]] for r in per_rank], SCOPES)[0]
-    if any(_varies([s["bytes"] for s in r["meter"]], "total") for r in per_rank):
+    if any(len({s["bytes"]["total"] for s in r["meter"]}) > 1 for r in per_rank):
         row["notes"].append("traffic varied between timed steps (median reported)")
     if row["comm_bytes_per_rank"]["total"] == 0 and world_size > 1:
         row["comm_intercepted"] = False

@@ -19,12 +19,6 @@ import torch.distributed as dist
 from _comm_meter import CommMeter
 
 
-def _param_dtype(opts: dict):
-    """None for fp32 rows; torch.bfloat16 for the bf16 rows (``--dtype bfloat16``)."""
-    name = opts.get("dtype", "float32")
-    return None if name == "float32" else getattr(torch, name)
-
-
 def _batch(step: int, rank: int, seed: int, batch_size: int, block_size: int,
            vocab_size: int) -> tuple:
     """Random tokens, the same for every method: one micro-batch per (rank, step)."""
@@ -52,7 +46,8 @@ def _run(rank: int, world_size: int, opts: dict, meter: CommMeter) -> dict:
     cfg = GPTConfig(**opts["model"])
     bucket_log: list = []
     ctx = Context(lr=opts["lr"], world_size=world_size, batch_size=opts["batch_size"],
-                  on_bucket=bucket_log.append, param_dtype=_param_dtype(opts),
+                  on_bucket=bucket_log.append,  # --dtype bfloat16: the bf16 rows
+                  param_dtype=None if opts["dtype"] == "float32" else getattr(torch, opts["dtype"]),
                   shard_size=opts.get("shard_size"), offload_dir=opts.get("offload_dir"),
                   nvme_budget=opts["nvme_budget"], optimizer=opts.get("optimizer", "adamw"))
     methods = {}

@@ -41,22 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = str(Path(__file__).resolve().parent)
-
-
-def _import_llama():
-    """transformers' Llama, imported with benchmarks/ off the path: its ``kernels.py`` would
-    shadow the ``kernels`` package transformers' activations try to import."""
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != BENCH]
-    try:
-        import transformers.models.llama.modeling_llama  # noqa: F401
-    finally:
-        sys.path[:] = saved
-
-
-_import_llama()
-sys.path.insert(0, BENCH)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zero_step import _on_path, launch  # noqa: E402 - the shared launcher, from here
 
 SIZES = {
@@ -92,10 +77,20 @@ def write_checkpoint(size: str, folder: str) -> dict:
     return dict(num_params=psi, largest_units=sorted(units + [root])[-2:])
 
 
-def _batches(vocab: int, rank: int):
+def _train(meter, rank: int, vocab: int, forward, backward, *updates) -> list:
+    """The train phase: ``STEPS`` steps on this rank's batches (seeded by rank); the losses."""
     import torch
     gen = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(vocab, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    losses = []
+    with meter.phase("train"):
+        for _ in range(STEPS):
+            x = torch.randint(vocab, (BATCH, SEQ), generator=gen)
+            loss = forward(input_ids=x, labels=x).loss
+            backward(loss)
+            for update in updates:
+                update()
+            losses.append(loss.item())
+    return losses
 
 
 def _zk(meter, rank, opts):
@@ -110,14 +105,8 @@ def _zk(meter, rank, opts):
         opt = zk.ZeroOptimizer(model, stage=3, lr=LR, device="cpu", param_init=None)
     with meter.phase("load"):
         zk.checkpoint.load_pretrained(opt, opts["src"])
-    losses = []
-    with meter.phase("train"):
-        for x in _batches(cfg.vocab_size, rank):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+    losses = _train(meter, rank, cfg.vocab_size, model, torch.Tensor.backward, opt.step,
+                    opt.zero_grad)
     with meter.phase("save"):
         zk.checkpoint.save_pretrained(opt, os.path.join(opts["out"], "zk"),
                                       max_shard_size=SHARD_BYTES)
@@ -156,14 +145,8 @@ def _fsdp2(meter, rank, opts):
         set_model_state_dict(model, full, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
         del full
-    losses = []
-    with meter.phase("train"):
-        for x in _batches(cfg.vocab_size, rank):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+    losses = _train(meter, rank, cfg.vocab_size, model, torch.Tensor.backward, opt.step,
+                    opt.zero_grad)
     with meter.phase("save"):
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
@@ -177,20 +160,15 @@ def _fsdp2(meter, rank, opts):
 
 
 def _deepspeed(meter, rank, opts):
+    import deepspeed  # its environment set by _run (deepspeed_env)
     import torch
     import torch.distributed as dist
-    n = str(dist.get_world_size())
-    for k, v in (("DS_ACCELERATOR", "cpu"), ("LOCAL_RANK", str(rank)), ("RANK", str(rank)),
-                 ("LOCAL_WORLD_SIZE", n), ("WORLD_SIZE", n)):
-        os.environ.setdefault(k, v)
-    import deepspeed
     import transformers
+    from _zero_step_methods import Context, DeepSpeedMethod
     from safetensors import safe_open
     cfg = llama_config(opts["size"])
-    ds_cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0, "steps_per_print": 10 ** 9,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_gather_16bit_weights_on_model_save": True}}
+    ctx = Context(lr=LR, world_size=dist.get_world_size(), batch_size=BATCH)
+    ds_cfg = DeepSpeedMethod.config(ctx, 3, stage3_gather_16bit_weights_on_model_save=True)
     with meter.phase("build"):
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=torch.float32):
             model = transformers.LlamaForCausalLM(cfg)
@@ -215,13 +193,7 @@ def _deepspeed(meter, rank, opts):
                                 files[path] = safe_open(path, framework="pt")
                             p.copy_(files[path].get_tensor(key))
         files.clear()
-    losses = []
-    with meter.phase("train"):
-        for x in _batches(cfg.vocab_size, rank):
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    losses = _train(meter, rank, cfg.vocab_size, engine, engine.backward, engine.step)
     with meter.phase("save"):
         engine.save_16bit_model(os.path.join(opts["out"], "deepspeed"))
         dist.barrier()
@@ -234,12 +206,13 @@ def _run(rank: int, world_size: int, opts: dict) -> dict:
     import gc
 
     import torch  # noqa: F401 - imported before the baseline, as every method needs it
-    _import_llama()
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
     import zkernels  # noqa: F401
     from zkernels.bench.peak_rss import PeakMeter
     if opts["method"] == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from _zero_step_methods import deepspeed_env
+        deepspeed_env()
         try:
             import deepspeed  # noqa: F401
         except ImportError as exc:

@@ -39,12 +39,9 @@ from pathlib import Path
 
 from zero_step import CONFIGS, REPO_ROOT, _on_path, launch
 
+# the profiler's names of DDP's reducer ranges (stage 2's: our wrappers', named by their key)
 DDP_EVENTS = {"ddp_pack": "torch::distributed::reducer::mul_out",
               "ddp_copy_back": "torch.distributed.ddp.reducer::copy_bucket_to_grad"}
-ZK_EVENTS = {"zk_pack": "zkernels::bucket_pack", "zk_pack_path": "zkernels::stage2_pack",
-             "zk_acquire": "zkernels::stage2_acquire", "zk_launch": "zkernels::stage2_launch",
-             "zk_hook": "zkernels::stage2_hook",
-             "zk_accumulate": "zkernels::stage2_accumulate"}
 # what the table calls each range, in its order
 LABELS = {"ddp_pack": "DDP reducer: grad * 1/N into the bucket (mul_out)",
           "ddp_copy_back": "DDP reducer: bucket back into the grads",
@@ -77,16 +74,16 @@ def _instrument_stage2() -> None:
             finally:
                 _add(name, time.perf_counter() - t0)
         return wrapper
-    cls = gr.GradBucket  # each bucket owns its gradient hook (on_grad) and pack
     # The reducer packs through the optimizer's OpSet (backend chosen once, see
-    # [Note: ops chosen once]), not through zkernels.ops.bucket_pack.
-    OpSet.bucket_pack = ranged(ZK_EVENTS["zk_pack"], OpSet.bucket_pack)
-    gr.ReducePool.acquire = ranged(ZK_EVENTS["zk_acquire"], gr.ReducePool.acquire)
-    gr.ReducePool.launch = ranged(ZK_EVENTS["zk_launch"], gr.ReducePool.launch)
-    cls._pack = ranged(ZK_EVENTS["zk_pack_path"], cls._pack)
-    cls.on_grad = ranged(ZK_EVENTS["zk_hook"], cls.on_grad)
-    gr.DeviceGradShards.accumulate = ranged(ZK_EVENTS["zk_accumulate"],
-                                            gr.DeviceGradShards.accumulate)
+    # [Note: ops chosen once]), not through zkernels.ops.bucket_pack; each bucket
+    # (GradBucket) owns its gradient hook (on_grad) and pack.
+    for owner, attr, key in ((OpSet, "bucket_pack", "zk_pack"),
+                             (gr.ReducePool, "acquire", "zk_acquire"),
+                             (gr.ReducePool, "launch", "zk_launch"),
+                             (gr.GradBucket, "_pack", "zk_pack_path"),
+                             (gr.GradBucket, "on_grad", "zk_hook"),
+                             (gr.DeviceGradShards, "accumulate", "zk_accumulate")):
+        setattr(owner, attr, ranged(key, getattr(owner, attr)))
 
 
 def _steps(method: str, model, cfg, batch: int, steps: int, rank: int) -> list:
@@ -104,7 +101,6 @@ def _steps(method: str, model, cfg, batch: int, steps: int, rank: int) -> list:
             net(x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        names = DDP_EVENTS
     else:
         import zkernels
         opt = zkernels.ZeroOptimizer(model, stage=2, lr=1e-3)
@@ -113,7 +109,7 @@ def _steps(method: str, model, cfg, batch: int, steps: int, rank: int) -> list:
             opt.backward(model(x, y))
             opt.step()
             opt.zero_grad()
-        names = ZK_EVENTS
+    names = DDP_EVENTS if method == "ddp" else {k: k for k in LABELS if k.startswith("zk")}
     for _ in range(2):  # warm-up: buffers, pools, first-touch
         step()
     rows = []
@@ -248,14 +244,13 @@ def main(argv=None) -> int:
           f"(backend {prim['backend']}), ms per step (timeit median)")
     ddp_total = prim["ddp_mul_out"] + prim["ddp_copy_back"]
     zk_total = prim["zk_bucket_pack"] + prim["zk_accumulate"]
-    print(f"   DDP in:      torch.mul(g, 1/N, out=bucket_view) per grad: {prim['ddp_mul_out']:.3f}")
-    print(f"   DDP back:    g.copy_(bucket_view) per grad:              "
-          f"{prim['ddp_copy_back']:.3f}")
-    print(f"   stage 2 in:  OpSet.bucket_pack([g], bucket, [o], 1/N):    "
-          f"{prim['zk_bucket_pack']:.3f}  ({prim['zk_bucket_pack'] / prim['ddp_mul_out']:.2f}x "
-          f"DDP in)")
-    print(f"   stage 2:     shard.copy_(reduced) per bucket:            "
-          f"{prim['zk_accumulate']:.3f}")
+    for label, key, extra in (
+            ("DDP in:      torch.mul(g, 1/N, out=bucket_view) per grad:", "ddp_mul_out", ""),
+            ("DDP back:    g.copy_(bucket_view) per grad:             ", "ddp_copy_back", ""),
+            ("stage 2 in:  OpSet.bucket_pack([g], bucket, [o], 1/N):   ", "zk_bucket_pack",
+             f"  ({prim['zk_bucket_pack'] / prim['ddp_mul_out']:.2f}x DDP in)"),
+            ("stage 2:     shard.copy_(reduced) per bucket:           ", "zk_accumulate", "")):
+        print(f"   {label} {prim[key]:.3f}{extra}")
     print(f"   per step: DDP {ddp_total:.3f}, stage 2 {zk_total:.3f} "
           f"({zk_total / ddp_total:.2f}x)")
     print(f"   (stage 2's hook also frees each gradient, p.grad = None: "

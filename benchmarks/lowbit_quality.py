@@ -32,9 +32,15 @@ import tempfile
 from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout: its zkernels, as the demo runs (cwd ROOT) do
+from zkernels.demo.worker import WORKER_OPTS, model_config  # noqa: E402
+
 # (name, --param-dtype, --state-dtype)
 CONFIGS = [("fp32 state", "bf16", "fp32"), ("bf16 state", "bf16", "bf16"),
            ("int8 state", "bf16", "int8"), ("control: fp32 compute", "fp32", "fp32")]
+# the demo's options every run takes from this command line (the demo's defaults)
+DEMO_FLAGS = ("--n-layer", "--n-head", "--n-embd", "--block-size", "--batch-size", "--lr",
+              "--weight-decay", "--state-block-size")
 BASE = "fp32 state"
 PEER = "torchao AdamW8bit (1 process)"
 TOLERANCE = 0.01
@@ -46,14 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--seeds", default="0,1,2,3", help="comma list of seeds")
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--jobs", type=int, default=1, help="demo runs at once (2 ranks each)")
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--state-block-size", type=int, default=256,
-                    help="the int8 state's elements per scale")
+    for flag, typ, default, doc in WORKER_OPTS:  # the demo's own, handed on to every run
+        if flag in DEMO_FLAGS:
+            ap.add_argument(flag, type=typ, default=default, help=doc)
     ap.add_argument("--no-torchao", action="store_true", help="leave out the torchao row")
     ap.add_argument("--json", default=None, help="write every run and the table here")
     args = ap.parse_args(argv)
@@ -65,9 +66,7 @@ def parse_args(argv=None):
 
 
 def _model_flags(args) -> List[str]:
-    return ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
-            str(args.block_size), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-            "--weight-decay", str(args.weight_decay)]
+    return [x for f in DEMO_FLAGS for x in (f, str(getattr(args, f[2:].replace("-", "_"))))]
 
 
 def demo_run(args, steps: int, seed: int, param_dtype: str, state_dtype: str) -> float:
@@ -77,7 +76,6 @@ def demo_run(args, steps: int, seed: int, param_dtype: str, state_dtype: str) ->
         cmd = [sys.executable, "-m", "zkernels", "demo", "--nproc", "2", "--rungs", "2",
                "--device", "cpu", "--steps", str(steps), "--seed", str(seed),
                "--param-dtype", param_dtype, "--state-dtype", state_dtype,
-               "--state-block-size", str(args.state_block_size),
                "--eval-batches", str(args.eval_batches), "--timeout-s", "7200",
                "--json", out] + _model_flags(args)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -94,13 +92,11 @@ def torchao_run(args, steps: int, seed: int) -> float:
     import torch
     from torchao.optim import AdamW8bit
     from zkernels.demo.data import get_batch, load_corpus
-    from zkernels.demo.model import GPT, GPTConfig
-    from zkernels.demo.data import VOCAB_SIZE
+    from zkernels.demo.model import GPT
     torch.set_num_threads(2)
     tokens = load_corpus()
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size,
-                          n_layer=args.n_layer, n_head=2, n_embd=args.n_embd))
+    model = GPT(model_config(args))   # the demo's GPT at these sizes
     opt = AdamW8bit(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                     weight_decay=args.weight_decay)
 
@@ -183,21 +179,14 @@ def main(argv=None) -> int:
         print(f"{PEER}: {peer_note}")
     if args.json:
         import torch
+        from zkernels.bench._common import git_revision
         meta = {"machine": platform.node(), "cpu_count": os.cpu_count(),
-                "torch": torch.__version__, "commit": _commit(),
+                "torch": torch.__version__, "commit": git_revision(),
                 "args": {k: v for k, v in vars(args).items()}}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "runs": runs, "within_1pct": ok, "table": text,
                        "torchao": peer_note or "ran"}, f, indent=1)
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=ROOT).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -155,9 +155,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     if "ddp" not in methods:
         methods.insert(0, "ddp")  # every ratio is to DDP measured in the same run
     args.methods = methods
-    for name in ("steps", "world_size", "threads_per_rank", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name, low in (("steps", 1), ("world_size", 1), ("threads_per_rank", 1), ("repeats", 1),
+                      ("warmup", 0)):
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.dtype != "float32" and any(m not in bf16 for m in methods):
         p.error(f"--dtype {args.dtype}: only {','.join(bf16)} run in bf16 here, got "
                 f"{','.join(m for m in methods if m not in bf16)}")
@@ -166,8 +167,6 @@ def _parse_args(argv=None) -> argparse.Namespace:
         if not (Path(args.baseline_tree) / "zkernels" / "__init__.py").is_file():
             p.error(f"--baseline-tree: expected a zkernels checkout (DIR/zkernels/__init__.py), "
                     f"got {args.baseline_tree!r}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
 
 
@@ -199,7 +198,8 @@ def _rank(run, rank: int, world_size: int, port: int, opts: dict, queue) -> None
 
 def launch(run, opts: dict, world_size: int, timeout_s: float) -> list:
     """``run(rank, world_size, opts)`` on each of ``world_size`` spawned gloo ranks; return
-    each rank's result, or raise with the failing rank's trace. Also hook_path.py's."""
+    each rank's result, or raise with the failing rank's trace. Also the launcher of
+    hook_path.py, after_backward.py and build_peak.py."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -292,18 +292,13 @@ def main(argv=None) -> int:
 
     config = CONFIGS[args.config]
     num_params = sum(p.numel() for p in GPT(GPTConfig(**config["model"])).parameters())
-    opts = {"model": config["model"], "batch_size": config["batch_size"],
-            "methods": args.methods, "steps": args.steps, "warmup": args.warmup,
-            "lr": args.lr, "seed": args.seed, "threads_per_rank": args.threads_per_rank,
-            "dtype": args.dtype, "shard_size": args.shard_size, "zk_root": str(REPO_ROOT),
-            "nvme_budget": args.nvme_budget, "optimizer": args.optimizer,
-            "pg_timeout_s": min(120.0, args.timeout_s)}
-    cleanup = None
-    if any("_nvme" in m for m in args.methods):
+    cleanup, nvme = None, any("_nvme" in m for m in args.methods)
+    if nvme and args.offload_dir is None:
         import tempfile
-        if args.offload_dir is None:
-            args.offload_dir = cleanup = tempfile.mkdtemp(prefix="zk-bench-nvme-")
-        opts["offload_dir"] = args.offload_dir
+        args.offload_dir = cleanup = tempfile.mkdtemp(prefix="zk-bench-nvme-")
+    # every flag (methods, steps, warmup, lr, seed, dtype, shard_size, nvme_budget, ...) and:
+    opts = dict(vars(args), model=config["model"], batch_size=config["batch_size"],
+                zk_root=str(REPO_ROOT), pg_timeout_s=min(120.0, args.timeout_s))
     n = args.world_size
     meta = {
         "benchmark": "zero_step",
@@ -364,7 +359,7 @@ def main(argv=None) -> int:
         if cleanup is not None:
             import shutil
             shutil.rmtree(cleanup, ignore_errors=True)
-    meta["nvme_budget_bytes"] = args.nvme_budget if opts.get("offload_dir") else None
+    meta["nvme_budget_bytes"] = args.nvme_budget if nvme else None
     meta["load_average_after"] = os.getloadavg()
     rows = runs[-1]
     repeats = repeat_summary(runs)
@@ -490,15 +485,9 @@ def _offload_verdicts(rows, meta) -> None:
               f"{'faster' if ratio < 1 else 'NOT faster'}")
     by = {r["method"]: r for r in rows if "error" not in r}
     for name in ("zk_stage2_nvme", "zk_stage3_nvme", "zk_stage3_nvme_params"):
-        _nvme_verdict(name, by.get(name), meta)
-    blocked = [r for r in rows if r["method"] == "ds_stage2_nvme" and "error" in r]
-    if blocked:
-        print(f"ds_stage2_nvme: blocked here: {blocked[0]['error'].splitlines()[0]}")
-
-
-def _nvme_verdict(name, nv, meta) -> None:
-    """NVMe host RAM within its budget while the moments on disk are many times it."""
-    if nv and meta.get("nvme_budget_bytes"):
+        nv = by.get(name)
+        if not (nv and meta.get("nvme_budget_bytes")):
+            continue
         st = nv["zk_stats_last"]
         host = nv["memory_location_bytes_per_rank"]["host"]
         moments = max(m["optimizer_states"] for m in nv["memory_bytes_by_rank"])
@@ -515,6 +504,9 @@ def _nvme_verdict(name, nv, meta) -> None:
                  if bounces else "")
               + f"; moments on disk {moments} B = {moments / budget:.1f}x the budget; "
               f"O_DIRECT: {st['offload'].get('direct_io')}")
+    blocked = [r for r in rows if r["method"] == "ds_stage2_nvme" and "error" in r]
+    if blocked:
+        print(f"ds_stage2_nvme: blocked here: {blocked[0]['error'].splitlines()[0]}")
 
 
 if __name__ == "__main__":
