@@ -767,11 +767,12 @@ class UpdateEngine:
                              "checkpoint (zk.checkpoint.save) instead")
         if not self.on_host:
             return None
+        rules = None
         if not self._closed:
             self._settle_all()
-        # (a rule's RAM state for the manifest, read before anything closes)
-        rules = {r.unit_index: r.rule.kept(self.specs[r.unit.group_index].name)
-                 for r in self.states if isinstance(r.rule, SwappedRule)} if keep_files else None
+            if keep_files:   # (a rule's RAM state for the manifest, before anything closes)
+                rules = {r.unit_index: r.rule.kept(self.specs[r.unit.group_index].name)
+                         for r in self.states if isinstance(r.rule, SwappedRule)}
         self._closed = True
         self._finalizer()
         if self.files is None:
