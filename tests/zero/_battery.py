@@ -400,7 +400,7 @@ class Reference:
             out["params"], out["worst_param"] = worst_param(model, self.compute,
                                                             **tol(torch.bfloat16))
         sd = opt.state_dict()   # (a torch class's groups: the masters by unit under "zero")
-        masters = sd["zero"]["masters"] if "zero" in sd else \
+        masters = sd["zero"]["masters"] if "masters" in sd.get("zero", {}) else \
             {u.index: sd["state"][u.index]["master"] for u in opt.units}
         out["master"] = 0.0
         for u in opt.units:
