@@ -363,7 +363,9 @@ def parse_args(argv):
                                                      "B"])
     ap.add_argument("--optimizer", default="adamw", help="adamw (default: the fused AdamW, "
                     "8 B/param of state) or a torch.optim element-wise class by name (sgd, "
-                    "adam, adagrad, rmsprop, ...): its state bytes per parameter")
+                    "adam, adagrad, rmsprop, ...): its state bytes per parameter; muon or "
+                    "adafactor (whole matrices on owner ranks) also add the owners' exchanges "
+                    "to comm (2·4·Ψ·(N-1)/N² per step)")
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="the fused AdamW's moments: fp32 (8 B/param), bf16 (4) or int8 "
                     "blockwise (2 + 8 per block of 256); low-bit states have no NVMe rungs")
@@ -447,6 +449,10 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"stages 1-2 reduce-scatter them in {r} and all-gather the params in {p} "
           f"((r + p)·Ψ: " + ("equal to data parallel's, the paper's 2Ψ" if r == p else
                              "the paper's 2Ψ when r = p") + "), times (N-1)/N")
+    if e0.comm_matrix_bytes or rows[-1].comm_matrix_bytes:
+        print(f"{args.optimizer}: comm adds the owners' exchanges of the whole matrices "
+              f"(gradient pieces to the owners, updated pieces back): 2·4·Ψ·(N-1)/N² on "
+              f"the rungs, Ψ counted as matrices")
     if args.shard_size is not None:
         k = args.shard_size
         print(f"hybrid: the rungs shard over groups of K = {k} ranks (bytes per rank: N -> K) "

@@ -202,7 +202,7 @@ def hybrid_parity(rank, ws, fp32_ns):
         fp32_newton_schulz()
     extra = {}
 
-    def measure(opt, ws, stage, offload, K, state=None):   # (not the AdamW formula)
+    def measure(opt, ws, stage, offload, K, state=None, row=None):   # (the bytes beside Ψ_m)
         sent = opt.stats()["comm_bytes"]
         base = sum(4 * u.layout.padded_numel for u in opt.units) * (K - 1) // K
         extra["bytes"] = sent["reduce_scatter"] + sent["all_gather"] - 2 * base

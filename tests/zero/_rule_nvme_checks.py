@@ -42,8 +42,8 @@ def build(m, stage, offload, case, master=False, **kw):
     ``master``: NVMe keeps the master in files too (``nvme_master=True``)."""
     opt, hp = CASES[case]
     cut = dict(units=[nn.Linear]) if stage == 3 else dict(bucket_bytes=512)
-    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=MASTER if master else NVME) \
-        if offload == "nvme" else {}
+    extra = dict(offload_dir=tempfile.mkdtemp(), offload_config=kw.pop(
+        "offload_config", MASTER if master else NVME)) if offload == "nvme" else {}
     return zk.ZeroOptimizer(m, stage=stage, offload=offload, optimizer=opt, **cut, **extra,
                             **hp, **kw)
 
@@ -109,4 +109,40 @@ def matrix_nvme_and_cpu(rank, world_size, stage, kind):
         mc.train(m, opt, s, rank, world_size)
     out["resumed"] = [p.tolist() for p in params(m, opt)]
     opt.close()
+    return out
+
+
+def kept_and_resumed(case, stage, forget=False):
+    """Train 3 steps with the master on NVMe, ``close(keep_files=True)``, resume the folder
+    in a new optimizer over other initial values (``OffloadConfig(resume_dir=...)``), train 3
+    more: ``(parameters right after the resume, the first run's at close, the resumed run's
+    end, an uninterrupted 6-step run's end)``. ``forget``: the manifest's kept RAM state is
+    dropped before the resume (each piece "no state yet": the check can fail)."""
+    import json
+    whole = model()
+    ref = build(whole, stage, "nvme", case, master=True)
+    train(whole, ref, steps=6)
+    want = params(whole, ref)
+    ref.close()
+    m = model()
+    opt = build(m, stage, "nvme", case, master=True)
+    train(m, opt)
+    at_close = params(m, opt)
+    kept = opt.close(keep_files=True)
+    if forget:
+        path = os.path.join(kept, "manifest.json")
+        with open(path) as f:
+            man = json.load(f)
+        for info in man["rules"].values():
+            info["pieces"] = [None] * len(info["pieces"])
+        with open(path, "w") as f:
+            json.dump(man, f)
+    m2 = model(seed=7)
+    opt2 = build(m2, stage, "nvme", case, master=True,
+                 offload_config=OffloadConfig(resume_dir=kept))
+    resumed = params(m2, opt2)
+    train(m2, opt2, first=3)
+    out = (resumed, at_close, params(m2, opt2), want)
+    opt2.close()
+    shutil.rmtree(os.path.dirname(kept), ignore_errors=True)
     return out

@@ -114,10 +114,13 @@ def _stage3_memory(opt, st, psi, ws, row, padded, shard, pel, rel) -> None:
                     "total": mem["total"] + buffers + g["peak_gathered_bytes"]}, peak
 
 
-def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None):
+def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None, row=None):
     """A hybrid row (``shard_size=K``), called from its parity: the last step's bytes, exact
     against the layouts, and bytes held: the formula with N replaced by K (the layouts are
-    over K ranks)."""
+    over K ranks). A whole-matrix row (``row.optim``): its bytes only (:func:`_matrix_hybrid`).
+    """
+    if row is not None and row.optim.startswith(("muon", "adafactor")):
+        return _matrix_hybrid(opt, ws, row)
     g = ws // K
     padded = sum(u.layout.padded_numel for u in opt.units)
     shard = sum(u.layout.shard_numel for u in opt.units)
@@ -161,3 +164,32 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None):
     for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):
         assert getattr(est, kind) == getattr(plain, kind), kind
     assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
+
+
+def _matrix_hybrid(opt, ws, row):
+    """A hybrid Muon / Adafactor row's last step: the reduce-scatter within the group, the
+    all-gather of the compute dtype and the cross-group all-reduce as any hybrid row's, plus
+    the owners' two exchanges within the group, each half of ``estimate_memory(...,
+    param_groups=)``'s ``comm_matrix_bytes`` ([Note: the matrix exchanges in the estimate]):
+    exact."""
+    from tests.zero._battery import matrix_groups, row_model
+    K = row.shard_size
+    g = ws // K
+    model = row_model(row)   # (the same shapes, whole)
+    est = zk.estimate_memory(model, ws, row.stage, shard_size=K, param_dtype=row.param_dtype,
+                             param_groups=matrix_groups(model, row.optim),
+                             **({} if row.stage == 3 else {"bucket_bytes": row.optimizer_kw(
+                                 None)["bucket_bytes"]}))
+    extra = est.comm_matrix_bytes
+    assert extra > 0 and extra % 2 == 0, est
+    padded = sum(u.layout.padded_numel for u in opt.units)
+    pel = 2 if row.param_dtype is not None else 4
+    gathers = 2 if row.stage == 3 else 1
+    comm = opt.stats()["comm_bytes"]
+    rs = padded * 4 * (K - 1) // K + extra // 2
+    ag = gathers * padded * pel * (K - 1) // K + extra // 2
+    across = sum(2 * u.layout.shard_numel * 4 * (g - 1) // g for u in opt.units)
+    assert comm["reduce_scatter"] == rs, (comm, rs)
+    assert comm["all_gather"] == ag, (comm, ag)
+    assert comm["across_groups"] == across, (comm, across)
+    assert comm["within_group"] == comm["total"] - across, comm

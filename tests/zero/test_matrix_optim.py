@@ -82,12 +82,18 @@ def test_muon_on_a_vector_is_refused_by_name(tmp_path):
                                          r"updates only 2-D"):
         zk.ZeroOptimizer(m, param_groups=[{"params": list(m.parameters()),
                                           "optimizer": torch.optim.Muon}])
-    # (offload="nvme" runs Muon: tests/zero/test_rule_nvme.py; a kept folder does not)
-    with pytest.raises(ValueError, match="resume_dir resumes the fused AdamW's files only, "
-                                         "not torch.optim.Muon's"):
+    # (offload="nvme" runs Muon: tests/zero/test_rule_nvme.py; a kept folder does not: the
+    # shard masters of its units live in host RAM)
+    with pytest.raises(ValueError, match="resume_dir cannot resume torch.optim.Muon's run: "
+                                         "the shard masters of its units live in host RAM"):
         zk.ZeroOptimizer(m, stage=2, offload="nvme", offload_dir=str(tmp_path),
                          offload_config=zk.zero.OffloadConfig(resume_dir=str(tmp_path)),
                          param_groups=mc.groups(m, "muon"))
+    opt = zk.ZeroOptimizer(m, stage=2, offload="nvme", offload_dir=str(tmp_path),
+                           param_groups=mc.groups(m, "muon"))
+    with pytest.raises(ValueError, match="cannot keep a whole-matrix class's run"):
+        opt.close(keep_files=True)
+    opt.close()
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +150,7 @@ def test_state_dict_in_the_class_format():
 @pytest.mark.slow
 def test_hybrid_sharding_four_ranks():
     """Hybrid (2 shard groups of 2): owners within each group, Newton-Schulz in fp32 on both
-    sides, the parameters within the battery's Muon bound ([Note: Muon's tolerance] in
+    sides, the parameters within tol(float32) ([Note: Muon's tolerance] in
     _battery.py: torch's bf16 iteration measured 90x tol(float32) at step 3 under hybrid's
     two-level summation order). The exchanges stay within one extra Ψ_m per group."""
     for r in run_ranks(mc.hybrid_parity, 4, True, timeout=600.0):

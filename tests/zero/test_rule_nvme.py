@@ -18,6 +18,7 @@ from tests.zero._battery import RefLion
 from tests.zero._harness import rank_fixture
 from zkernels.zero import OffloadConfig
 from zkernels.zero.state.rule_swap import SwappedRule
+from zkernels.zero.state.swap import OffloadIOError
 
 ROWS = {f"{case}_s{stage}{'_master' * master}": functools.partial(
     rc.nvme_and_cpu, stage=stage, case=case, master=master)
@@ -157,17 +158,36 @@ def test_checkpoint_from_nvme_continues_with_cpu_offload(tmp_path, case, master)
         opt2.close()
 
 
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["sgd_class", "adagrad", "lion"])
+def test_kept_folder_resumes(case, stage):
+    """close(keep_files=True) + OffloadConfig(resume_dir=...): the new run starts at the kept
+    parameters and continues bit for bit as the uninterrupted run ([Note: rule state on
+    NVMe]: the files, and the RAM state in the manifest)."""
+    resumed, at_close, end, want = rc.kept_and_resumed(case, stage)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, at_close))
+    for a, b in zip(end, want):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+def test_kept_folder_check_can_fail():
+    """The manifest's RAM state is what resumes the momentum: dropped, the run differs."""
+    _, _, end, want = rc.kept_and_resumed("sgd_class", 2, forget=True)
+    assert not all(torch.equal(a, b) for a, b in zip(end, want))
+
+
 def test_refused_by_name(tmp_path):
     m = rc.model()
-    opt = rc.build(m, 2, "nvme", "sgd_class", master=True)
+    opt = rc.build(m, 2, "nvme", "sgd_class")   # (nvme_master=False: the master in RAM)
     rc.train(m, opt, steps=1)
-    with pytest.raises(ValueError, match=r"keep_files=True.*torch.optim class.*checkpoint"):
+    with pytest.raises(ValueError, match=r"keep_files=True\) needs OffloadConfig\(nvme_master"):
         opt.close(keep_files=True)
     opt.close()
-    with pytest.raises(ValueError, match=r"resume_dir.*not the fused Lion op.s.*checkpoint"):
-        zk.ZeroOptimizer(m, stage=2, optimizer="lion", offload="nvme",
-                         offload_dir=str(tmp_path),
-                         offload_config=OffloadConfig(resume_dir=str(tmp_path)))
+    opt = rc.build(rc.model(), 2, "nvme", "lion", master=True)
+    kept = opt.close(keep_files=True)
+    with pytest.raises(OffloadIOError, match=r"unit 0 was kept by lion, this optimizer runs SGD"):
+        rc.build(rc.model(), 2, "nvme", "sgd_class", master=True,
+                 offload_config=OffloadConfig(resume_dir=kept))
 
 
 @pytest.mark.parametrize("master", [False, True], ids=["host_master", "disk_master"])

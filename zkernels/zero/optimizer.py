@@ -471,7 +471,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Args:
             keep_files: NVMe offload only: keep the run folder (with a manifest) for
-                ``OffloadConfig(resume_dir=...)``.
+                ``OffloadConfig(resume_dir=...)`` (with ``nvme_master``; refused by name
+                for Muon and Adafactor, whose shard masters live in host RAM).
 
         Returns:
             the kept folder (NVMe with ``keep_files``), else None.

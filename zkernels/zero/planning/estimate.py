@@ -90,16 +90,21 @@ partial block is not rounded up), so small units come out a little under the met
 Offload adds host<->device copies (gradient shard down, updated shard up; with
 ``offload_params`` the shard comes up at every gather instead: twice per step) and, for nvme,
 the read and write of master and states.
+A whole-matrix class (Muon, Adafactor) adds its owners' two exchanges within the shard group
+(``comm_matrix_bytes``: the gradient pieces to the owners, the updated master pieces back),
+exact against the meter when the model and its param groups are given ([Note: the matrix
+exchanges in the estimate] in ``matrix_plan.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .buckets import auto_bucket_bytes
 from .config import QuantizeConfig, ZeroConfig, parse_dtype
+from .matrix_plan import balanced_exchange_bytes, matrix_exchange_bytes
 from .offload_config import (IO_ALIGN, NUM_PARAM_BOUNCES, OffloadConfig, nvme_arena_bytes,
                              nvme_sub_group_numel, param_bounce_bytes)
 from .optimizer_spec import ADAMW_STATE_BYTES, OptimizerSpec, resolve_optimizer
@@ -147,6 +152,9 @@ class MemoryEstimate:
             all-reduce of the gradient shard; 0 without hybrid sharding).
         quantize_weights, quantize_grads: the quantized collectives counted in ``comm_bytes``
             (None: exact).
+        comm_matrix_bytes: the part of ``comm_bytes`` that a whole-matrix class's owners
+            exchange within the shard group (0 without Muon / Adafactor; see [Note: the
+            matrix exchanges in the estimate] in ``matrix_plan.py``).
     """
 
     stage: int
@@ -172,6 +180,7 @@ class MemoryEstimate:
     comm_across_groups_bytes: int = 0
     quantize_weights: Optional[str] = None
     quantize_grads: Optional[str] = None
+    comm_matrix_bytes: int = 0
 
     @property
     def trainable_numel(self) -> int:
@@ -346,6 +355,9 @@ class _Counts:
     rule: bool = False      # a torch class or fused Lion/SGD (NVMe: swapped per unit)
     state_format: Optional[StateFormat] = None   # low-bit AdamW moments (state_dtype)
     matrix: bool = False    # a whole-matrix class (NVMe: its shard master in host RAM)
+    matrix_comm: float = 0.0   # bytes of the owners' exchanges per step (matrix_plan.py)
+    # per param group (param_groups=): (state bytes per element, trainable elements)
+    group_states: Tuple[Tuple[int, int], ...] = ()
 
     @property
     def offload(self) -> Optional[str]:
@@ -413,12 +425,15 @@ def _states(c: _Counts) -> Dict[str, int]:
     # offload_params the host master is the host parameter shard itself).
     own_master = c.mixed or c.offload is not None and not (c.offload_params and
                                                            c.offload == "cpu")
+    states = c.state_bytes * per if c.state_format is None else state_bytes(per, c.state_format)
+    if c.group_states:   # each group's class on its own elements
+        states = sum(b * (_div(n, c.big_n) if pol.shards_optimizer else n)
+                     for b, n in c.group_states)
     return dict(params=c.p * c.shard + c.frozen_shard if pol.shards_params
                 else c.p * c.n_psi + c.frozen_whole,
                 grads=c.g * c.shard if pol.shards_grads else c.p * c.n_psi,
                 master=MASTER_BYTES * per if own_master else 0,
-                optimizer_states=c.state_bytes * per if c.state_format is None
-                else state_bytes(per, c.state_format))
+                optimizer_states=states)
 
 
 def _buffers(c: _Counts) -> int:
@@ -516,6 +531,7 @@ def _traffic(c: _Counts, disk: Dict[str, int]):
         comm -= gathered * (pq * frac - p * (secondary - 1) / secondary)
     # Hybrid: the reduced gradient shard is all-reduced across the groups (ring: 2(G-1)/G).
     across = 2 * r * c.shard * (c.groups - 1) / c.groups
+    comm += c.matrix_comm   # the owners' exchanges, within the shard group
     h2d = 0 if c.offload is None else c.g * c.shard + (
         pol.gathers_per_step * (p * c.shard + c.frozen_shard) if c.offload_params
         else p * c.shard)
@@ -546,6 +562,7 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
                     max_tensor_numel: Optional[int] = None, num_param_groups: int = 1,
                     frozen_numel: Optional[int] = None, frozen_dtype=None,
                     optimizer="adamw", optimizer_kwargs: Optional[dict] = None,
+                    param_groups: Optional[Sequence[dict]] = None,
                     **config_kwargs) -> MemoryEstimate:
     """Bytes per rank, by kind and location, for training with AdamW (or ``optimizer``)
     on one rung.
@@ -588,6 +605,15 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             it (``"adamw"``, ``"sgd"``, ``torch.optim.Adagrad``, ...) and its hyperparameters
             (``{"momentum": 0.9}``): its state bytes per trainable element replace AdamW's 8
             (``OptimizerSpec.state_bytes``: SGD 4 with momentum, 0 without; Adagrad 4; ...).
+            A whole-matrix class (``"muon"``, ``"adafactor"``) also adds its owners'
+            exchanges to ``comm_bytes`` (``comm_matrix_bytes``; with a count, the balanced
+            layout's figure).
+        param_groups: with a module, the groups as ``ZeroOptimizer`` takes them (each
+            ``{"params": [...], "optimizer": torch.optim.Muon, ...}``; a group without
+            ``"optimizer"`` runs ``optimizer``): each group's state bytes on its own
+            elements, the groups' count for the reduce buffers, and the owners' exchanges of
+            the matrix groups, counted on the optimizer's own layout and owners (the meter's
+            figure: [Note: the matrix exchanges in the estimate] in ``matrix_plan.py``).
 
     Hybrid sharding replaces N by K in every byte per rank and adds the cross-group
     all-reduce; secondary shards add p·Ψ/R to the transient bytes; quantization changes the
@@ -603,11 +629,20 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
     cfg = _model_param_dtype(model_or_num_params, cfg)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else \
         resolve_optimizer(optimizer, dict(optimizer_kwargs or {}), where="estimate_memory: ")
+    if param_groups is not None and isinstance(param_groups, (list, tuple)):
+        num_param_groups = len(param_groups)
     c = _counts(model_or_num_params, world_size, cfg, grad_shard_dtype=grad_shard_dtype,
                 max_unit_numel=max_unit_numel, gathered_numel=gathered_numel,
                 max_tensor_numel=max_tensor_numel, num_param_groups=num_param_groups,
                 frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     c = replace(c, state_bytes=spec.state_bytes(), rule=not spec.fused, matrix=spec.matrix)
+    if param_groups is not None:
+        c = _with_groups(c, model_or_num_params, param_groups, optimizer, optimizer_kwargs)
+    elif spec.matrix:   # one class on every trainable parameter
+        c = replace(c, matrix_comm=_matrix_comm(
+            c, model_or_num_params, [{"params": _trainable_params(model_or_num_params)}],
+            [spec]) if isinstance(model_or_num_params, torch.nn.Module)
+            else balanced_exchange_bytes(c.n_psi, c.big_n) if cfg.stage else 0)
     if cfg.state.state_dtype is not None:   # low-bit moments (planning/state_format.py)
         if not spec.fused:
             raise ValueError(f"estimate_memory: state_dtype applies to the fused AdamW only "
@@ -628,7 +663,52 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
         by_location={"device": device, "host": host, "disk": disk},
         shard_size=None if cfg.sharding.shard_size is None else c.big_n,
         comm_across_groups_bytes=int(round(across)),
-        quantize_weights=q.weights, quantize_grads=q.grads)
+        quantize_weights=q.weights, quantize_grads=q.grads,
+        comm_matrix_bytes=int(round(c.matrix_comm)))
+
+
+def _trainable_params(model: torch.nn.Module):
+    return list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+
+def _with_groups(c: _Counts, model, param_groups, optimizer, optimizer_kwargs) -> _Counts:
+    """``c`` with ``param_groups``' own optimizers: state bytes per group, the groups'
+    count, the largest group's state for NVMe staging and the owners' exchanges."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError("estimate_memory: param_groups needs the model (an nn.Module), not a "
+                         "parameter count")
+    if isinstance(param_groups, dict) or not all(isinstance(g, dict) and "params" in g
+                                                 for g in param_groups):
+        raise TypeError("estimate_memory: param_groups must be a list of dicts with "
+                        "'params', as ZeroOptimizer takes them")
+    groups = [dict(g, params=list(g["params"])) for g in param_groups]
+    specs = []
+    for i, g in enumerate(groups):
+        opt = g.get("optimizer", optimizer)
+        hp = {k: v for k, v in g.items() if k not in ("params", "optimizer")}
+        if "optimizer" not in g:
+            hp = dict(optimizer_kwargs or {})
+        specs.append(resolve_optimizer(opt, {} if isinstance(opt, str) and
+                                       opt.lower() == "adamw" else hp,
+                                       where=f"estimate_memory: param_groups[{i}]: "))
+    numels = [sum(p.numel() for p in {id(p): p for p in g["params"]}.values()) for g in groups]
+    return replace(c, group_states=tuple((s.state_bytes(), n) for s, n in zip(specs, numels)),
+                   state_bytes=max(s.state_bytes() for s in specs),
+                   rule=any(not s.fused for s in specs), matrix=any(s.matrix for s in specs),
+                   matrix_comm=_matrix_comm(c, model, groups, specs))
+
+
+def _matrix_comm(c: _Counts, model, groups, specs) -> int:
+    """The owners' exchanges per step on the optimizer's layout (``matrix_plan.py``; data
+    parallel runs every class whole on every rank: none)."""
+    if c.cfg.stage == 0:
+        return 0
+    prec = c.cfg.precision
+    pdt, rdt = prec.param_dtype or torch.float32, prec.reduce_dtype or torch.float32
+    return matrix_exchange_bytes(model, c.big_n, c.cfg.stage, groups, specs,
+                                 param_dtype=pdt, reduce_dtype=rdt,
+                                 bucket_bytes=c.cfg.buckets.bucket_bytes,
+                                 pooled=c.policy.uses_reduce_pool(pdt, rdt))
 
 
 def quantized_element_bytes(quantization: QuantizeConfig):

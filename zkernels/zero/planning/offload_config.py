@@ -98,7 +98,9 @@ class OffloadConfig:
             reason logged once), True (O_DIRECT or an error), False (buffered).
         resume_dir: an NVMe run folder kept by ``opt.close(keep_files=True)``: the new
             optimizer checks and adopts its files (moments, master, step counts) instead of
-            starting from zero moments; its parameters are rebuilt from the kept master.
+            starting from zero moments; its parameters are rebuilt from the kept master. A
+            torch.optim class or the fused Lion/SGD resumes too (its RAM state kept in the
+            manifest: [Note: rule state on NVMe]); Muon and Adafactor are refused by name.
     """
 
     pin_memory: Optional[bool] = None

@@ -285,7 +285,11 @@ class UpdateEngine:
         if swapped:   # the rule's state in files, in RAM for its step ([Note: rule state on NVMe])
             rec.rule = SwappedRule(rec.rule, self.files, unit.index, n, self.copier,
                                    master_on_disk=master.is_meta)
-            if master.is_meta:
+            if self.files.resumed:   # a kept folder: its files, its steps, its master
+                rec.rule.adopt(self.files.rule_info(unit.index, spec.name))
+                rec.set_step(self.files.kept_step(unit.index))
+                self._write_compute(unit, rec.rule.master_copy())
+            elif master.is_meta:
                 rec.rule.write_master(initial_master)
         elif not on_files:
             self._ensure_slots(n, unit)
@@ -742,8 +746,9 @@ class UpdateEngine:
 
         Args:
             keep_files: NVMe: keep the folder with a manifest (steps, rank, kinds) so that a
-                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it
-                (the fused AdamW only: a rule's step counts live in RAM, refused by name).
+                new optimizer with ``OffloadConfig(resume_dir=folder)`` continues from it (a
+                rule's RAM state goes into the manifest: [Note: rule state on NVMe]; a
+                whole-matrix class is refused by name: its shard masters live in RAM).
 
         Returns:
             the kept folder, or None.
@@ -753,16 +758,21 @@ class UpdateEngine:
         if keep_files and self.where["master"] != "disk":
             raise ValueError("close(keep_files=True) needs OffloadConfig(nvme_master=True): "
                              "the master is in host RAM and would not survive")
-        if keep_files and any(r.rule is not None for r in self.states):
-            raise ValueError("close(keep_files=True) keeps the fused AdamW's files only: a "
-                             "torch.optim class's or the fused Lion/SGD's step counts live in "
-                             "RAM; save a checkpoint (zk.checkpoint.save) instead")
+        if keep_files and any(isinstance(r.rule, MatrixUnitRule) for r in self.states):
+            raise ValueError("close(keep_files=True) cannot keep a whole-matrix class's run "
+                             "(Muon, Adafactor): its units' shard masters live in host RAM "
+                             "([Note: whole matrices on NVMe]), not in the folder; save a "
+                             "checkpoint (zk.checkpoint.save) instead")
         if not self.on_host:
             return None
+        rules = None
         if not self._closed:
             self._settle_all()
+            if keep_files:   # (a rule's RAM state for the manifest, before anything closes)
+                rules = {r.unit_index: r.rule.kept(self.specs[r.unit.group_index].name)
+                         for r in self.states if isinstance(r.rule, SwappedRule)}
         self._closed = True
         self._finalizer()
         if self.files is None:
             return None
-        return self.files.close([r.step for r in self.states] if keep_files else None)
+        return self.files.close([r.step for r in self.states] if keep_files else None, rules)

@@ -56,6 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..planning.matrix_plan import OwnerPlan, matrix_cost
 from ..planning.optimizer_spec import OptimizerSpec
 from .matrix_swap import WholeSwap
 
@@ -80,15 +81,6 @@ class _Item:
     group_index: int
     owner: int
     pieces: List[Tuple[int, int, int]]   # per rank: (start in param, start in shard, length)
-
-
-def _cost(spec: OptimizerSpec, shape: Tuple[int, ...]) -> float:
-    n = 1
-    for s in shape:
-        n *= s
-    if spec.name == "Muon":
-        return float(n) * min(shape)
-    return float(n)
 
 
 def _scaled(g: torch.Tensor, grad_scale) -> torch.Tensor:
@@ -119,7 +111,7 @@ class MatrixUpdate:
         self.copier = copier
         self.items: List[_Item] = []
         self.records: Dict[int, object] = {}          # unit index -> ShardState
-        self.load = [0.0] * world_size
+        self.owners = OwnerPlan(world_size)   # (planning/matrix_plan.py: the estimate's too)
         self.whole: Dict[int, torch.Tensor] = {}      # item index -> owner's fp32 master
         self.inner: Dict[int, torch.optim.Optimizer] = {}   # group index -> the class
         self.stale = True   # the owners' whole masters must be (re)read from the shards
@@ -151,15 +143,11 @@ class MatrixUpdate:
                 pieces.append(got[0] if got else (0, 0, 0))
             new.append(_Item(unit.index, i, name, shape, lay.offsets[i], lay.numels[i],
                              unit.group_index, -1, pieces))
-        for it in sorted(new, key=lambda it: -_cost(spec, it.shape)):
-            c = _cost(spec, it.shape)
-            # Balanced first: a rank may take it only if the most loaded rank's cost does
-            # not grow beyond what the least loaded one taking it gives; among those, the
-            # rank holding the largest piece (the least traffic).
-            bound = max(max(self.load), min(self.load) + c)
-            it.owner = min((r for r in range(self.world_size) if self.load[r] + c <= bound),
-                           key=lambda r: (-it.pieces[r][2], self.load[r], r))
-            self.load[it.owner] += c
+        # Balanced first, then the least traffic (OwnerPlan: the rule the estimate uses).
+        owners = self.owners.assign([matrix_cost(spec.name, it.shape) for it in new],
+                                    [[k for _, _, k in it.pieces] for it in new])
+        for it, owner in zip(new, owners):
+            it.owner = owner
         for it in new:
             k = len(self.items)
             self.items.append(it)

@@ -46,6 +46,7 @@ class NvmeFiles:
         resume = config.resume_dir
         self.resumed = resume is not None
         self.folder = os.fspath(resume) if self.resumed else make_run_folder(offload_dir, rank)
+        self._rules: Dict[str, dict] = {}   # (resuming: each rule unit's kept RAM state)
         self._steps = self._read_manifest() if self.resumed else None
         ok, reason = probe_direct_io(self.folder)
         if config.direct_io and not ok:
@@ -85,7 +86,26 @@ class NvmeFiles:
         if got != want:
             raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} was kept by "
                                  f"{got}, this optimizer is {want}")
+        self._rules = dict(man.get("rules", {}))
         return [int(s) for s in man["steps"]]
+
+    def kept_step(self, index: int) -> int:
+        """Resuming: unit ``index``'s step count kept in the manifest."""
+        return self._steps[index]
+
+    def rule_info(self, index: int, optimizer: str) -> dict:
+        """Resuming: unit ``index``'s rule state kept in the manifest (``SwappedRule.kept``:
+        [Note: rule state on NVMe] in ``rule_swap.py``).
+
+        Raises:
+            OffloadIOError: the kept run had no rule at that unit, or another optimizer.
+        """
+        info = self._rules.get(str(index))
+        if info is None or info.get("optimizer") != optimizer:
+            raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r}: unit {index} was "
+                                 f"kept by {info.get('optimizer') if info else 'the fused AdamW'}"
+                                 f", this optimizer runs {optimizer} there")
+        return info
 
     def open(self, rec: ShardState) -> int:
         """Create ``rec``'s files (or, resuming, open and check the kept ones) into
@@ -122,6 +142,19 @@ class NvmeFiles:
         path = os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
         f = SwapFile.create(path, numel, kind, index, self.rank, self.world_size,
                             self.direct_io)
+        self._files.append({kind: f})
+        return f
+
+    def open_file(self, index: int, kind: str, numel: int) -> SwapFile:
+        """Resuming: the kept file :meth:`create_file` made (checked, registered alike).
+
+        Raises:
+            OffloadIOError: missing, or of another unit, rank, kind or size.
+        """
+        path = os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
+        # (the header keeps the kind's first 16 bytes: "rule-momentum_buffer" is longer)
+        f = SwapFile.open_existing(path, numel, kind.encode()[:16].decode(errors="replace"),
+                                   index, self.rank, self.world_size, self.direct_io)
         self._files.append({kind: f})
         return f
 
@@ -168,9 +201,11 @@ class NvmeFiles:
                         os.fstat(f.fd).st_size
         return out
 
-    def close(self, steps: Optional[Sequence[int]] = None) -> Optional[str]:
+    def close(self, steps: Optional[Sequence[int]] = None,
+              rules: Optional[Dict[int, dict]] = None) -> Optional[str]:
         """Finish I/O, close the files and remove the folder (idempotent); with ``steps``
-        (per unit) keep it with a manifest for ``OffloadConfig(resume_dir=...)``.
+        (per unit) keep it with a manifest for ``OffloadConfig(resume_dir=...)``; ``rules``:
+        each rule unit's RAM state (``SwappedRule.kept``), kept in the manifest too.
 
         Returns:
             the kept folder, or None.
@@ -179,7 +214,7 @@ class NvmeFiles:
             return self.kept
         if steps is not None:
             man = {"rank": self.rank, "world_size": self.world_size, "kinds": list(self.kinds),
-                   "steps": list(steps)}
+                   "steps": list(steps), "rules": {str(k): v for k, v in (rules or {}).items()}}
             tmp = os.path.join(self.folder, MANIFEST + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(man, f)

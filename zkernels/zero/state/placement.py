@@ -59,21 +59,19 @@ def host_ops_for(ops_backend: Optional[str]) -> OpSet:
 def check_nvme_rules(specs, config: OffloadConfig) -> None:
     """``offload="nvme"`` takes the fused AdamW, the torch.optim classes and the fused Lion /
     SGD (their state, and with ``nvme_master`` their master, swapped per unit: [Note: rule
-    state on NVMe] in ``rule_swap.py``), and the whole-matrix classes (the owners' whole
-    masters and state swapped per matrix: [Note: whole matrices on NVMe] in
-    ``matrix_swap.py``); resuming a kept folder with any of them is refused by name.
+    state on NVMe] in ``rule_swap.py``; a kept folder resumes them), and the whole-matrix
+    classes (the owners' whole masters and state swapped per matrix: [Note: whole matrices
+    on NVMe] in ``matrix_swap.py``), whose kept folder is refused by name: the shard masters
+    of their units live in host RAM, so the folder does not hold the run.
 
     Raises:
         ValueError: naming the optimizer and what to use instead.
     """
     for spec in specs:
-        if spec.fused:
-            continue
-        what = f"the fused {'Lion' if spec.kernel == 'lion' else 'SGD'} op" \
-            if spec.kernel else f"torch.optim.{spec.name}"
-        if config.resume_dir is not None:
-            raise ValueError(f"OffloadConfig.resume_dir resumes the fused AdamW's files only, "
-                             f"not {what}'s (its step counts lived in RAM): load a checkpoint "
+        if spec.matrix and config.resume_dir is not None:
+            raise ValueError(f"OffloadConfig.resume_dir cannot resume torch.optim.{spec.name}'s "
+                             f"run: the shard masters of its units live in host RAM, not in "
+                             f"the folder ([Note: whole matrices on NVMe]); load a checkpoint "
                              f"(zk.checkpoint.load) instead")
 
 

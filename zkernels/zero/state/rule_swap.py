@@ -21,9 +21,14 @@ before the step and written back after it; between steps the rule steps a placeh
 the buffer read in), so a step without the files fails loudly. The engine writes the unit's
 compute shard from the master while it is in RAM (``step(publish=...)``), and reads it for a
 checkpoint from the file (:meth:`SwappedRule.master_copy`). Host RAM then holds one unit's
-master and state at a time, and nothing between steps. A kept folder cannot be resumed with
-a rule (its 0-dim state, ``step``, lives in RAM): ``placement.check_nvme_rules`` refuses
-``resume_dir`` and the engine ``close(keep_files=True)`` by name; a checkpoint resumes it.
+master and state at a time, and nothing between steps. A kept folder resumes (``close(
+keep_files=True)``, then ``OffloadConfig(resume_dir=...)``; with ``nvme_master``, so that the
+master is in the folder): what lives in RAM, the optimizer's name, the state keys that have
+files and each piece's 0-dim state (``step``, ASGD's ``eta``/``mu``, as numbers, as a
+checkpoint keeps them) and whether it has state at all, goes into the folder's manifest
+(:meth:`SwappedRule.kept`); the new run opens the kept files (:meth:`SwappedRule.adopt`) and
+gives the rule its state at the first step, read load or save (as a checkpoint load would:
+``rule.load``, which builds the class with the group's hyperparameters).
 A class creates its state lazily at its first step, so a key's
 file is created when the key first appears (after the unit's first step, or at a load).
 Reads and writes are synchronous (no prefetch of the next unit: the class's step is the
@@ -74,6 +79,45 @@ class SwappedRule:
         self._placeholder = torch.zeros(1).expand(numel) if master_on_disk else None
         if master_on_disk:
             rule.use_master(self._placeholder)
+        self._pending: Optional[List[dict]] = None   # (resumed: each piece's kept scalars)
+
+    # -- a kept folder ------------------------------------------------------------------
+
+    def kept(self, optimizer: str) -> dict:
+        """What a kept folder needs beside the files (JSON: the manifest's): the optimizer,
+        the keys with files, each piece's 0-dim state as numbers (None: no state yet)."""
+        pieces = []
+        for st in self.piece_states():
+            pieces.append({k: float(v) for k, v in st.items() if not isinstance(
+                v, torch.Tensor) or v.dim() == 0} if st else None)
+        return {"optimizer": optimizer, "keys": sorted(self.swaps),
+                "master": self.master_file is not None, "pieces": pieces}
+
+    def adopt(self, info: dict) -> None:
+        """Resuming: open the files :meth:`kept` listed; the rule takes its state at the
+        first step, load or save (:meth:`_settle`)."""
+        if info["master"]:
+            self.master_file = self.files.open_file(self.unit, "master", self.numel)
+        for k in info["keys"]:
+            self.swaps[k] = self.files.open_file(self.unit, f"rule-{k}", self.numel)
+        self._pending = list(info["pieces"])
+
+    def _kept_states(self, flat: Dict[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
+        out = []
+        for (s, n), sc in zip(self.rule.slices, self._pending):
+            if sc is None:
+                out.append({})
+                continue
+            st = {k: t[s:s + n] for k, t in flat.items()}
+            st.update({k: torch.tensor(v) for k, v in sc.items()})
+            out.append(st)
+        return out
+
+    def _settle(self, group: dict) -> None:
+        """A resumed rule (state in RAM now) takes its kept state: ``rule.load``."""
+        if self._pending is not None:
+            self.rule.load(self._kept_states(dict(self.rule.flat)), group)
+            self._pending = None
 
     def write_master(self, values: torch.Tensor) -> None:
         """Write ``values`` ([numel] fp32) to the master's file, created at the first call
@@ -160,6 +204,7 @@ class SwappedRule:
         self.copier.to_host(host, grad).wait()
         self._bring_in()
         try:
+            self._settle(group)
             self.rule.step(host, group, grad_scale, live)
             if publish is not None:
                 publish(self.rule.master)
@@ -170,8 +215,10 @@ class SwappedRule:
         """Each piece's state (copies: the buffers go back to disk)."""
         self._bring_in(master=False)
         try:
+            states = self.rule.piece_states() if self._pending is None else \
+                self._kept_states(dict(self.rule.flat))
             return [{k: t.clone() if isinstance(t, torch.Tensor) else t
-                     for k, t in st.items()} for st in self.rule.piece_states()]
+                     for k, t in st.items()} for st in states]
         finally:
             self.rule.detach()
             self._drop()
@@ -183,6 +230,7 @@ class SwappedRule:
         try:
             if master is not None and self.master_file is not None:
                 self.rule.master.copy_(master)
+            self._pending = None   # (a load replaces a kept state)
             self.rule.load(states, group)
         finally:
             self._write_out()
