@@ -270,10 +270,6 @@ class ZeroConfig:
         if off.kind != "nvme" and off.dir is not None and not (auto and off.kind is None):
             raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
                              f"{off.kind!r}, offload_dir={off.dir!r})")
-        if off.kind == "nvme" and self.state.state_dtype is not None:
-            raise ValueError(f"state_dtype={self.state.state_dtype!r} with offload='nvme' is "
-                             f"not supported: the NVMe swap files and slots hold fp32 moments; "
-                             f"use offload='cpu' (or no offload) for low-bit state")
         if auto:
             return
         policy = self.sharding.policy

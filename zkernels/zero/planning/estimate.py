@@ -104,7 +104,7 @@ from .offload_config import (IO_ALIGN, NUM_PARAM_BOUNCES, OffloadConfig, nvme_ar
                              nvme_sub_group_numel, param_bounce_bytes)
 from .optimizer_spec import ADAMW_STATE_BYTES, OptimizerSpec, resolve_optimizer
 from .policy import NUM_REDUCE_BUFFERS, STAGES, StagePolicy, check_reshard_after_forward
-from .state_format import StateFormat, state_bytes
+from .state_format import StateFormat, slot_moments, state_bytes
 from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = ADAMW_STATE_BYTES   # exp_avg + exp_avg_sq, fp32
@@ -485,12 +485,14 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         if not opts.nvme_master:
             host["master"] = device.pop("master")
         # The slot arena: sub-groups of the largest unit shard, capped by the budget (aligned
-        # to a parameter file's blocks too).
+        # to a parameter file's blocks too); low-bit moments in the slots as on disk.
         kinds_in_slot = len(on_disk) + 2
         cb = p if c.mixed or (c.offload_params and not opts.nvme_master) else 0
+        mb, bs = slot_moments([c.state_format])
         host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
             opts.nvme_buffer_bytes, kinds_in_slot, cb, unit_shard,
-            file_bytes=p if c.offload_params else 0), kinds_in_slot, cb)
+            file_bytes=p if c.offload_params else 0, moment_bytes=mb, block_size=bs),
+            kinds_in_slot, cb, mb, bs)
     return device, host, disk
 
 

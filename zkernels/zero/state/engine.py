@@ -66,12 +66,12 @@ import torch
 
 from ...ops import OpSet
 from ...ops.adamw import Scalar
-from ..planning.state_format import block_align
-from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_bytes,
-                                       nvme_sub_group_numel)
+from ..planning.state_format import block_align, slot_moments
+from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_views,
+                                       nvme_sub_group_align, nvme_sub_group_numel)
 from ..parameters.units import FlatParamUnit
 from .grad_sink import GradShards
-from .nvme_files import NvmeFiles
+from .nvme_files import SCALE_KINDS, NvmeFiles
 from .live_ranges import clip, live_segments
 from .lowbit_state import alloc_moments, dequantized, quantized, step_range
 from .shard_state import ShardState
@@ -142,6 +142,15 @@ def _adamw(ops: OpSet, p: _Piece, a: int, b: int, out: Optional[torch.Tensor], f
                    p.exp_avg_sq_scales, a, b, out, hparams)
 
 
+def _file_range(rec: ShardState, kind: str, lo: int, hi: int) -> Tuple[int, int]:
+    """Elements ``[lo, hi)`` of ``rec``'s shard in the file of ``kind``: the same, or a scale
+    file's blocks (``lo`` starts a block: [Note: low-bit state on NVMe] in nvme_files.py)."""
+    if kind not in SCALE_KINDS:
+        return lo, hi
+    bs = rec.fmt.block_size
+    return lo // bs, -(-hi // bs)
+
+
 def _update_segments(ops: OpSet, p: _Piece, out: Optional[torch.Tensor], direct: bool,
                      segments, group: dict, scale, fmt=None) -> None:
     """One AdamW per live segment of a piece; a staged output (it travels whole) holds the
@@ -196,10 +205,10 @@ class UpdateEngine:
         self.specs = list(specs)
         self.formats = list(formats)
         self.block_align = block_align(self.formats)   # the layout's alignment (build.py)
-        if placement == "nvme" and any(f is not None for f in self.formats):
-            raise ValueError("state_dtype (low-bit moments) with offload='nvme' is not "
-                             "supported: the NVMe swap files and slots hold fp32 moments; "
-                             "use offload='cpu' (or no offload)")
+        # The NVMe slots' moment width and scales: the fused-AdamW groups' widest format
+        # ([Note: low-bit state on NVMe] in nvme_files.py).
+        self.slot_moments = slot_moments([self.format_of_group(g) for g in range(
+            max(len(self.specs), len(self.formats), 1)) if self._is_adamw(g)])
 
         self.on_host = placement != "device"          # the step runs on the host
         self.step_ops = host_ops if self.on_host else ops
@@ -217,6 +226,7 @@ class UpdateEngine:
         self.matrix: Optional[MatrixUpdate] = None
         self.sub_group_numel = config.sub_group_numel if placement == "cpu" else 0
         self._slots: List[_Slot] = []
+        self._largest_shard = 0
         self._buffers: List[torch.Tensor] = []   # the host memory behind the slots
         self._next_slot = 0
         self._prefetched: Optional[Tuple[ShardState, _Slot]] = None
@@ -300,7 +310,15 @@ class UpdateEngine:
 
     def format_of(self, unit: FlatParamUnit):
         """The unit's group's low-bit state format, or None (fp32 moments)."""
-        return self.formats[unit.group_index] if self.formats else None
+        return self.format_of_group(unit.group_index)
+
+    def format_of_group(self, group_index: int):
+        return self.formats[group_index] if group_index < len(self.formats) else None
+
+    def _is_adamw(self, group_index: int) -> bool:
+        """The group runs the fused AdamW (no rule: ``init_state``'s last branches)."""
+        spec = self.specs[group_index] if group_index < len(self.specs) else None
+        return spec is None or spec.fused and spec.kernel is None and not spec.matrix
 
     def _alloc(self, n: int, kind: str, device: torch.device,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -331,24 +349,33 @@ class UpdateEngine:
             on_disk = unit.gather.shard_on_disk
             cb = 0 if cdt == torch.float32 and ("master" in kinds or not on_disk) \
                 else cdt.itemsize
-            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n,
-                                       file_bytes=cdt.itemsize if on_disk else 0)
-            if sub <= self.sub_group_numel:
+            mb, bs = self.slot_moments   # (low-bit moments: narrower buffers, and scales)
+            fb = cdt.itemsize if on_disk else 0
+            # (sized for the largest shard so far: a sub-group that splits a shard starts at
+            # multiples of the alignment, which a smaller unit's whole shard need not be)
+            self._largest_shard = max(self._largest_shard, n)
+            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb,
+                                       self._largest_shard, file_bytes=fb, moment_bytes=mb,
+                                       block_size=bs)
+            have = self.sub_group_numel
+            if sub <= have and (have >= self._largest_shard or
+                                have % nvme_sub_group_align(fb, mb, bs) == 0):
                 return
             self._settle_all()
             self._release_buffers()
             self.sub_group_numel = sub
-            per_slot = nvme_slot_bytes(sub, len(kinds), cb)
+            views = nvme_slot_views(sub, len(kinds), cb, mb, bs)
+            per_slot = sum(b for _, b in views)
             # Touched now (zeroed): host RAM holds what stats() reports from the start.
             arena = aligned_empty(NUM_NVME_BUFFERS * per_slot,
                                   self.copier.pin if self.copier.pinned else None).zero_()
             self._buffers, self._slots = [arena], []
             for s in range(NUM_NVME_BUFFERS):
-                views = [arena[s * per_slot + i * 4 * sub:s * per_slot + (i + 1) * 4 * sub]
-                         .view(torch.float32) for i in range(len(kinds) + 1)]
-                ofs = s * per_slot + (len(kinds) + 1) * 4 * sub
-                out = None if cb == 0 else arena[ofs:ofs + cb * sub].view(cdt)
-                self._slots.append(_Slot(dict(zip(kinds, views)), views[-1], out))
+                ofs, bufs = s * per_slot, {}
+                for name, b in views:   # raw bytes, typed per unit (_typed)
+                    bufs[name], ofs = arena[ofs:ofs + b], ofs + b
+                grad, out = bufs.pop("grad").view(torch.float32), bufs.pop("out", None)
+                self._slots.append(_Slot(bufs, grad, None if out is None else out.view(cdt)))
 
     def _release_buffers(self) -> None:
         for b in self._buffers:
@@ -486,7 +513,17 @@ class UpdateEngine:
                                  rec.exp_avg_sq_scales[blocks])
 
     def _read_into(self, slot: _Slot, rec: ShardState, lo: int, hi: int) -> None:
-        slot.busy = [self.files.read(rec, k, slot.states[k], lo, hi) for k in self.files.kinds]
+        slot.busy = [self.files.read(rec, k, slot.states[k], *_file_range(rec, k, lo, hi))
+                     for k in self.files.kinds_of(rec)]
+
+    def _typed(self, slot: _Slot, rec: ShardState, lo: int, hi: int) -> Dict[str, torch.Tensor]:
+        """The slot's buffers as ``rec``'s files' elements ``[lo, hi)`` (from element 0)."""
+        out = {}
+        for k in self.files.kinds_of(rec):
+            a, b = _file_range(rec, k, lo, hi)
+            dt = self.files.file_spec(rec, k)[1]
+            out[k] = slot.states[k][:(b - a) * dt.itemsize].view(dt)
+        return out
 
     def _streamed(self, rec: ShardState, grad: torch.Tensor) -> Iterator[Tuple[int, int, _Piece]]:
         """Sub-groups of a state in files, through the slots (see [Note: NVMe offload step]):
@@ -516,13 +553,17 @@ class UpdateEngine:
                 self._prefetched = (following, nxt)
             self._exposed_s += slot.settle()
             k = hi - lo
-            master = slot.states["master"][:k] if "master" in slot.states else rec.master[lo:hi]
-            yield lo, hi, _Piece(master, slot.grad[:k], slot.states["exp_avg"][:k],
-                                 slot.states["exp_avg_sq"][:k],
+            typed = self._typed(slot, rec, lo, hi)
+            master = typed["master"] if "master" in typed else rec.master[lo:hi]
+            whole = slot.states["master"].view(torch.float32) if "master" in typed else None
+            yield lo, hi, _Piece(master, slot.grad[:k], typed["exp_avg"], typed["exp_avg_sq"],
                                  None if slot.out is None else slot.out[:k], slot.busy,
-                                 slot.states.get("master") if slot.out is None else slot.out)
-            slot.busy.extend(self.files.write(rec, kd, slot.states[kd], lo, hi)
-                             for kd in self.files.kinds)
+                                 whole if slot.out is None else slot.out,
+                                 exp_avg_scales=typed.get("exp_avg_scales"),
+                                 exp_avg_sq_scales=typed.get("exp_avg_sq_scales"))
+            slot.busy.extend(self.files.write(rec, kd, slot.states[kd],
+                                              *_file_range(rec, kd, lo, hi))
+                             for kd in self.files.kinds_of(rec))
             if nxt is not None and self._prefetched is None:
                 slot = nxt
 
@@ -565,21 +606,23 @@ class UpdateEngine:
 
     # -- state in and out ---------------------------------------------------------------
 
-    def _fill(self, rec: ShardState, src: Dict[str, Optional[torch.Tensor]]) -> None:
-        """Write ``rec``'s files from tensors (absent or None: zeros), synchronously, through
-        the first slot (a load, not a step's traffic)."""
+    def _fill(self, rec: ShardState, src: Dict[str, Optional[torch.Tensor]],
+              kinds: Optional[Sequence[str]] = None) -> None:
+        """Write ``rec``'s files (``kinds``: those only) from tensors in the files' formats
+        (absent or None: zeros), synchronously, through the first slot (a load, not a step's
+        traffic)."""
         slot = self._slots[0]
         slot.settle()
+        kinds = self.files.kinds_of(rec) if kinds is None else kinds
         for lo, hi in self._ranges(rec.numel):
             futs = []
-            for k in self.files.kinds:
-                buf = slot.states[k]
-                buf[hi - lo:].zero_()
-                if src.get(k) is None:
-                    buf[:hi - lo].zero_()
-                else:
-                    self.copier.copy_untracked(buf[:hi - lo], src[k][lo:hi]).synchronize()
-                futs.append(self.files.write(rec, k, buf, lo, hi, counted=False))
+            typed = self._typed(slot, rec, lo, hi)
+            for k in kinds:
+                a, b = _file_range(rec, k, lo, hi)
+                slot.states[k].zero_()
+                if src.get(k) is not None:
+                    self.copier.copy_untracked(typed[k], src[k][a:b]).synchronize()
+                futs.append(self.files.write(rec, k, slot.states[k], a, b, counted=False))
             for f in futs:
                 f.result()
 
@@ -609,8 +652,11 @@ class UpdateEngine:
         if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
             return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
         if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
-            return (rec.master,) + dequantized(rec.fmt, rec.exp_avg, rec.exp_avg_sq,
-                                               rec.exp_avg_scales, rec.exp_avg_sq_scales)
+            low = self.lowbit_tensors(unit_index)
+            master = self.files.read_all(rec, "master") if rec.master.is_meta else rec.master
+            return (master,) + dequantized(rec.fmt, low["exp_avg"], low["exp_avg_sq"],
+                                           low.get("exp_avg_scales"),
+                                           low.get("exp_avg_sq_scales"))
         return tuple(self.files.read_all(rec, k) if t.is_meta else t
                      for k, t in zip(KINDS, rec.tensors()))
 
@@ -626,11 +672,11 @@ class UpdateEngine:
             rec.rule.master_written()
         src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
         if rec.fmt is not None:   # fp32 moments into low-bit state: requantized
-            src.update(quantized(rec.fmt, exp_avg.to(rec.exp_avg.device),
-                                 exp_avg_sq.to(rec.exp_avg.device)))
+            at = "cpu" if rec.exp_avg.is_meta else rec.exp_avg.device   # (NVMe: in files)
+            src.update(quantized(rec.fmt, exp_avg.to(at), exp_avg_sq.to(at)))
             for k, t in (("exp_avg_scales", rec.exp_avg_scales),
                          ("exp_avg_sq_scales", rec.exp_avg_sq_scales)):
-                if t is not None:
+                if t is not None and not t.is_meta:
                     t.copy_(src[k])
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:
@@ -647,6 +693,15 @@ class UpdateEngine:
         """A low-bit unit's live moments as trained (``exp_avg``, ``exp_avg_sq`` and, int8,
         ``exp_avg_scales``, ``exp_avg_sq_scales``), or None where its moments are fp32."""
         rec = self.states[unit_index]
+        out = self._lowbit_live(rec)
+        if out is not None and rec.exp_avg.is_meta:   # NVMe: new tensors read from the files
+            self._settle_all()
+            out = {k: self.files.read_all(rec, k) for k in out}
+        return out
+
+    @staticmethod
+    def _lowbit_live(rec: ShardState) -> Optional[Dict[str, torch.Tensor]]:
+        """A low-bit record's moment tensors (meta tensors where they live in files)."""
         if rec.fmt is None:
             return None
         out = {"exp_avg": rec.exp_avg, "exp_avg_sq": rec.exp_avg_sq}
@@ -658,7 +713,8 @@ class UpdateEngine:
     def load_lowbit(self, unit_index: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Overwrite a low-bit unit's moments with tensors of its own format (bit for bit)."""
         self._settle_all()
-        live = self.lowbit_tensors(unit_index)
+        rec = self.states[unit_index]
+        live = self._lowbit_live(rec)
         if live is None or set(live) != set(tensors):
             raise ValueError(f"unit {unit_index}: expected low-bit moments "
                              f"{sorted(live or ())}, got {sorted(tensors)}")
@@ -667,6 +723,10 @@ class UpdateEngine:
                 raise ValueError(f"unit {unit_index}: {k} must be {t.dtype} of shape "
                                  f"{tuple(t.shape)}, got {tensors[k].dtype} of shape "
                                  f"{tuple(tensors[k].shape)}")
+        if rec.exp_avg.is_meta:   # NVMe: into the files
+            self._fill(rec, tensors, kinds=list(tensors))
+            return
+        for k, t in live.items():
             t.copy_(tensors[k])
 
     def rule_state(self, unit_index: int):

@@ -85,9 +85,6 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
     if offload is None:
         return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None),
                             specs=specs, formats=formats)
-    if offload == "nvme" and any(f is not None for f in formats):
-        raise ValueError("state_dtype (low-bit moments) with offload='nvme' is not supported: "
-                         "the NVMe swap files and slots hold fp32 moments; use offload='cpu'")
     config = offload_config or OffloadConfig()
     if offload == "nvme":
         check_nvme_rules(specs, config)
