@@ -94,20 +94,19 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
     once (its transient column; a module counts its own units). ``optimizer``,
     ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element).
-    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (no NVMe rungs: the NVMe files
-    hold fp32 moments)."""
+    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (on every rung, NVMe's files
+    and slots too)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
               shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,
               optimizer_kwargs=optimizer_kwargs)
     if state_dtype is not None:
         kw["state_dtype"] = state_dtype
-    nvme = state_dtype is None
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
     rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
-             for s, o, op in ladder_rows() if nvme or o != "nvme"]
+             for s, o, op in ladder_rows()]
     choice = None
     if device_bytes is not None:
         try:

@@ -68,6 +68,9 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Low-bit state rows (issue 28): int8 blocks of 32 elements, so that parameters hold several
 # blocks and shards cut between them; the oracle is LowbitAdamW on the whole parameters.
 STATE_BLOCK = 32
+# Low-bit state on NVMe: 3 slots of 4096 elements (an aligned block of int8 codes) of
+# master, moments, scales, gradient and a compute-dtype output.
+NVME_LOWBIT_BUDGET = 3 * 4096 * 16 + 2 * 4096
 # Element-wise torch.optim rows (issue 26): the class and its hyperparameters, the same on
 # both sides; the oracle is the class itself on the whole model.
 OPTIMS = {
@@ -212,8 +215,10 @@ class Row:
         else:
             kw["reshard_after_forward"] = self.reshard
         if self.offload:
-            kw.update(offload_kw(self.offload, folder, self.offload_params, **(
-                {} if self.offload == "cpu" else {"nvme_master": self.nvme_master})))
+            extra = {} if self.offload == "cpu" else {"nvme_master": self.nvme_master}
+            if self.state and self.offload == "nvme":   # (a split sub-group starts at an
+                extra["nvme_buffer_bytes"] = NVME_LOWBIT_BUDGET   # aligned block of codes)
+            kw.update(offload_kw(self.offload, folder, self.offload_params, **extra))
         if self.shard_size:
             kw.update(_hybrid_kw(self.form, self.shard_size))
         if self.dtype == "fp16":
@@ -231,7 +236,7 @@ def offload_kw(kind: str, folder: Optional[str], offload_params: bool = False,
                   nvme_param_buffer_bytes=NVME_PARAM_BOUNCES) if offload_params \
         else dict(nvme_buffer_bytes=NVME_BUDGET)
     return dict(offload="nvme", offload_dir=folder, offload_params=offload_params,
-                offload_config=OffloadConfig(**budget, **config))
+                offload_config=OffloadConfig(**{**budget, **config}))
 
 
 def _hybrid_kw(form: str, k: int) -> dict:
@@ -624,6 +629,12 @@ ROWS = [
     (R(2, shard_size=2, steps=3, state="int8"), ("parity",), HYBRID),
     (R(3, shard_size=2, steps=3, state="bf16"), ("parity",), HYBRID),
     (R(2, steps=2, state="int8"), (f"catches_{SCALE_FAULT}",), TORCH_OPTIM),
+    # ... with NVMe offload: bf16 moments, or int8 codes and scales, in the files and slots
+    # ([Note: low-bit state on NVMe])
+    (R(2, offload="nvme", steps=4, clip=0.05, state="int8"), ("parity",), OFFLOAD),
+    (R(3, offload="nvme", steps=3, state="bf16"), ("parity",), OFFLOAD_FULL),
+    (R(3, offload="nvme", offload_params=True, steps=3, state="int8"), ("parity",),
+     OFFLOAD_FULL),
     # ... and the master in files too (nvme_master, the default)
     (R(2, offload="nvme", steps=4, optim="sgd_momentum", clip=0.05), ("parity",),
      TORCH_OPTIM_FULL),

@@ -80,9 +80,6 @@ def check_args(args) -> Optional[str]:
         check_block_size(args.state_block_size, "--state-block-size")
     except ValueError as exc:
         return str(exc)
-    if args.state_dtype != "fp32" and "nvme" in args.rungs:
-        return (f"--state-dtype {args.state_dtype} does not combine with the nvme rungs (their "
-                f"files hold fp32 moments): pass --rungs without them")
     if not args.timeout_s > 0.0:
         return f"--timeout-s must be > 0, got {args.timeout_s}"
     if not 0.0 <= args.headroom < 1.0:
