@@ -411,12 +411,16 @@ def _states(c: _Counts) -> Dict[str, int]:
     # Pure fp32 offload: the device parameter can no longer be the master (the update runs
     # elsewhere), so the host or disk holds an fp32 master shard of its own (with CPU
     # offload_params the host master is the host parameter shard itself).
-    own_master = c.mixed or c.offload is not None and not (c.offload_params and
-                                                           c.offload == "cpu")
+    # A bf16 master ([Note: bf16 master] in state/bf16_master.py) is 2 bytes, and with bf16
+    # parameters it is their shard as fp32's is in pure fp32 (0 where that shard lives beside
+    # the step).
+    mb = 2 if c.cfg.state.master_dtype == torch.bfloat16 else MASTER_BYTES
+    own_master = c.p != mb or c.offload is not None and not (c.offload_params and
+                                                             c.offload == "cpu")
     return dict(params=c.p * c.shard + c.frozen_shard if pol.shards_params
                 else c.p * c.n_psi + c.frozen_whole,
                 grads=c.g * c.shard if pol.shards_grads else c.p * c.n_psi,
-                master=MASTER_BYTES * per if own_master else 0,
+                master=mb * per if own_master else 0,
                 optimizer_states=c.state_bytes * per if c.state_format is None
                 else state_bytes(per, c.state_format))
 

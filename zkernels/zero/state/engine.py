@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -70,6 +70,7 @@ from ..planning.state_format import block_align, slot_moments
 from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_views,
                                        nvme_sub_group_align, nvme_sub_group_numel)
 from ..parameters.units import FlatParamUnit
+from .bf16_master import on_bf16_master
 from .grad_sink import GradShards
 from .nvme_files import SCALE_KINDS, NvmeFiles
 from .live_ranges import clip, live_segments
@@ -133,13 +134,30 @@ class _Piece:
 
 def _adamw(ops: OpSet, p: _Piece, a: int, b: int, out: Optional[torch.Tensor], fmt,
            hparams: dict) -> None:
-    """One fused AdamW over ``[a, b)`` of a piece: fp32 moments, or ``fmt``'s low-bit ones."""
+    """One fused AdamW over ``[a, b)`` of a piece: fp32 moments, or ``fmt``'s low-bit ones;
+    a bf16 master through an fp32 copy ([Note: bf16 master] in bf16_master.py)."""
+    if p.master.dtype == torch.bfloat16:
+        sub = _sub_piece(p, a, b, fmt)
+        on_bf16_master(p.master[a:b], out, lambda wide, o: _adamw(
+            ops, replace(sub, master=wide), 0, b - a, o, fmt, hparams))
+        return
     if fmt is None:
         ops.adamw_step(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b], out=out,
                        **hparams)
     else:
         step_range(ops, fmt, p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.exp_avg_scales,
                    p.exp_avg_sq_scales, a, b, out, hparams)
+
+
+def _sub_piece(p: _Piece, a: int, b: int, fmt) -> _Piece:
+    """``[a, b)`` of a piece as a piece from element 0 (``a`` starts a quantization block)."""
+    bs = fmt.block_size if fmt is not None and fmt.blocked else 0
+    if bs and a % bs:
+        raise RuntimeError(f"internal: a low-bit AdamW range starts at {a}, not at a multiple "
+                           f"of state_block_size={bs} ([Note: low-bit state in shards])")
+    return _Piece(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b], None, p.busy,
+                  exp_avg_scales=p.exp_avg_scales[a // bs:] if bs else None,
+                  exp_avg_sq_scales=p.exp_avg_sq_scales[a // bs:] if bs else None)
 
 
 def _file_range(rec: ShardState, kind: str, lo: int, hi: int) -> Tuple[int, int]:
@@ -200,8 +218,11 @@ class UpdateEngine:
     def __init__(self, placement: str, *, ops: OpSet, host_ops: Optional[OpSet] = None,
                  copier: Optional[Copier] = None, config: Optional[OffloadConfig] = None,
                  files: Optional[NvmeFiles] = None, param_store=None,
-                 sharded_params=None, specs: Sequence = (), formats: Sequence = ()) -> None:
+                 sharded_params=None, specs: Sequence = (), formats: Sequence = (),
+                 master_dtype: Optional[torch.dtype] = None) -> None:
         self.placement = placement
+        # the fused AdamW's master: fp32, or bf16 ([Note: bf16 master] in bf16_master.py)
+        self.master_dtype = master_dtype or torch.float32
         self.specs = list(specs)
         self.formats = list(formats)
         self.block_align = block_align(self.formats)   # the layout's alignment (build.py)
@@ -249,13 +270,16 @@ class UpdateEngine:
         n = unit.layout.shard_numel
         shard_at = "disk" if unit.gather.shard_on_disk else \
             "host" if unit.gather.shard_on_host else "device"
-        if self.where["master"] == shard_at != "disk" and unit.compute_dtype == torch.float32:
-            master = unit.compute_shard   # the fp32 parameter shard is its own master
-        else:
-            master = self._alloc(n, "master", unit.device)
-            if not master.is_meta:
-                master.copy_(initial_master)
         spec = self.specs[unit.group_index] if self.specs else None
+        mdt = self.master_dtype
+        if mdt != torch.float32:   # [Note: bf16 master]
+            self._check_bf16_master(unit, spec)
+        if self.where["master"] == shard_at != "disk" and unit.compute_dtype == mdt:
+            master = unit.compute_shard   # the parameter shard is its own master
+        else:
+            master = self._alloc(n, "master", unit.device, mdt)
+            if not master.is_meta:
+                master.copy_(initial_master)   # (bf16: rounded to nearest even)
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
             if master.is_meta:   # (the shard master stays in RAM: [Note: whole matrices on NVMe])
                 master = self.copier.host_empty(n, torch.float32).copy_(initial_master)
@@ -307,6 +331,17 @@ class UpdateEngine:
             else:
                 self._fill(rec, {"master": initial_master})
         return rec
+
+    def _check_bf16_master(self, unit: FlatParamUnit, spec) -> None:
+        """A bf16 master needs the fused AdamW and bf16 parameters (named otherwise)."""
+        if spec is not None and not self._is_adamw(unit.group_index):
+            raise ValueError(f"master_dtype=torch.bfloat16 applies to the fused AdamW only; "
+                             f"param_groups[{unit.group_index}] runs {spec.name}, whose master "
+                             f"stays fp32 ([Note: bf16 master])")
+        if unit.compute_dtype != torch.bfloat16:
+            raise ValueError(f"master_dtype=torch.bfloat16 needs bf16 parameters "
+                             f"(param_dtype=torch.bfloat16 or a bf16 model); unit "
+                             f"{unit.index} computes in {unit.compute_dtype}")
 
     def format_of(self, unit: FlatParamUnit):
         """The unit's group's low-bit state format, or None (fp32 moments)."""
@@ -633,7 +668,11 @@ class UpdateEngine:
             return
         shard = unit.compute_shard
         if master.data_ptr() == shard.data_ptr():
-            return   # fp32: the master is the shard
+            return   # fp32 (or a bf16 master): the master is the shard
+        if master.dtype == shard.dtype != torch.float32:   # a bf16 master apart from it
+            self.copier.copy_untracked(shard, master).synchronize() \
+                if self.on_host and not unit.gather.shard_on_host else shard.copy_(master)
+            return
         if unit.gather.shard_on_host == self.on_host:
             if self.param_store is not None:
                 self.param_store.settle()
@@ -651,6 +690,14 @@ class UpdateEngine:
         rec = self.states[unit_index]
         if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
             return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
+        if rec.master.dtype == torch.bfloat16:   # (a bf16 master: its exact fp32 values)
+            rest = self._state_tensors(rec)
+            return (rec.master.float(),) + rest[1:]
+        return self._state_tensors(rec)
+
+    def _state_tensors(self, rec: ShardState):
+        """:meth:`state_tensors` of a record (its master as it is)."""
+        unit_index = rec.unit_index
         if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
             low = self.lowbit_tensors(unit_index)
             master = self.files.read_all(rec, "master") if rec.master.is_meta else rec.master

@@ -77,14 +77,14 @@ def check_nvme_rules(specs, config: OffloadConfig) -> None:
 def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optional[str],
                 offload_dir, rank: int, world_size: int,
                 offload_config: Optional[OffloadConfig], offload_params: bool = False,
-                specs=(), formats=()):
+                specs=(), formats=(), master_dtype=None):
     """The update engine placed for ``offload`` (None: states on the device); with
     ``offload_params`` (stage 3, checked by ``ZeroConfig``) the parameter side
     keeps its shards beside the offloaded state: in host RAM with CPU offload
     (``param_offload.py``), in files with NVMe offload (``param_nvme.py``)."""
     if offload is None:
         return UpdateEngine("device", ops=ops, sharded_params=sharded_params_factory(None),
-                            specs=specs, formats=formats)
+                            specs=specs, formats=formats, master_dtype=master_dtype)
     config = offload_config or OffloadConfig()
     if offload == "nvme":
         check_nvme_rules(specs, config)
@@ -106,4 +106,4 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
     return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,
                         config=config, files=files, param_store=store,
                         sharded_params=sharded_params_factory(store), specs=specs,
-                        formats=formats)
+                        formats=formats, master_dtype=master_dtype)

@@ -1,0 +1,50 @@
+"""The fused AdamW over a bf16 master (``master_dtype=torch.bfloat16``).
+
+[Note: bf16 master]
+``ZeroOptimizer(master_dtype=torch.bfloat16)`` keeps the fused AdamW's master in bf16: no
+fp32 copy of the parameters anywhere. It needs bf16 parameters (``param_dtype=torch.bfloat16``
+or a bf16 model; a bf16 master under fp32 or fp16 parameters is refused by name), and then
+the master is the bf16 parameter shard itself wherever that shard lives beside the step (on
+the device, or in host RAM with CPU ``offload_params``): 0 bytes of master per element, as
+pure fp32 training's master is its parameter; where it lives apart (CPU offload with the
+shard on the device) it is a bf16 host shard, 2 bytes per element instead of 4.
+``stats()``, ``estimate_memory`` and ``plan`` count it so.
+
+Each update runs the fused AdamW unchanged (the OpSet's backend: Triton, the C++ SIMD path
+or the reference, fp32 or low-bit moments) on an fp32 copy of the piece's bf16 master (exact:
+bf16 widens to fp32 without loss) and writes the result back rounded to nearest even
+(``Tensor.copy_``'s cast, the same rounding as the compute-dtype output). So the update's
+arithmetic is the fp32 master's, and the master after a step is exactly
+``bf16_rne(adamw_fp32(float(master)))``: the single-process oracle (the battery's ``master=``
+rows) applies that rounding after torch's AdamW and matches. We route through the fp32
+kernels instead of writing bf16-master variants of each: the arithmetic and the rounding are
+the same either way, and the cost is one transient fp32 copy of one sub-group (the device
+step walks a unit in ``sub_group_numel`` pieces only with offload; on the device the copy is
+of one unit's shard, freed after its update) plus one extra pass over 6 bytes per element.
+
+Round-to-nearest-even, not stochastic rounding: reproducible, bit-exact across backends and
+world sizes, and nothing random to checkpoint. What it costs: an update smaller than half a
+bf16 ulp of its parameter (``|Δ| < 2**-9 |p|``) is lost, every step: with lr 1e-3 and
+AdamW's update near ``lr`` in size, parameters above ~0.5 in magnitude stop moving unless
+their update is larger, and weight decay (``lr * wd * p``, 1e-5 relative at lr 1e-3, wd
+0.01) never acts on its own. Stochastic rounding (or Kahan compensation, which needs the 2
+bytes back) would keep those updates in expectation; measured on the demo's GPT in
+``docs/training.md`` ("Low-bit optimizer state").
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+def on_bf16_master(master: torch.Tensor, out: Optional[torch.Tensor],
+                   step: Callable[[torch.Tensor, Optional[torch.Tensor]], None]) -> None:
+    """Run ``step(fp32_master, out)`` (a fused AdamW call over the piece) on an fp32 copy of
+    the bf16 ``master`` and write the result back rounded to nearest even; ``out`` (the
+    compute-dtype output) gets the rounded master, unless it is the master itself."""
+    wide = master.float()
+    step(wide, None)
+    master.copy_(wide)
+    if out is not None and out.data_ptr() != master.data_ptr():
+        out.copy_(master)
