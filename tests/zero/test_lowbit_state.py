@@ -110,8 +110,6 @@ def test_bad_input_is_named(tmp_path):
         ZeroOptimizer(m, state_dtype="int4")
     with pytest.raises(ValueError, match="state_block_size must be a power of two"):
         ZeroOptimizer(m, state_dtype="int8", state_block_size=100)
-    with pytest.raises(ValueError, match="master_dtype=torch.bfloat16 is not supported"):
-        ZeroOptimizer(m, master_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['state_dtype'\]"):
         ZeroOptimizer(m, param_groups=[{"params": m.parameters(), "state_dtype": "int2"}])
     with pytest.raises(ValueError, match="applies to the fused AdamW only"):

@@ -10,17 +10,21 @@ pure fp32 training's master is its parameter; where it lives apart (CPU offload 
 shard on the device) it is a bf16 host shard, 2 bytes per element instead of 4.
 ``stats()``, ``estimate_memory`` and ``plan`` count it so.
 
-Each update runs the fused AdamW unchanged (the OpSet's backend: Triton, the C++ SIMD path
-or the reference, fp32 or low-bit moments) on an fp32 copy of the piece's bf16 master (exact:
-bf16 widens to fp32 without loss) and writes the result back rounded to nearest even
-(``Tensor.copy_``'s cast, the same rounding as the compute-dtype output). So the update's
-arithmetic is the fp32 master's, and the master after a step is exactly
+With low-bit moments (``state_dtype``) the fused low-bit AdamW takes the bf16 master itself
+(``ops.adamw_step_lowbit``: its Triton, C++ and reference paths read it as fp32 and store it
+rounded to nearest even in the same pass). With fp32 moments the fused AdamW
+(``ops.adamw_step``, whose Triton and C++ kernels take an fp32 master only) runs unchanged on
+an fp32 copy of the piece's bf16 master (exact: bf16 widens to fp32 without loss), and
+:func:`on_bf16_master` writes the result back rounded to nearest even (``Tensor.copy_``'s
+cast, the same rounding as the compute-dtype output). Either way the update's arithmetic is
+the fp32 master's and the master after a step is exactly
 ``bf16_rne(adamw_fp32(float(master)))``: the single-process oracle (the battery's ``master=``
-rows) applies that rounding after torch's AdamW and matches. We route through the fp32
-kernels instead of writing bf16-master variants of each: the arithmetic and the rounding are
-the same either way, and the cost is one transient fp32 copy of one sub-group (the device
-step walks a unit in ``sub_group_numel`` pieces only with offload; on the device the copy is
-of one unit's shard, freed after its update) plus one extra pass over 6 bytes per element.
+rows, [Note: a bf16 master against its oracle] in tests/zero/_battery.py) applies that
+rounding after torch's AdamW and matches. We route the fp32-moment case through the fp32
+kernels instead of writing a bf16-master variant of each: the arithmetic and the rounding are
+the same, and the cost is one transient fp32 copy of the piece (a sub-group with offload; on
+the device one unit's shard, freed after its update) plus one extra pass over 6 bytes per
+element.
 
 Round-to-nearest-even, not stochastic rounding: reproducible, bit-exact across backends and
 world sizes, and nothing random to checkpoint. What it costs: an update smaller than half a

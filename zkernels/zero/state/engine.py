@@ -136,7 +136,10 @@ def _adamw(ops: OpSet, p: _Piece, a: int, b: int, out: Optional[torch.Tensor], f
            hparams: dict) -> None:
     """One fused AdamW over ``[a, b)`` of a piece: fp32 moments, or ``fmt``'s low-bit ones;
     a bf16 master through an fp32 copy ([Note: bf16 master] in bf16_master.py)."""
-    if p.master.dtype == torch.bfloat16:
+    if p.master.dtype == torch.bfloat16 and fmt is not None:   # (the low-bit kernels take
+        if out is not None and out.data_ptr() == p.master[a:b].data_ptr():   # a bf16 master)
+            out = None
+    elif p.master.dtype == torch.bfloat16:
         sub = _sub_piece(p, a, b, fmt)
         on_bf16_master(p.master[a:b], out, lambda wide, o: _adamw(
             ops, replace(sub, master=wide), 0, b - a, o, fmt, hparams))
