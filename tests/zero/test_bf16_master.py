@@ -4,6 +4,8 @@ low-bit moments beside a bf16 master against LowbitAdamW rounded the same way, t
 failure mode (an update under half an ulp is lost), state_dict resumes, bad input named.
 Parity with fp32 moments on ranks is the battery's (``master=`` rows in
 tests/zero/_battery.py)."""
+import re
+
 import pytest
 import torch
 
@@ -135,3 +137,23 @@ def test_bad_input_is_named(tmp_path):
                       offload_dir=tmp_path)
     with pytest.raises(ValueError, match="applies to the fused AdamW only"):
         ZeroOptimizer(m, param_dtype=BF16, master_dtype=BF16, optimizer="sgd", lr=0.1)
+
+
+def test_plan_takes_the_master_dtype(capsys):
+    from zkernels.plan import main
+    rows = {}
+    for master in ("fp32", "bf16"):
+        assert main(["--params", "1e9", "--world-size", "8", "--param-dtype", "bf16",
+                     "--master-dtype", master, "--unit", "B"]) == 0
+        rows[master] = capsys.readouterr().out.split("\n\n")[0]
+    col = {}
+    for m, out in rows.items():
+        lines = out.splitlines()
+        head = re.split(r"\s{2,}", next(x for x in lines if x.startswith("rung")))
+        col[m] = {cells[0]: int(float(cells[head.index("master")]))
+                  for cells in (re.split(r"\s{2,}", x.strip()) for x in lines
+                                if x.startswith("  stage"))}
+    assert col["fp32"]["stage 2"] == 4 * 10 ** 9 // 8   # the master column, bytes per rank
+    assert col["bf16"]["stage 2"] == 0                   # the bf16 weights are the master
+    assert col["bf16"]["stage 2 + cpu offload"] == 2 * 10 ** 9 // 8
+    assert "nvme" in rows["fp32"] and "nvme" not in rows["bf16"].split("\n", 1)[1]
