@@ -23,12 +23,13 @@ ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
 def nvme_slot_views(numel: int, num_kinds: int, compute_bytes: int, moment_bytes: int = 4,
                     block_size: int = 0) -> List[Tuple[str, int]]:
     """``(name, bytes)`` of each buffer of one NVMe slot of ``numel`` elements, each but the
-    last rounded up to ``IO_ALIGN`` (every file buffer starts aligned; fp32 buffers of a
-    sub-group, a multiple of ``ALIGN_NUMEL`` elements, need no rounding): the fp32 master when ``num_kinds`` is 3
-    (``nvme_master``), both moments (``moment_bytes`` per element: fp32 4, bf16 2, int8 1),
-    with ``block_size`` the int8 format's two fp32 scale buffers (one scale per block), an
-    fp32 gradient and a compute-dtype output (``compute_bytes`` per element, 0 without
-    one). See [Note: low-bit state on NVMe] in ``state/nvme_files.py``."""
+    last (the output) rounded up to ``IO_ALIGN`` so that every file buffer starts aligned (an
+    fp32 buffer of a sub-group, a multiple of ``ALIGN_NUMEL`` elements, needs no rounding):
+    the fp32 master when ``num_kinds`` is 3 (``nvme_master``), both moments
+    (``moment_bytes`` per element: fp32 4, bf16 2, int8 1), with ``block_size`` the int8
+    format's two fp32 scale buffers (one scale per block), an fp32 gradient and a
+    compute-dtype output (``compute_bytes`` per element, 0 without one). See [Note: low-bit
+    state on NVMe] in ``state/nvme_files.py``."""
     views = [("master", 4 * numel)] if num_kinds == 3 else []
     views += [("exp_avg", moment_bytes * numel), ("exp_avg_sq", moment_bytes * numel)]
     if block_size:
