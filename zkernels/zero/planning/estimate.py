@@ -60,7 +60,8 @@ Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
 the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
 staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
 live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
-the gradient shard stays on the device, and host RAM holds the slot arena, at most the
+low-bit moments (``state_dtype``) at their size on disk and in the slots, the gradient shard
+stays on the device, and host RAM holds the slot arena, at most the
 configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the
 master when ``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
 ``offload_params=True`` moves it beside the state: into host RAM with ``"cpu"``
@@ -108,7 +109,8 @@ from .state_format import StateFormat, slot_moments, state_bytes
 from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = ADAMW_STATE_BYTES   # exp_avg + exp_avg_sq, fp32
-MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
+MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype (master_dtype bf16:
+#                             2, or 0 where it is the bf16 parameter shard, [Note: bf16 master])
 
 
 def rung_name(stage: int, offload: Optional[str], offload_params: bool = False) -> str:

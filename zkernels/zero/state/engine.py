@@ -50,7 +50,9 @@ after its writes and its device copy finished); the read of the next unit's firs
 starts during the current unit's last, so units go in index order (``update_order``). The
 gradient shard stays where stage 2 keeps it (the device); each sub-group's slice comes to
 its slot by the copier, and the updated parameters go back the same way. Host RAM is the
-arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master).
+arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master), and
+low-bit moments at their own size (4Ψ/N bf16, (2 + 8/block)Ψ/N int8: [Note: low-bit state on
+NVMe] in nvme_files.py, which also says how the slots hold them).
 Before the first sub-group of a step every file's size is checked, so a truncated file fails
 the step before any state changes. Files live in the run's own folder (``nvme_files.py``)
 and go at :meth:`UpdateEngine.close` unless ``close(keep_files=True)`` keeps them.
