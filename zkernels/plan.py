@@ -95,8 +95,8 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     once (its transient column; a module counts its own units). ``optimizer``,
     ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element).
     ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (on every rung, NVMe's files
-    and slots too). ``master_dtype``: torch.bfloat16 for a bf16 master on the ZeRO rungs (no
-    NVMe rungs: their master file is fp32; data parallel keeps its own)."""
+    and slots too). ``master_dtype``: torch.bfloat16 for a bf16 master on the ZeRO rungs (data
+    parallel keeps its own)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
               shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,
@@ -109,7 +109,7 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     if master_dtype is not None:
         kw["master_dtype"] = master_dtype
     rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
-             for s, o, op in ladder_rows() if master_dtype is None or o != "nvme"]
+             for s, o, op in ladder_rows()]
     choice = None
     if device_bytes is not None:
         try:
@@ -372,7 +372,7 @@ def parse_args(argv):
     ap.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"],
                     help="the fused AdamW's master on the ZeRO rungs: fp32 (4 B/param) or "
                     "bf16 (with --param-dtype bf16: the weights themselves, 0 B/param; 2 with "
-                    "CPU offload); bf16 has no NVMe rungs")
+                    "CPU offload and NVMe)")
     ap.add_argument("--momentum", type=float, default=None, help="the optimizer's momentum "
                     "(sgd, rmsprop): SGD keeps a 4 B/param buffer only with momentum")
     ap.add_argument("--file-dtype", default="bf16", help="dtype of the pretrained files "

@@ -68,8 +68,8 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Low-bit state rows (issue 28): int8 blocks of 32 elements, so that parameters hold several
 # blocks and shards cut between them; the oracle is LowbitAdamW on the whole parameters.
 STATE_BLOCK = 32
-# Low-bit state on NVMe: 3 slots of 4096 elements (an aligned block of int8 codes) of
-# master, moments, scales, gradient and a compute-dtype output.
+# Low-bit state (or a bf16 master) on NVMe: 3 slots of 4096 elements (an aligned block of int8
+# codes; 2048 of a bf16 master's file) of master, moments, scales, gradient and output.
 NVME_LOWBIT_BUDGET = 3 * 4096 * 16 + 2 * 4096
 # Element-wise torch.optim rows (issue 26): the class and its hyperparameters, the same on
 # both sides; the oracle is the class itself on the whole model.
@@ -219,8 +219,9 @@ class Row:
             kw["reshard_after_forward"] = self.reshard
         if self.offload:
             extra = {} if self.offload == "cpu" else {"nvme_master": self.nvme_master}
-            if self.state and self.offload == "nvme":   # (a split sub-group starts at an
-                extra["nvme_buffer_bytes"] = NVME_LOWBIT_BUDGET   # aligned block of codes)
+            if (self.state or self.master) and self.offload == "nvme":   # (a split sub-group
+                extra["nvme_buffer_bytes"] = NVME_LOWBIT_BUDGET   # starts at an aligned block
+                #                                                   of codes, or bf16 master)
             kw.update(offload_kw(self.offload, folder, self.offload_params, **extra))
         if self.shard_size:
             kw.update(_hybrid_kw(self.form, self.shard_size))
@@ -695,6 +696,7 @@ ROWS = [
     (R(2, "bf16", steps=4, master="bf16"), ("parity",), FULL),
     (R(3, "bf16", steps=4, clip=0.05, master="bf16"), ("parity",), OFFLOAD_FULL),
     (R(2, "bf16", offload="cpu", steps=4, master="bf16"), ("parity",), OFFLOAD),
+    (R(2, "bf16", offload="nvme", steps=4, master="bf16"), ("parity",), OFFLOAD),
     (R(3, "bf16", offload="cpu", offload_params=True, steps=3, master="bf16"), ("parity",),
      OFFLOAD_FULL),
     (R(2, "bf16", steps=2, master="bf16"), (f"catches_{MASTER_FAULT}",), TORCH_OPTIM),

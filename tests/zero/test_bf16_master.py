@@ -132,9 +132,6 @@ def test_bad_input_is_named(tmp_path):
         ZeroOptimizer(m, param_dtype=torch.float16, master_dtype=BF16)
     with pytest.raises(ValueError, match="needs bf16 parameters"):
         ZeroOptimizer(m, master_dtype=BF16)   # fp32 parameters
-    with pytest.raises(ValueError, match="offload='nvme' is not supported"):
-        ZeroOptimizer(m, stage=2, param_dtype=BF16, master_dtype=BF16, offload="nvme",
-                      offload_dir=tmp_path)
     with pytest.raises(ValueError, match="applies to the fused AdamW only"):
         ZeroOptimizer(m, param_dtype=BF16, master_dtype=BF16, optimizer="sgd", lr=0.1)
 
@@ -156,4 +153,37 @@ def test_plan_takes_the_master_dtype(capsys):
     assert col["fp32"]["stage 2"] == 4 * 10 ** 9 // 8   # the master column, bytes per rank
     assert col["bf16"]["stage 2"] == 0                   # the bf16 weights are the master
     assert col["bf16"]["stage 2 + cpu offload"] == 2 * 10 ** 9 // 8
-    assert "nvme" in rows["fp32"] and "nvme" not in rows["bf16"].split("\n", 1)[1]
+    assert col["bf16"]["stage 2 + nvme offload"] == 2 * 10 ** 9 // 8   # (a bf16 file)
+
+
+def test_nvme_keeps_a_bf16_master_file_and_resumes_it(tmp_path):
+    """NVMe: the master's swap file is bf16 (2 bytes per element on disk, sub-groups of 2048
+    elements: several per unit here), the steps are the bits of CPU offload's, and a kept
+    folder resumes bit for bit."""
+    from zkernels.zero.planning.offload_config import OffloadConfig
+    budget = OffloadConfig(nvme_buffer_bytes=3 * 2048 * 22 + 2 * 4096)
+
+    def nvme(folder, **config):
+        model = _model()
+        return model, ZeroOptimizer(model, stage=2, param_dtype=BF16, master_dtype=BF16,
+                                    offload="nvme", offload_dir=str(tmp_path / folder),
+                                    offload_config=OffloadConfig(
+                                        nvme_buffer_bytes=budget.nvme_buffer_bytes,
+                                        **config), **HP)
+    model, opt = nvme("a")
+    eng = opt.shard_update
+    assert eng.sub_group_numel == 2048 < max(r.numel for r in eng.states)
+    for rec in eng.states:
+        f = rec.files["master"]
+        assert f.dtype == BF16 and f.data_bytes == -(-2 * rec.numel // 4096) * 4096
+    _train(model, opt, 2)
+    kept = opt.close(keep_files=True)
+    resumed, opt2 = nvme("b", resume_dir=kept)
+    _train(resumed, opt2, 2, seed=2)
+    twin = _model()
+    ref = ZeroOptimizer(twin, stage=2, param_dtype=BF16, master_dtype=BF16, offload="cpu", **HP)
+    _train(twin, ref, 2)
+    _train(twin, ref, 2, seed=2)
+    assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), twin.parameters()))
+    opt2.close()
+    ref.close()

@@ -84,9 +84,6 @@ def check_args(args) -> Optional[str]:
         return f"--master-dtype must be fp32 or bf16, got {args.master_dtype!r}"
     if args.master_dtype == "bf16" and args.param_dtype != "bf16":
         return "--master-dtype bf16 needs --param-dtype bf16 (the master is the bf16 weights)"
-    if args.master_dtype == "bf16" and "nvme" in args.rungs:
-        return ("--master-dtype bf16 does not combine with the nvme rungs (their master file "
-                "is fp32): pass --rungs without them")
     if not args.timeout_s > 0.0:
         return f"--timeout-s must be > 0, got {args.timeout_s}"
     if not 0.0 <= args.headroom < 1.0:

@@ -103,7 +103,7 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                ("--state-dtype", str, "fp32", "the ZeRO rungs' AdamW moments: fp32, bf16 or "
                                               "int8 (blockwise, an fp32 scale per 256)"),
                ("--master-dtype", str, "fp32", "the ZeRO rungs' AdamW master: fp32 or bf16 "
-                                               "(needs --param-dtype bf16; no nvme rungs)"),
+                                               "(needs --param-dtype bf16)"),
                ("--state-block-size", int, 256, "int8 state: elements per fp32 scale (a "
                                                  "power of two)"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "

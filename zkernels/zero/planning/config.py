@@ -277,10 +277,6 @@ class ZeroConfig:
                              f"(param_dtype=torch.bfloat16 or a bf16 model), got param_dtype="
                              f"{pdt}: a bf16 master would hold less than the parameters it "
                              f"updates")
-        if self.state.master_dtype is not None and off.kind == "nvme":
-            raise ValueError("master_dtype=torch.bfloat16 with offload='nvme' is not "
-                             "supported: the NVMe master file and slots are fp32 (see [Note: "
-                             "bf16 master]); use offload='cpu' or no offload")
         if auto:
             return
         policy = self.sharding.policy

@@ -495,10 +495,11 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         kinds_in_slot = len(on_disk) + 2
         cb = p if c.mixed or (c.offload_params and not opts.nvme_master) else 0
         mb, bs = slot_moments([c.state_format])
+        ms = 2 if c.cfg.state.master_dtype == torch.bfloat16 else 4
         host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
             opts.nvme_buffer_bytes, kinds_in_slot, cb, unit_shard,
-            file_bytes=p if c.offload_params else 0, moment_bytes=mb, block_size=bs),
-            kinds_in_slot, cb, mb, bs)
+            file_bytes=p if c.offload_params else 0, moment_bytes=mb, block_size=bs,
+            master_bytes=ms), kinds_in_slot, cb, mb, bs)
     return device, host, disk
 
 

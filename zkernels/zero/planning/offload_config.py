@@ -49,18 +49,19 @@ def nvme_slot_bytes(numel: int, num_kinds: int, compute_bytes: int, moment_bytes
 
 
 def nvme_sub_group_align(file_bytes: int = 0, moment_bytes: int = 4,
-                         block_size: int = 0) -> int:
+                         block_size: int = 0, master_bytes: int = 4) -> int:
     """Elements a sub-group that does not cover its whole unit shard starts at a multiple of:
     an aligned block of every file it reads at ``O_DIRECT`` offsets (the fp32 master, the
     moments of ``moment_bytes``, a parameter file of ``file_bytes``) and whole quantization
-    blocks (``block_size``: a block's scale is never split between two sub-groups)."""
-    align = max(ALIGN_NUMEL, IO_ALIGN // moment_bytes, block_size)
+    blocks (``block_size``: a block's scale is never split between two sub-groups);
+    ``master_bytes`` 2: a bf16 master's file."""
+    align = max(ALIGN_NUMEL, IO_ALIGN // moment_bytes, IO_ALIGN // master_bytes, block_size)
     return max(align, IO_ALIGN // file_bytes) if file_bytes else align
 
 
 def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
                          largest_shard: int, file_bytes: int = 0, moment_bytes: int = 4,
-                         block_size: int = 0) -> int:
+                         block_size: int = 0, master_bytes: int = 4) -> int:
     """Elements per NVMe sub-group: the largest unit shard (rounded up to an aligned block),
     capped so that ``NUM_NVME_BUFFERS`` slots fit ``budget_bytes``. Each element of a slot
     holds ``num_kinds - 2`` fp32 masters, two moments of ``moment_bytes`` (with
@@ -82,7 +83,7 @@ def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
     whole = -(-largest_shard // base) * base
     if fits(whole):
         return whole
-    align = nvme_sub_group_align(file_bytes, moment_bytes, block_size)
+    align = nvme_sub_group_align(file_bytes, moment_bytes, block_size, master_bytes)
     per_elem = NUM_NVME_BUFFERS * (4 * (num_kinds - 2) + 2 * moment_bytes + 4 + compute_bytes
                                    + (8 / block_size if block_size else 0))
     cap = int((budget_bytes - 2 * IO_ALIGN) // per_elem) // align * align

@@ -6,8 +6,10 @@ fp32 copy of the parameters anywhere. It needs bf16 parameters (``param_dtype=to
 or a bf16 model; a bf16 master under fp32 or fp16 parameters is refused by name), and then
 the master is the bf16 parameter shard itself wherever that shard lives beside the step (on
 the device, or in host RAM with CPU ``offload_params``): 0 bytes of master per element, as
-pure fp32 training's master is its parameter; where it lives apart (CPU offload with the
-shard on the device) it is a bf16 host shard, 2 bytes per element instead of 4.
+pure fp32 training's master is its parameter; where it lives apart it is a bf16 host shard
+(CPU offload with the shard on the device) or a bf16 swap file (NVMe offload, read into and
+written from the slots at 2 bytes per element: ``nvme_files.NvmeFiles.file_spec``), 2 bytes
+per element instead of 4.
 ``stats()``, ``estimate_memory`` and ``plan`` count it so.
 
 With low-bit moments (``state_dtype``) the fused low-bit AdamW takes the bf16 master itself

@@ -394,12 +394,13 @@ class UpdateEngine:
             # (sized for the largest shard so far: a sub-group that splits a shard starts at
             # multiples of the alignment, which a smaller unit's whole shard need not be)
             self._largest_shard = max(self._largest_shard, n)
+            ms = self.master_dtype.itemsize   # (a bf16 master's file: 2048-element blocks)
             sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb,
                                        self._largest_shard, file_bytes=fb, moment_bytes=mb,
-                                       block_size=bs)
+                                       block_size=bs, master_bytes=ms)
             have = self.sub_group_numel
             if sub <= have and (have >= self._largest_shard or
-                                have % nvme_sub_group_align(fb, mb, bs) == 0):
+                                have % nvme_sub_group_align(fb, mb, bs, ms) == 0):
                 return
             self._settle_all()
             self._release_buffers()
@@ -695,10 +696,10 @@ class UpdateEngine:
         rec = self.states[unit_index]
         if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
             return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
-        if rec.master.dtype == torch.bfloat16:   # (a bf16 master: its exact fp32 values)
-            rest = self._state_tensors(rec)
-            return (rec.master.float(),) + rest[1:]
-        return self._state_tensors(rec)
+        out = self._state_tensors(rec)
+        if out[0].dtype == torch.bfloat16:   # (a bf16 master: its exact fp32 values)
+            return (out[0].float(),) + tuple(out[1:])
+        return out
 
     def _state_tensors(self, rec: ShardState):
         """:meth:`state_tensors` of a record (its master as it is)."""

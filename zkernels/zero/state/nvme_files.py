@@ -122,7 +122,9 @@ class NvmeFiles:
         fmt, n = rec.fmt, rec.numel
         if kind in SCALE_KINDS:
             return fmt.num_blocks(n), torch.float32
-        if kind == "master" or fmt is None:
+        if kind == "master":   # fp32, or a bf16 master's ([Note: bf16 master])
+            return n, rec.master.dtype
+        if fmt is None:
             return n, torch.float32
         if not fmt.blocked:
             return n, torch.bfloat16
