@@ -152,6 +152,7 @@ def _save_on_ranks(rank, ws, path, folder):
     opt.close()
 
 
+@pytest.mark.slow   # (two spawned ranks, then a stage-3 run: ~20 s here)
 def test_checkpoint_moves_to_another_world_size_and_stage(tmp_path):
     """2 ranks at stage 2 on NVMe save; 1 rank at stage 3 on NVMe loads and saves again: the
     same codes and scales, read from and written to the files; the loaded run then steps
