@@ -34,8 +34,9 @@ bf16 ulp of its parameter (``|Δ| < 2**-9 |p|``) is lost, every step: with lr 1e
 AdamW's update near ``lr`` in size, parameters above ~0.5 in magnitude stop moving unless
 their update is larger, and weight decay (``lr * wd * p``, 1e-5 relative at lr 1e-3, wd
 0.01) never acts on its own. Stochastic rounding (or Kahan compensation, which needs the 2
-bytes back) would keep those updates in expectation; measured on the demo's GPT in
-``docs/training.md`` ("Low-bit optimizer state").
+bytes back) would keep those updates in expectation. Measured on the demo's GPT (2 ranks,
+bf16 compute, lr 1e-3, four seeds): the mean eval loss is 1.4% above the fp32 master's at 300
+steps and 1.6% at 600 (``docs/training.md``, "A bf16 master").
 """
 from __future__ import annotations
 
