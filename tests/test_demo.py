@@ -204,6 +204,7 @@ def test_demo_bad_rungs(rungs, message, capsys):
     # a folder that exists and takes no file: found by writing, not from two ranks' tracebacks
     (["--offload-dir", "/proc"], "--offload-dir '/proc' is not writable: cannot create files"),
     (["--eval-batches", "-1"], "--eval-batches must be >= 0, got -1"),
+    (["--master-dtype", "bf16"], "--master-dtype bf16 needs --param-dtype bf16"),
 ])
 def test_demo_bad_plan_and_offload_options(argv, message, capsys, monkeypatch):
     from zkernels.demo import launch

@@ -84,7 +84,7 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
                  frozen_dtype=None, shard_size: Optional[int] = None,
                  link_gbps: Optional[float] = None, gathered_numel: Optional[int] = None,
                  optimizer="adamw", optimizer_kwargs: Optional[dict] = None,
-                 state_dtype=None):
+                 state_dtype=None, master_dtype=None):
     """Rows (estimates of data parallel and every rung) and the choice; see :func:`main`.
     ``link_gbps``: also rows for the quantized collectives (see [Note: when compressed
     communication pays]), after the ladder's.
@@ -94,20 +94,22 @@ def ladder_table(model, world_size: int, *, param_dtype, reduce_dtype, grad_shar
     nothing). ``gathered_numel``: with a parameter count, the parameters stage 3 gathers at
     once (its transient column; a module counts its own units). ``optimizer``,
     ``optimizer_kwargs``: as ``estimate_memory`` takes them (its state bytes per element).
-    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (no NVMe rungs: the NVMe files
-    hold fp32 moments)."""
+    ``state_dtype``: the fused AdamW's moments in bf16 or "int8" (on every rung, NVMe's files
+    and slots too). ``master_dtype``: torch.bfloat16 for a bf16 master on the ZeRO rungs (data
+    parallel keeps its own)."""
     kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
               grad_shard_dtype=grad_shard_dtype, bucket_bytes=bucket_bytes,
               shard_size=shard_size, gathered_numel=gathered_numel, optimizer=optimizer,
               optimizer_kwargs=optimizer_kwargs)
     if state_dtype is not None:
         kw["state_dtype"] = state_dtype
-    nvme = state_dtype is None
     if frozen_numel is not None:
         kw.update(frozen_numel=frozen_numel, frozen_dtype=frozen_dtype)
     rows = [estimate_memory(model, world_size, 0, **kw)]
+    if master_dtype is not None:
+        kw["master_dtype"] = master_dtype
     rows += [estimate_memory(model, world_size, s, offload=o, offload_params=op, **kw)
-             for s, o, op in ladder_rows() if nvme or o != "nvme"]
+             for s, o, op in ladder_rows()]
     choice = None
     if device_bytes is not None:
         try:
@@ -368,7 +370,11 @@ def parse_args(argv):
                     "to comm (2·4·Ψ·(N-1)/N² per step)")
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="the fused AdamW's moments: fp32 (8 B/param), bf16 (4) or int8 "
-                    "blockwise (2 + 8 per block of 256); low-bit states have no NVMe rungs")
+                    "blockwise (2 + 8 per block of 256)")
+    ap.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="the fused AdamW's master on the ZeRO rungs: fp32 (4 B/param) or "
+                    "bf16 (with --param-dtype bf16: the weights themselves, 0 B/param; 2 with "
+                    "CPU offload and NVMe)")
     ap.add_argument("--momentum", type=float, default=None, help="the optimizer's momentum "
                     "(sgd, rmsprop): SGD keeps a 4 B/param buffer only with momentum")
     ap.add_argument("--file-dtype", default="bf16", help="dtype of the pretrained files "
@@ -382,6 +388,12 @@ def parse_args(argv):
     return args
 
 
+def _master_dtype(args):
+    """``--master-dtype`` as ``master_dtype`` (None: fp32)."""
+    return None if args.master_dtype == "fp32" else parse_dtype(args.master_dtype,
+                                                                "--master-dtype")
+
+
 def _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered):
     """:func:`phase_rows` with ``main``'s keywords (a config.json's largest unit)."""
     unit = None
@@ -392,7 +404,8 @@ def _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered):
               bucket_bytes=args.bucket_bytes, shard_size=args.shard_size,
               gathered_numel=gathered, optimizer=args.optimizer,
               optimizer_kwargs={} if args.momentum is None else {"momentum": args.momentum},
-              state_dtype=None if args.state_dtype == "fp32" else args.state_dtype)
+              state_dtype=None if args.state_dtype == "fp32" else args.state_dtype,
+              **({} if _master_dtype(args) is None else {"master_dtype": _master_dtype(args)}))
     if frozen is not None:
         kw.update(frozen_numel=frozen, frozen_dtype=parse_dtype(args.frozen_dtype,
                                                                 "--frozen-dtype"))
@@ -428,7 +441,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             shard_size=args.shard_size, link_gbps=args.link_gbps, gathered_numel=gathered,
             optimizer=args.optimizer, optimizer_kwargs=(
                 {} if args.momentum is None else {"momentum": args.momentum}),
-            state_dtype=None if args.state_dtype == "fp32" else args.state_dtype)
+            state_dtype=None if args.state_dtype == "fp32" else args.state_dtype,
+            master_dtype=_master_dtype(args))
         phases = _phases_for(args, model, rows, pdt, rdt, gdt, frozen, gathered)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"zkernels plan: error: {exc}", file=sys.stderr)
@@ -441,7 +455,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if e0.frozen_numel else ""
     print(f"{e0.num_params:,} params{split}, {args.world_size} ranks, params {p}, grads reduced in "
           f"{r} on every rung and sharded in {g}, {args.state_dtype} {args.optimizer}"
-          f"{' + fp32 master' if e0.master_bytes else ''}; {args.unit} per rank. states = "
+          f"{' + fp32 master' if e0.master_bytes else ''}"
+          f"{' (bf16 on the ZeRO rungs)' if args.master_dtype == 'bf16' else ''}; "
+          f"{args.unit} per rank. states = "
           f"params + grads + master + optim (the ZeRO paper's count); transient = inside a "
           f"step only (stage 1's reduced shards, stage 3's gathered units: the root and two "
           f"layers{uncounted}); device = peak; "

@@ -68,6 +68,9 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Low-bit state rows (issue 28): int8 blocks of 32 elements, so that parameters hold several
 # blocks and shards cut between them; the oracle is LowbitAdamW on the whole parameters.
 STATE_BLOCK = 32
+# Low-bit state (or a bf16 master) on NVMe: 3 slots of 4096 elements (an aligned block of int8
+# codes; 2048 of a bf16 master's file) of master, moments, scales, gradient and output.
+NVME_LOWBIT_BUDGET = 3 * 4096 * 16 + 2 * 4096
 # Element-wise torch.optim rows (issue 26): the class and its hyperparameters, the same on
 # both sides; the oracle is the class itself on the whole model.
 OPTIMS = {
@@ -182,6 +185,7 @@ class Row:
     ckpt: Optional[str] = None                 # activation checkpointing of each block
     optim: str = "adamw"                       # a key of OPTIMS (torch.optim classes)
     state: Optional[str] = None                # state_dtype: None (fp32), "bf16", "int8"
+    master: Optional[str] = None               # master_dtype: None (fp32), "bf16"
 
     @property
     def id(self) -> str:
@@ -196,7 +200,7 @@ class Row:
             parts.append(f"reshard{self.reshard}")
         defaults = Row(self.stage)
         for f in ("steps", "micro", "clip", "groups", "frozen", "sched", "order", "ckpt",
-                  "optim", "state"):
+                  "optim", "state", "master"):
             v = getattr(self, f)
             if v != getattr(defaults, f):
                 text = "".join(map(str, v)) if f == "order" else v
@@ -217,13 +221,18 @@ class Row:
                       max_grad_norm=self.clip, optimizer=cls, **hp)
         if self.state:
             kw.update(state_dtype=self.state, state_block_size=STATE_BLOCK)
+        if self.master:
+            kw["master_dtype"] = DTYPES[self.master]
         if self.stage != 3:
             kw["bucket_bytes"] = SMALL_BUCKET
         else:
             kw["reshard_after_forward"] = self.reshard
         if self.offload:
-            kw.update(offload_kw(self.offload, folder, self.offload_params, **(
-                {} if self.offload == "cpu" else {"nvme_master": self.nvme_master})))
+            extra = {} if self.offload == "cpu" else {"nvme_master": self.nvme_master}
+            if (self.state or self.master) and self.offload == "nvme":   # (a split sub-group
+                extra["nvme_buffer_bytes"] = NVME_LOWBIT_BUDGET   # starts at an aligned block
+                #                                                   of codes, or bf16 master)
+            kw.update(offload_kw(self.offload, folder, self.offload_params, **extra))
         if self.shard_size:
             kw.update(_hybrid_kw(self.form, self.shard_size))
         if self.dtype == "fp16":
@@ -241,7 +250,7 @@ def offload_kw(kind: str, folder: Optional[str], offload_params: bool = False,
                   nvme_param_buffer_bytes=NVME_PARAM_BOUNCES) if offload_params \
         else dict(nvme_buffer_bytes=NVME_BUDGET)
     return dict(offload="nvme", offload_dir=folder, offload_params=offload_params,
-                offload_config=OffloadConfig(**budget, **config))
+                offload_config=OffloadConfig(**{**budget, **config}))
 
 
 def _hybrid_kw(form: str, k: int) -> dict:
@@ -324,6 +333,10 @@ class Reference:
         self.row, self.ws = row, ws
         self.bf16 = row.dtype == "bf16"
         self.ref = clone_model(model)   # fp32 (bf16: the masters)
+        if row.master:   # a bf16 master starts from the parameters rounded to nearest even
+            with torch.no_grad():
+                for q in self.ref.parameters():
+                    q.copy_(q.bfloat16().float())
         if self.bf16:
             self.compute = clone_model(model).to(torch.bfloat16)
             self.by_id = {id(p): q for p, q in zip(model.parameters(), self.ref.parameters())}
@@ -371,6 +384,10 @@ class Reference:
         self.opt.step()
         for q in self.ref.parameters():
             q.grad = None
+        if self.row.master:   # [Note: bf16 master]: the update rounded to nearest even
+            with torch.no_grad():
+                for q in self.ref.parameters():
+                    q.copy_(q.bfloat16().float())
         if self.bf16:
             with torch.no_grad():
                 for c, q in zip(self.compute.parameters(), self.ref.parameters()):
@@ -407,8 +424,13 @@ class Reference:
             flat = zk.ops.flatten([self.by_id[id(p)].detach() for p in u.params],
                                   offsets=u.layout.offsets,
                                   out=torch.zeros(u.layout.padded_numel))
-            out["master"] = max(out["master"], ratio(masters[u.index], flat[u.shard_slice],
-                                                     rtol=1e-4, atol=1e-5))
+            mine, want = masters[u.index], flat[u.shard_slice]
+            if self.row.master:   # [Note: a bf16 master against its oracle]
+                ulp = ratio(mine, want, rtol=2 ** -7 * 1.01, atol=1e-30)
+                flips = float((mine != want).float().mean()) if mine.numel() else 0.0
+                out["master"] = max(out["master"], ulp, flips / MASTER_FLIPS)
+                continue
+            out["master"] = max(out["master"], ratio(mine, want, rtol=1e-4, atol=1e-5))
         # [Note: one step from the same point], for the masters: continue from ours.
         self._continue_from(opt, masters)
         return out
@@ -493,6 +515,45 @@ class BrokenScale:
         if len(args) > 4 and args[4] is not None:
             args[4].mul_(1.02)
         return out
+# [Note: a bf16 master against its oracle]
+# A bf16 master is compared element for element: each within one bf16 ulp of the oracle's
+# (torch's AdamW in fp32, rounded to nearest even; rtol 2**-7: an ulp is up to 2**-7 of a
+# value just below a power of two), and at most MASTER_FLIPS of them different at all. Where
+# the fp32 update is the same bits as torch's every element is equal; a sum in another order
+# (4 ranks' gradients, clipping's norm) or a kernel that rounds one fp32 operation otherwise
+# (the C++ path of CPU offload) moves the fp32 update by an fp32 ulp, which flips the rounding
+# of about one element in 2**16 by one bf16 ulp. A wrong rounding (MASTER_FAULT: truncation)
+# differs on about half of them.
+MASTER_FLIPS = 1e-3
+# A bf16-master row's fault: the update written back truncated (rounded toward zero) instead of
+# to nearest even.
+MASTER_FAULT = "truncated_master"
+
+
+@contextlib.contextmanager
+def master_fault(fault: Optional[str]):
+    """With ``MASTER_FAULT``, the engine's bf16-master write-back truncates (in this rank's
+    process, for the row's run)."""
+    if fault != MASTER_FAULT:
+        yield
+        return
+    from zkernels.zero.state import engine
+    keep = engine.on_bf16_master
+
+    def truncated(master, out, step):
+        wide = master.float()
+        step(wide, None)
+        master.copy_((wide.view(torch.int32) & -65536).view(torch.float32))
+        if out is not None and out.data_ptr() != master.data_ptr():
+            out.copy_(master)
+
+    engine.on_bf16_master = truncated
+    try:
+        yield
+    finally:
+        engine.on_bf16_master = keep
+
+
 # A torch.optim row's fault: each piece's gradient shifted by one element inside the shard
 # (a wrong shard mapping: element i updated with element i+1's gradient).
 MAPPING_FAULT = "wrong_mapping"
@@ -639,6 +700,21 @@ ROWS = [
     (R(2, shard_size=2, steps=3, state="int8"), ("parity",), HYBRID),
     (R(3, shard_size=2, steps=3, state="bf16"), ("parity",), HYBRID),
     (R(2, steps=2, state="int8"), (f"catches_{SCALE_FAULT}",), TORCH_OPTIM),
+    # ... with NVMe offload: bf16 moments, or int8 codes and scales, in the files and slots
+    # ([Note: low-bit state on NVMe])
+    (R(2, offload="nvme", steps=4, clip=0.05, state="int8"), ("parity",), OFFLOAD),
+    (R(3, offload="nvme", steps=3, state="bf16"), ("parity",), OFFLOAD_FULL),
+    (R(3, offload="nvme", offload_params=True, steps=3, state="int8"), ("parity",),
+     OFFLOAD_FULL),
+    # a bf16 master ([Note: bf16 master]: the fp32 update rounded to nearest even; the oracle
+    # rounds torch's AdamW the same way): the bf16 parameter shard is the master
+    (R(2, "bf16", steps=4, master="bf16"), ("parity",), FULL),
+    (R(3, "bf16", steps=4, clip=0.05, master="bf16"), ("parity",), OFFLOAD_FULL),
+    (R(2, "bf16", offload="cpu", steps=4, master="bf16"), ("parity",), OFFLOAD),
+    (R(2, "bf16", offload="nvme", steps=4, master="bf16"), ("parity",), OFFLOAD),
+    (R(3, "bf16", offload="cpu", offload_params=True, steps=3, master="bf16"), ("parity",),
+     OFFLOAD_FULL),
+    (R(2, "bf16", steps=2, master="bf16"), (f"catches_{MASTER_FAULT}",), TORCH_OPTIM),
     # ... and the master in files too (nvme_master, the default)
     (R(2, offload="nvme", steps=4, optim="sgd_momentum", clip=0.05), ("parity",),
      TORCH_OPTIM_FULL),

@@ -85,7 +85,7 @@ def parity(rank, ws, *, row: Row, fault: Optional[str] = None) -> dict:
     the last micro-batch of the last rank from step 1 on, "one_element" gives one gradient
     element its neighbour's value on every rank; a faulty run returns after its steps."""
     assert row.dtype in ("fp32", "bf16"), "fp16 rows run the overflow check"
-    with temp_folder() as folder, _newton_schulz_in_fp32(row):
+    with temp_folder() as folder, _newton_schulz_in_fp32(row), _battery.master_fault(fault):
         model = row_model(row)
         ref = Reference(row, model, ws)   # before stage 3 shards the parameters
         frozen = {n: p.detach().clone() for n, p in model.named_parameters()

@@ -80,9 +80,10 @@ def check_args(args) -> Optional[str]:
         check_block_size(args.state_block_size, "--state-block-size")
     except ValueError as exc:
         return str(exc)
-    if args.state_dtype != "fp32" and "nvme" in args.rungs:
-        return (f"--state-dtype {args.state_dtype} does not combine with the nvme rungs (their "
-                f"files hold fp32 moments): pass --rungs without them")
+    if args.master_dtype not in ("fp32", "bf16"):
+        return f"--master-dtype must be fp32 or bf16, got {args.master_dtype!r}"
+    if args.master_dtype == "bf16" and args.param_dtype != "bf16":
+        return "--master-dtype bf16 needs --param-dtype bf16 (the master is the bf16 weights)"
     if not args.timeout_s > 0.0:
         return f"--timeout-s must be > 0, got {args.timeout_s}"
     if not 0.0 <= args.headroom < 1.0:

@@ -101,8 +101,9 @@ WORKER_OPTS = [("--rungs", str, DEFAULT_RUNGS,
                                               "(bf16: fp32 master and gradient reduction; "
                                               "data parallel stays fp32)"),
                ("--state-dtype", str, "fp32", "the ZeRO rungs' AdamW moments: fp32, bf16 or "
-                                              "int8 (blockwise, an fp32 scale per 256; no "
-                                              "nvme rungs)"),
+                                              "int8 (blockwise, an fp32 scale per 256)"),
+               ("--master-dtype", str, "fp32", "the ZeRO rungs' AdamW master: fp32 or bf16 "
+                                               "(needs --param-dtype bf16)"),
                ("--state-block-size", int, 256, "int8 state: elements per fp32 scale (a "
                                                  "power of two)"),
                ("--ckpt-dir", str, "", "save each ZeRO rung's final state here, a "
@@ -208,6 +209,7 @@ class _ZeroRung:
             param_dtype=PARAM_DTYPES[args.param_dtype],
             quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
             state_dtype=STATE_DTYPES[args.state_dtype], state_block_size=args.state_block_size,
+            master_dtype=PARAM_DTYPES[args.master_dtype],
             **({} if device is None else dict(device=device, param_init=None)))
 
     def step(self, x, y):
@@ -248,7 +250,8 @@ def _estimate(model, rung: Rung, world_size: int, args) -> dict:
               param_dtype=PARAM_DTYPES[args.param_dtype] if zero else None,
               quantize_weights=rung.quantize_weights, quantize_grads=rung.quantize_grads,
               state_dtype=STATE_DTYPES[args.state_dtype] if zero else None,
-              state_block_size=args.state_block_size)
+              state_block_size=args.state_block_size,
+              master_dtype=PARAM_DTYPES[args.master_dtype] if zero else None)
     est = estimate_memory(model, world_size, rung.stage, **kw)
     where = {}
     for place, kinds in est.by_location.items():

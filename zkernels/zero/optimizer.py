@@ -253,7 +253,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             cfg.offload.kind, ops=self.ops, device=device, ops_backend=ops_backend,
             offload_dir=cfg.offload.dir, rank=self.comm.rank, world_size=self.comm.world_size,
             offload_config=cfg.offload.config, offload_params=self.offload_params,
-            specs=self.optimizer_specs, formats=self.state_formats)
+            specs=self.optimizer_specs, formats=self.state_formats,
+            master_dtype=cfg.state.master_dtype)
         try:
             # A meta model is materialized unit by unit as it is sharded ([Note: meta-device
             # build] in parameters/meta_init.py), from one seed every rank agrees on.

@@ -224,8 +224,10 @@ class StateConfig:
             block and moment); names ``"fp32"``/``"bf16"`` are accepted.
         block_size: elements per quantization block of ``"int8"`` (a power of two in
             [2, 8192]); every parameter and shard starts at a multiple of it.
-        master_dtype: None (an fp32 master); ``torch.bfloat16`` is refused by name (not
-            supported: the engine, offload and checkpoints keep an fp32 master).
+        master_dtype: None (an fp32 master, 4 bytes per element) or ``torch.bfloat16``
+            (the fused AdamW's master kept in bf16, the update rounded to nearest even: 2
+            bytes per element, none where the bf16 parameter shard is the master; needs bf16
+            parameters, see [Note: bf16 master] in ``state/bf16_master.py``).
     """
 
     state_dtype: Optional[Union[str, torch.dtype]] = None
@@ -237,11 +239,10 @@ class StateConfig:
                                                                   "state_dtype"))
         check_block_size(self.block_size, "state_block_size")
         master = parse_dtype(self.master_dtype, "master_dtype")
-        if master not in (None, torch.float32):
-            raise ValueError(f"master_dtype={master} is not supported: the master stays fp32 "
-                             f"(the update engine, CPU/NVMe offload and checkpoints keep an "
-                             f"fp32 master shard); pass master_dtype=None")
-        object.__setattr__(self, "master_dtype", None)
+        if master not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"master_dtype must be None (fp32) or torch.bfloat16, got "
+                             f"{master}")
+        object.__setattr__(self, "master_dtype", None if master == torch.float32 else master)
 
 
 @dataclass(frozen=True)
@@ -270,10 +271,12 @@ class ZeroConfig:
         if off.kind != "nvme" and off.dir is not None and not (auto and off.kind is None):
             raise ValueError(f"offload_dir applies only to offload='nvme' (got offload="
                              f"{off.kind!r}, offload_dir={off.dir!r})")
-        if off.kind == "nvme" and self.state.state_dtype is not None:
-            raise ValueError(f"state_dtype={self.state.state_dtype!r} with offload='nvme' is "
-                             f"not supported: the NVMe swap files and slots hold fp32 moments; "
-                             f"use offload='cpu' (or no offload) for low-bit state")
+        pdt = self.precision.param_dtype
+        if self.state.master_dtype is not None and pdt not in (None, torch.bfloat16):
+            raise ValueError(f"master_dtype=torch.bfloat16 needs bf16 parameters "
+                             f"(param_dtype=torch.bfloat16 or a bf16 model), got param_dtype="
+                             f"{pdt}: a bf16 master would hold less than the parameters it "
+                             f"updates")
         if auto:
             return
         policy = self.sharding.policy

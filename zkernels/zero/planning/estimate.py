@@ -60,7 +60,8 @@ Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
 the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
 staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
 live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
-the gradient shard stays on the device, and host RAM holds the slot arena, at most the
+low-bit moments (``state_dtype``) at their size on disk and in the slots, the gradient shard
+stays on the device, and host RAM holds the slot arena, at most the
 configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the
 master when ``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
 ``offload_params=True`` moves it beside the state: into host RAM with ``"cpu"``
@@ -109,11 +110,12 @@ from .offload_config import (IO_ALIGN, NUM_PARAM_BOUNCES, OffloadConfig, nvme_ar
                              nvme_sub_group_numel, param_bounce_bytes)
 from .optimizer_spec import ADAMW_STATE_BYTES, OptimizerSpec, resolve_optimizer
 from .policy import NUM_REDUCE_BUFFERS, STAGES, StagePolicy, check_reshard_after_forward
-from .state_format import StateFormat, state_bytes
+from .state_format import StateFormat, slot_moments, state_bytes
 from .unit_plan import gathered_peak_numel, plan_units
 
 ADAM_STATE_BYTES = ADAMW_STATE_BYTES   # exp_avg + exp_avg_sq, fp32
-MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype
+MASTER_BYTES = 4            # fp32 master copy of a narrower compute dtype (master_dtype bf16:
+#                             2, or 0 where it is the bf16 parameter shard, [Note: bf16 master])
 
 
 def rung_name(stage: int, offload: Optional[str], offload_params: bool = False) -> str:
@@ -423,8 +425,12 @@ def _states(c: _Counts) -> Dict[str, int]:
     # Pure fp32 offload: the device parameter can no longer be the master (the update runs
     # elsewhere), so the host or disk holds an fp32 master shard of its own (with CPU
     # offload_params the host master is the host parameter shard itself).
-    own_master = c.mixed or c.offload is not None and not (c.offload_params and
-                                                           c.offload == "cpu")
+    # A bf16 master ([Note: bf16 master] in state/bf16_master.py) is 2 bytes, and with bf16
+    # parameters it is their shard as fp32's is in pure fp32 (0 where that shard lives beside
+    # the step).
+    mb = 2 if c.cfg.state.master_dtype == torch.bfloat16 else MASTER_BYTES
+    own_master = c.p != mb or c.offload is not None and not (c.offload_params and
+                                                             c.offload == "cpu")
     states = c.state_bytes * per if c.state_format is None else state_bytes(per, c.state_format)
     if c.group_states:   # each group's class on its own elements
         states = sum(b * (_div(n, c.big_n) if pol.shards_optimizer else n)
@@ -432,7 +438,7 @@ def _states(c: _Counts) -> Dict[str, int]:
     return dict(params=c.p * c.shard + c.frozen_shard if pol.shards_params
                 else c.p * c.n_psi + c.frozen_whole,
                 grads=c.g * c.shard if pol.shards_grads else c.p * c.n_psi,
-                master=MASTER_BYTES * per if own_master else 0,
+                master=mb * per if own_master else 0,
                 optimizer_states=states)
 
 
@@ -500,12 +506,15 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         if not opts.nvme_master:
             host["master"] = device.pop("master")
         # The slot arena: sub-groups of the largest unit shard, capped by the budget (aligned
-        # to a parameter file's blocks too).
+        # to a parameter file's blocks too); low-bit moments in the slots as on disk.
         kinds_in_slot = len(on_disk) + 2
         cb = p if c.mixed or (c.offload_params and not opts.nvme_master) else 0
+        mb, bs = slot_moments([c.state_format])
+        ms = 2 if c.cfg.state.master_dtype == torch.bfloat16 else 4
         host["staging"] = nvme_arena_bytes(nvme_sub_group_numel(
             opts.nvme_buffer_bytes, kinds_in_slot, cb, unit_shard,
-            file_bytes=p if c.offload_params else 0), kinds_in_slot, cb)
+            file_bytes=p if c.offload_params else 0, moment_bytes=mb, block_size=bs,
+            master_bytes=ms), kinds_in_slot, cb, mb, bs)
     return device, host, disk
 
 

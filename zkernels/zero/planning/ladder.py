@@ -127,8 +127,6 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     rejected = []
     est = None
     tries = ladder_rows(rungs, offload_params)
-    if base.state.state_dtype is not None:   # the NVMe files hold fp32 moments
-        tries = [t for t in tries if t[1] != "nvme"]
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "
                          f"offload")

@@ -7,7 +7,7 @@ says *how* (pinning, sub-group size, the NVMe buffer budget, I/O threads), as FS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 IO_ALIGN = 4096           # bytes: O_DIRECT's alignment of buffers, offsets and lengths
 DEFAULT_SUB_GROUP_NUMEL = 1 << 22    # elements per CPU AdamW sub-group (16 MiB of fp32)
@@ -20,33 +20,82 @@ NUM_PARAM_BOUNCES = 2     # read chunk k+1 while chunk k is copied to the device
 ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
 
 
-def nvme_slot_bytes(numel: int, num_kinds: int, compute_bytes: int) -> int:
-    """Bytes of one NVMe slot of ``numel`` elements: ``num_kinds`` fp32 states, an fp32
-    gradient and a compute-dtype output (``compute_bytes`` per element, 0 without one)."""
-    return numel * (4 * num_kinds + 4 + compute_bytes)
+def nvme_slot_views(numel: int, num_kinds: int, compute_bytes: int, moment_bytes: int = 4,
+                    block_size: int = 0) -> List[Tuple[str, int]]:
+    """``(name, bytes)`` of each buffer of one NVMe slot of ``numel`` elements, each but the
+    last (the output) rounded up to ``IO_ALIGN`` so that every file buffer starts aligned (an
+    fp32 buffer of a sub-group, a multiple of ``ALIGN_NUMEL`` elements, needs no rounding):
+    the fp32 master when ``num_kinds`` is 3 (``nvme_master``), both moments
+    (``moment_bytes`` per element: fp32 4, bf16 2, int8 1), with ``block_size`` the int8
+    format's two fp32 scale buffers (one scale per block), an fp32 gradient and a
+    compute-dtype output (``compute_bytes`` per element, 0 without one). See [Note: low-bit
+    state on NVMe] in ``state/nvme_files.py``."""
+    views = [("master", 4 * numel)] if num_kinds == 3 else []
+    views += [("exp_avg", moment_bytes * numel), ("exp_avg_sq", moment_bytes * numel)]
+    if block_size:
+        nb = -(-numel // block_size)
+        views += [("exp_avg_scales", 4 * nb), ("exp_avg_sq_scales", 4 * nb)]
+    views.append(("grad", 4 * numel))
+    if compute_bytes:
+        views.append(("out", compute_bytes * numel))
+    return [(k, b if k == "out" else -(-b // IO_ALIGN) * IO_ALIGN) for k, b in views]
+
+
+def nvme_slot_bytes(numel: int, num_kinds: int, compute_bytes: int, moment_bytes: int = 4,
+                    block_size: int = 0) -> int:
+    """Bytes of one NVMe slot of ``numel`` elements (:func:`nvme_slot_views`' sum)."""
+    return sum(b for _, b in nvme_slot_views(numel, num_kinds, compute_bytes, moment_bytes,
+                                             block_size))
+
+
+def nvme_sub_group_align(file_bytes: int = 0, moment_bytes: int = 4,
+                         block_size: int = 0, master_bytes: int = 4) -> int:
+    """Elements a sub-group that does not cover its whole unit shard starts at a multiple of:
+    an aligned block of every file it reads at ``O_DIRECT`` offsets (the fp32 master, the
+    moments of ``moment_bytes``, a parameter file of ``file_bytes``) and whole quantization
+    blocks (``block_size``: a block's scale is never split between two sub-groups);
+    ``master_bytes`` 2: a bf16 master's file."""
+    align = max(ALIGN_NUMEL, IO_ALIGN // moment_bytes, IO_ALIGN // master_bytes, block_size)
+    return max(align, IO_ALIGN // file_bytes) if file_bytes else align
 
 
 def nvme_sub_group_numel(budget_bytes: int, num_kinds: int, compute_bytes: int,
-                         largest_shard: int, file_bytes: int = 0) -> int:
+                         largest_shard: int, file_bytes: int = 0, moment_bytes: int = 4,
+                         block_size: int = 0, master_bytes: int = 4) -> int:
     """Elements per NVMe sub-group: the largest unit shard (rounded up to an aligned block),
     capped so that ``NUM_NVME_BUFFERS`` slots fit ``budget_bytes``. Each element of a slot
-    holds ``num_kinds`` fp32 states, one fp32 gradient and one compute-dtype output
-    (``compute_bytes``, 0 in pure fp32); the arena's alignment slack (one block) is part of
-    the budget. ``file_bytes``: the output is written to a parameter file of elements of
-    that size (stage 3's parameters on NVMe), so a sub-group also spans whole blocks of it.
+    holds ``num_kinds - 2`` fp32 masters, two moments of ``moment_bytes`` (with
+    ``block_size``, their fp32 block scales), one fp32 gradient and one compute-dtype output
+    (``compute_bytes``, 0 in pure fp32) (:func:`nvme_slot_views`); the arena's alignment
+    slack (one block) is part of the budget. ``file_bytes``: the output is written to a
+    parameter file of elements of that size (stage 3's parameters on NVMe), so a sub-group
+    also spans whole blocks of it. A capped sub-group starts at multiples of
+    :func:`nvme_sub_group_align`.
 
     Raises:
         ValueError: the budget cannot hold one aligned block per slot.
     """
-    align = max(ALIGN_NUMEL, IO_ALIGN // file_bytes) if file_bytes else ALIGN_NUMEL
-    per_elem = NUM_NVME_BUFFERS * nvme_slot_bytes(1, num_kinds, compute_bytes)
-    cap = (budget_bytes - 2 * IO_ALIGN) // per_elem // align * align
+    def fits(n: int) -> bool:
+        return NUM_NVME_BUFFERS * nvme_slot_bytes(n, num_kinds, compute_bytes, moment_bytes,
+                                                  block_size) + 2 * IO_ALIGN <= budget_bytes
+
+    base = max(ALIGN_NUMEL, IO_ALIGN // file_bytes) if file_bytes else ALIGN_NUMEL
+    whole = -(-largest_shard // base) * base
+    if fits(whole):
+        return whole
+    align = nvme_sub_group_align(file_bytes, moment_bytes, block_size, master_bytes)
+    per_elem = NUM_NVME_BUFFERS * (4 * (num_kinds - 2) + 2 * moment_bytes + 4 + compute_bytes
+                                   + (8 / block_size if block_size else 0))
+    cap = int((budget_bytes - 2 * IO_ALIGN) // per_elem) // align * align
+    while cap >= align and not fits(cap):
+        cap -= align
     if cap < align:
-        need = align * per_elem + 2 * IO_ALIGN
+        need = NUM_NVME_BUFFERS * nvme_slot_bytes(align, num_kinds, compute_bytes,
+                                                  moment_bytes, block_size) + 2 * IO_ALIGN
         raise ValueError(f"OffloadConfig.nvme_buffer_bytes={budget_bytes} is too small: "
                          f"{NUM_NVME_BUFFERS} slots of {align} elements need at least "
                          f"{need} bytes")
-    return min(cap, -(-largest_shard // align) * align)
+    return cap
 
 
 def param_bounce_bytes(budget_bytes: int, largest_file_bytes: int) -> int:
@@ -65,11 +114,12 @@ def param_bounce_bytes(budget_bytes: int, largest_file_bytes: int) -> int:
     return min(cap, -(-largest_file_bytes // IO_ALIGN) * IO_ALIGN)
 
 
-def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int) -> int:
+def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int,
+                     moment_bytes: int = 4, block_size: int = 0) -> int:
     """Host bytes of the NVMe slot arena of ``sub_group_numel`` elements per slot (its
     allocation, alignment slack included)."""
-    return NUM_NVME_BUFFERS * nvme_slot_bytes(sub_group_numel, num_kinds, compute_bytes) + \
-        IO_ALIGN
+    return NUM_NVME_BUFFERS * nvme_slot_bytes(sub_group_numel, num_kinds, compute_bytes,
+                                              moment_bytes, block_size) + IO_ALIGN
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,19 @@ def block_align(formats: Sequence[Optional[StateFormat]]) -> int:
     """The element alignment every parameter and shard start needs so that no quantization
     block crosses a parameter's or a shard's boundary (1: no blocked format)."""
     return max([f.block_size for f in formats if f is not None and f.blocked], default=1)
+
+
+def moment_bytes(fmt: Optional[StateFormat]) -> int:
+    """Bytes of one element of one moment: fp32 4, bf16 2, int8 1 (scales apart)."""
+    return 4 if fmt is None else 2 if not fmt.blocked else 1
+
+
+def slot_moments(formats: Sequence[Optional[StateFormat]]) -> Tuple[int, int]:
+    """``(moment_bytes, block_size)`` of an NVMe slot that holds any of ``formats``' moments
+    (the widest moment; ``block_size`` 0 where no format is blocked): the slot arena's shape
+    (``offload_config.nvme_slot_views``)."""
+    if not formats:
+        return 4, 0
+    width = max(moment_bytes(f) for f in formats)
+    return width, max([f.block_size for f in formats if f is not None and f.blocked],
+                      default=0)

@@ -50,7 +50,9 @@ after its writes and its device copy finished); the read of the next unit's firs
 starts during the current unit's last, so units go in index order (``update_order``). The
 gradient shard stays where stage 2 keeps it (the device); each sub-group's slice comes to
 its slot by the copier, and the updated parameters go back the same way. Host RAM is the
-arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master).
+arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master), and
+low-bit moments at their own size (4Ψ/N bf16, (2 + 8/block)Ψ/N int8: [Note: low-bit state on
+NVMe] in nvme_files.py, which also says how the slots hold them).
 Before the first sub-group of a step every file's size is checked, so a truncated file fails
 the step before any state changes. Files live in the run's own folder (``nvme_files.py``)
 and go at :meth:`UpdateEngine.close` unless ``close(keep_files=True)`` keeps them.
@@ -59,20 +61,21 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...ops import OpSet
 from ...ops.adamw import Scalar
-from ..planning.state_format import block_align
-from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_bytes,
-                                       nvme_sub_group_numel)
+from ..planning.state_format import block_align, slot_moments
+from ..planning.offload_config import (NUM_NVME_BUFFERS, OffloadConfig, nvme_slot_views,
+                                       nvme_sub_group_align, nvme_sub_group_numel)
 from ..parameters.storage import DeviceStorage
 from ..parameters.units import FlatParamUnit
+from .bf16_master import on_bf16_master
 from .grad_sink import GradShards
-from .nvme_files import NvmeFiles
+from .nvme_files import SCALE_KINDS, NvmeFiles
 from .live_ranges import clip, live_segments
 from .lowbit_state import alloc_moments, dequantized, quantized, step_range
 from .shard_state import ShardState
@@ -134,13 +137,42 @@ class _Piece:
 
 def _adamw(ops: OpSet, p: _Piece, a: int, b: int, out: Optional[torch.Tensor], fmt,
            hparams: dict) -> None:
-    """One fused AdamW over ``[a, b)`` of a piece: fp32 moments, or ``fmt``'s low-bit ones."""
+    """One fused AdamW over ``[a, b)`` of a piece: fp32 moments, or ``fmt``'s low-bit ones;
+    a bf16 master through an fp32 copy ([Note: bf16 master] in bf16_master.py)."""
+    if p.master.dtype == torch.bfloat16 and fmt is not None:   # (the low-bit kernels take
+        if out is not None and out.data_ptr() == p.master[a:b].data_ptr():   # a bf16 master)
+            out = None
+    elif p.master.dtype == torch.bfloat16:
+        sub = _sub_piece(p, a, b, fmt)
+        on_bf16_master(p.master[a:b], out, lambda wide, o: _adamw(
+            ops, replace(sub, master=wide), 0, b - a, o, fmt, hparams))
+        return
     if fmt is None:
         ops.adamw_step(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b], out=out,
                        **hparams)
     else:
         step_range(ops, fmt, p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.exp_avg_scales,
                    p.exp_avg_sq_scales, a, b, out, hparams)
+
+
+def _sub_piece(p: _Piece, a: int, b: int, fmt) -> _Piece:
+    """``[a, b)`` of a piece as a piece from element 0 (``a`` starts a quantization block)."""
+    bs = fmt.block_size if fmt is not None and fmt.blocked else 0
+    if bs and a % bs:
+        raise RuntimeError(f"internal: a low-bit AdamW range starts at {a}, not at a multiple "
+                           f"of state_block_size={bs} ([Note: low-bit state in shards])")
+    return _Piece(p.master[a:b], p.grad[a:b], p.exp_avg[a:b], p.exp_avg_sq[a:b], None, p.busy,
+                  exp_avg_scales=p.exp_avg_scales[a // bs:] if bs else None,
+                  exp_avg_sq_scales=p.exp_avg_sq_scales[a // bs:] if bs else None)
+
+
+def _file_range(rec: ShardState, kind: str, lo: int, hi: int) -> Tuple[int, int]:
+    """Elements ``[lo, hi)`` of ``rec``'s shard in the file of ``kind``: the same, or a scale
+    file's blocks (``lo`` starts a block: [Note: low-bit state on NVMe] in nvme_files.py)."""
+    if kind not in SCALE_KINDS:
+        return lo, hi
+    bs = rec.fmt.block_size
+    return lo // bs, -(-hi // bs)
 
 
 def _update_segments(ops: OpSet, p: _Piece, out: Optional[torch.Tensor], direct: bool,
@@ -192,15 +224,18 @@ class UpdateEngine:
     def __init__(self, placement: str, *, ops: OpSet, host_ops: Optional[OpSet] = None,
                  copier: Optional[Copier] = None, config: Optional[OffloadConfig] = None,
                  files: Optional[NvmeFiles] = None, storages: Optional[dict] = None,
-                 specs: Sequence = (), formats: Sequence = ()) -> None:
+                 specs: Sequence = (), formats: Sequence = (),
+                 master_dtype: Optional[torch.dtype] = None) -> None:
         self.placement = placement
+        # the fused AdamW's master: fp32, or bf16 ([Note: bf16 master] in bf16_master.py)
+        self.master_dtype = master_dtype or torch.float32
         self.specs = list(specs)
         self.formats = list(formats)
         self.block_align = block_align(self.formats)   # the layout's alignment (build.py)
-        if placement == "nvme" and any(f is not None for f in self.formats):
-            raise ValueError("state_dtype (low-bit moments) with offload='nvme' is not "
-                             "supported: the NVMe swap files and slots hold fp32 moments; "
-                             "use offload='cpu' (or no offload)")
+        # The NVMe slots' moment width and scales: the fused-AdamW groups' widest format
+        # ([Note: low-bit state on NVMe] in nvme_files.py).
+        self.slot_moments = slot_moments([self.format_of_group(g) for g in range(
+            max(len(self.specs), len(self.formats), 1)) if self._is_adamw(g)])
 
         self.on_host = placement != "device"          # the step runs on the host
         self.step_ops = host_ops if self.on_host else ops
@@ -221,6 +256,7 @@ class UpdateEngine:
         self.matrix: Optional[MatrixUpdate] = None
         self.sub_group_numel = config.sub_group_numel if placement == "cpu" else 0
         self._slots: List[_Slot] = []
+        self._largest_shard = 0
         self._buffers: List[torch.Tensor] = []   # the host memory behind the slots
         self._next_slot = 0
         self._prefetched: Optional[Tuple[ShardState, _Slot]] = None
@@ -241,13 +277,16 @@ class UpdateEngine:
             raise ValueError(f"init_state: unit {unit.index} out of order (expected "
                              f"{len(self.states)})")
         n = unit.layout.shard_numel
-        if unit.shard.holds(self.where["master"]) and unit.compute_dtype == torch.float32:
-            master = unit.compute_shard   # the fp32 parameter shard is its own master
-        else:
-            master = self._alloc(n, "master", unit.device)
-            if not master.is_meta:
-                master.copy_(initial_master)
         spec = self.specs[unit.group_index] if self.specs else None
+        mdt = self.master_dtype
+        if mdt != torch.float32:   # [Note: bf16 master]
+            self._check_bf16_master(unit, spec)
+        if unit.shard.holds(self.where["master"]) and unit.compute_dtype == mdt:
+            master = unit.compute_shard   # the parameter shard is its own master
+        else:
+            master = self._alloc(n, "master", unit.device, mdt)
+            if not master.is_meta:
+                master.copy_(initial_master)   # (bf16: rounded to nearest even)
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
             if master.is_meta:   # (the shard master stays in RAM: [Note: whole matrices on NVMe])
                 master = self.copier.host_empty(n, torch.float32).copy_(initial_master)
@@ -304,9 +343,28 @@ class UpdateEngine:
                 self._fill(rec, {"master": initial_master})
         return rec
 
+    def _check_bf16_master(self, unit: FlatParamUnit, spec) -> None:
+        """A bf16 master needs the fused AdamW and bf16 parameters (named otherwise)."""
+        if spec is not None and not self._is_adamw(unit.group_index):
+            raise ValueError(f"master_dtype=torch.bfloat16 applies to the fused AdamW only; "
+                             f"param_groups[{unit.group_index}] runs {spec.name}, whose master "
+                             f"stays fp32 ([Note: bf16 master])")
+        if unit.compute_dtype != torch.bfloat16:
+            raise ValueError(f"master_dtype=torch.bfloat16 needs bf16 parameters "
+                             f"(param_dtype=torch.bfloat16 or a bf16 model); unit "
+                             f"{unit.index} computes in {unit.compute_dtype}")
+
     def format_of(self, unit: FlatParamUnit):
         """The unit's group's low-bit state format, or None (fp32 moments)."""
-        return self.formats[unit.group_index] if self.formats else None
+        return self.format_of_group(unit.group_index)
+
+    def format_of_group(self, group_index: int):
+        return self.formats[group_index] if group_index < len(self.formats) else None
+
+    def _is_adamw(self, group_index: int) -> bool:
+        """The group runs the fused AdamW (no rule: ``init_state``'s last branches)."""
+        spec = self.specs[group_index] if group_index < len(self.specs) else None
+        return spec is None or spec.fused and spec.kernel is None and not spec.matrix
 
     def _alloc(self, n: int, kind: str, device: torch.device,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -335,24 +393,34 @@ class UpdateEngine:
             on_disk = unit.shard.in_file
             cb = 0 if cdt == torch.float32 and ("master" in kinds or not on_disk) \
                 else cdt.itemsize
-            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb, n,
-                                       file_bytes=cdt.itemsize if on_disk else 0)
-            if sub <= self.sub_group_numel:
+            mb, bs = self.slot_moments   # (low-bit moments: narrower buffers, and scales)
+            fb = cdt.itemsize if on_disk else 0
+            # (sized for the largest shard so far: a sub-group that splits a shard starts at
+            # multiples of the alignment, which a smaller unit's whole shard need not be)
+            self._largest_shard = max(self._largest_shard, n)
+            ms = self.master_dtype.itemsize   # (a bf16 master's file: 2048-element blocks)
+            sub = nvme_sub_group_numel(self.config.nvme_buffer_bytes, len(kinds), cb,
+                                       self._largest_shard, file_bytes=fb, moment_bytes=mb,
+                                       block_size=bs, master_bytes=ms)
+            have = self.sub_group_numel
+            if sub <= have and (have >= self._largest_shard or
+                                have % nvme_sub_group_align(fb, mb, bs, ms) == 0):
                 return
             self._settle_all()
             self._release_buffers()
             self.sub_group_numel = sub
-            per_slot = nvme_slot_bytes(sub, len(kinds), cb)
+            views = nvme_slot_views(sub, len(kinds), cb, mb, bs)
+            per_slot = sum(b for _, b in views)
             # Touched now (zeroed): host RAM holds what stats() reports from the start.
             arena = aligned_empty(NUM_NVME_BUFFERS * per_slot,
                                   self.copier.pin if self.copier.pinned else None).zero_()
             self._buffers, self._slots = [arena], []
             for s in range(NUM_NVME_BUFFERS):
-                views = [arena[s * per_slot + i * 4 * sub:s * per_slot + (i + 1) * 4 * sub]
-                         .view(torch.float32) for i in range(len(kinds) + 1)]
-                ofs = s * per_slot + (len(kinds) + 1) * 4 * sub
-                out = None if cb == 0 else arena[ofs:ofs + cb * sub].view(cdt)
-                self._slots.append(_Slot(dict(zip(kinds, views)), views[-1], out))
+                ofs, bufs = s * per_slot, {}
+                for name, b in views:   # raw bytes, typed per unit (_typed)
+                    bufs[name], ofs = arena[ofs:ofs + b], ofs + b
+                grad, out = bufs.pop("grad").view(torch.float32), bufs.pop("out", None)
+                self._slots.append(_Slot(bufs, grad, None if out is None else out.view(cdt)))
 
     def _release_buffers(self) -> None:
         for b in self._buffers:
@@ -490,7 +558,17 @@ class UpdateEngine:
                                  rec.exp_avg_sq_scales[blocks])
 
     def _read_into(self, slot: _Slot, rec: ShardState, lo: int, hi: int) -> None:
-        slot.busy = [self.files.read(rec, k, slot.states[k], lo, hi) for k in self.files.kinds]
+        slot.busy = [self.files.read(rec, k, slot.states[k], *_file_range(rec, k, lo, hi))
+                     for k in self.files.kinds_of(rec)]
+
+    def _typed(self, slot: _Slot, rec: ShardState, lo: int, hi: int) -> Dict[str, torch.Tensor]:
+        """The slot's buffers as ``rec``'s files' elements ``[lo, hi)`` (from element 0)."""
+        out = {}
+        for k in self.files.kinds_of(rec):
+            a, b = _file_range(rec, k, lo, hi)
+            dt = self.files.file_spec(rec, k)[1]
+            out[k] = slot.states[k][:(b - a) * dt.itemsize].view(dt)
+        return out
 
     def _streamed(self, rec: ShardState, grad: torch.Tensor) -> Iterator[Tuple[int, int, _Piece]]:
         """Sub-groups of a state in files, through the slots (see [Note: NVMe offload step]):
@@ -520,13 +598,17 @@ class UpdateEngine:
                 self._prefetched = (following, nxt)
             self._exposed_s += slot.settle()
             k = hi - lo
-            master = slot.states["master"][:k] if "master" in slot.states else rec.master[lo:hi]
-            yield lo, hi, _Piece(master, slot.grad[:k], slot.states["exp_avg"][:k],
-                                 slot.states["exp_avg_sq"][:k],
+            typed = self._typed(slot, rec, lo, hi)
+            master = typed["master"] if "master" in typed else rec.master[lo:hi]
+            whole = slot.states["master"].view(torch.float32) if "master" in typed else None
+            yield lo, hi, _Piece(master, slot.grad[:k], typed["exp_avg"], typed["exp_avg_sq"],
                                  None if slot.out is None else slot.out[:k], slot.busy,
-                                 slot.states.get("master") if slot.out is None else slot.out)
-            slot.busy.extend(self.files.write(rec, kd, slot.states[kd], lo, hi)
-                             for kd in self.files.kinds)
+                                 whole if slot.out is None else slot.out,
+                                 exp_avg_scales=typed.get("exp_avg_scales"),
+                                 exp_avg_sq_scales=typed.get("exp_avg_sq_scales"))
+            slot.busy.extend(self.files.write(rec, kd, slot.states[kd],
+                                              *_file_range(rec, kd, lo, hi))
+                             for kd in self.files.kinds_of(rec))
             if nxt is not None and self._prefetched is None:
                 slot = nxt
 
@@ -569,21 +651,23 @@ class UpdateEngine:
 
     # -- state in and out ---------------------------------------------------------------
 
-    def _fill(self, rec: ShardState, src: Dict[str, Optional[torch.Tensor]]) -> None:
-        """Write ``rec``'s files from tensors (absent or None: zeros), synchronously, through
-        the first slot (a load, not a step's traffic)."""
+    def _fill(self, rec: ShardState, src: Dict[str, Optional[torch.Tensor]],
+              kinds: Optional[Sequence[str]] = None) -> None:
+        """Write ``rec``'s files (``kinds``: those only) from tensors in the files' formats
+        (absent or None: zeros), synchronously, through the first slot (a load, not a step's
+        traffic)."""
         slot = self._slots[0]
         slot.settle()
+        kinds = self.files.kinds_of(rec) if kinds is None else kinds
         for lo, hi in self._ranges(rec.numel):
             futs = []
-            for k in self.files.kinds:
-                buf = slot.states[k]
-                buf[hi - lo:].zero_()
-                if src.get(k) is None:
-                    buf[:hi - lo].zero_()
-                else:
-                    self.copier.copy_untracked(buf[:hi - lo], src[k][lo:hi]).synchronize()
-                futs.append(self.files.write(rec, k, buf, lo, hi, counted=False))
+            typed = self._typed(slot, rec, lo, hi)
+            for k in kinds:
+                a, b = _file_range(rec, k, lo, hi)
+                slot.states[k].zero_()
+                if src.get(k) is not None:
+                    self.copier.copy_untracked(typed[k], src[k][a:b]).synchronize()
+                futs.append(self.files.write(rec, k, slot.states[k], a, b, counted=False))
             for f in futs:
                 f.result()
 
@@ -594,8 +678,16 @@ class UpdateEngine:
             return
         shard = unit.compute_shard
         if master.data_ptr() == shard.data_ptr():
-            return   # fp32: the master is the shard
-        if unit.shard.holds(self.step_at):
+            return   # fp32 (or a bf16 master): the master is the shard
+        here = unit.shard.holds(self.step_at)
+        if master.dtype == shard.dtype != torch.float32:   # a bf16 master apart from it
+            if here:
+                unit.shard.settle()
+                shard.copy_(master)
+            else:
+                self.copier.copy_untracked(shard, master).synchronize()
+            return
+        if here:
             unit.shard.settle()
             self.step_ops.cast(master.contiguous(), out=shard) \
                 if shard.dtype != torch.float32 else shard.copy_(master)
@@ -611,9 +703,20 @@ class UpdateEngine:
         rec = self.states[unit_index]
         if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
             return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
+        out = self._state_tensors(rec)
+        if out[0].dtype == torch.bfloat16:   # (a bf16 master: its exact fp32 values)
+            return (out[0].float(),) + tuple(out[1:])
+        return out
+
+    def _state_tensors(self, rec: ShardState):
+        """:meth:`state_tensors` of a record (its master as it is)."""
+        unit_index = rec.unit_index
         if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
-            return (rec.master,) + dequantized(rec.fmt, rec.exp_avg, rec.exp_avg_sq,
-                                               rec.exp_avg_scales, rec.exp_avg_sq_scales)
+            low = self.lowbit_tensors(unit_index)
+            master = self.files.read_all(rec, "master") if rec.master.is_meta else rec.master
+            return (master,) + dequantized(rec.fmt, low["exp_avg"], low["exp_avg_sq"],
+                                           low.get("exp_avg_scales"),
+                                           low.get("exp_avg_sq_scales"))
         return tuple(self.files.read_all(rec, k) if t.is_meta else t
                      for k, t in zip(KINDS, rec.tensors()))
 
@@ -629,11 +732,11 @@ class UpdateEngine:
             rec.rule.master_written()
         src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
         if rec.fmt is not None:   # fp32 moments into low-bit state: requantized
-            src.update(quantized(rec.fmt, exp_avg.to(rec.exp_avg.device),
-                                 exp_avg_sq.to(rec.exp_avg.device)))
+            at = "cpu" if rec.exp_avg.is_meta else rec.exp_avg.device   # (NVMe: in files)
+            src.update(quantized(rec.fmt, exp_avg.to(at), exp_avg_sq.to(at)))
             for k, t in (("exp_avg_scales", rec.exp_avg_scales),
                          ("exp_avg_sq_scales", rec.exp_avg_sq_scales)):
-                if t is not None:
+                if t is not None and not t.is_meta:
                     t.copy_(src[k])
         for k, t in zip(KINDS, rec.tensors()):
             if not t.is_meta:
@@ -650,6 +753,15 @@ class UpdateEngine:
         """A low-bit unit's live moments as trained (``exp_avg``, ``exp_avg_sq`` and, int8,
         ``exp_avg_scales``, ``exp_avg_sq_scales``), or None where its moments are fp32."""
         rec = self.states[unit_index]
+        out = self._lowbit_live(rec)
+        if out is not None and rec.exp_avg.is_meta:   # NVMe: new tensors read from the files
+            self._settle_all()
+            out = {k: self.files.read_all(rec, k) for k in out}
+        return out
+
+    @staticmethod
+    def _lowbit_live(rec: ShardState) -> Optional[Dict[str, torch.Tensor]]:
+        """A low-bit record's moment tensors (meta tensors where they live in files)."""
         if rec.fmt is None:
             return None
         out = {"exp_avg": rec.exp_avg, "exp_avg_sq": rec.exp_avg_sq}
@@ -661,7 +773,8 @@ class UpdateEngine:
     def load_lowbit(self, unit_index: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Overwrite a low-bit unit's moments with tensors of its own format (bit for bit)."""
         self._settle_all()
-        live = self.lowbit_tensors(unit_index)
+        rec = self.states[unit_index]
+        live = self._lowbit_live(rec)
         if live is None or set(live) != set(tensors):
             raise ValueError(f"unit {unit_index}: expected low-bit moments "
                              f"{sorted(live or ())}, got {sorted(tensors)}")
@@ -670,6 +783,10 @@ class UpdateEngine:
                 raise ValueError(f"unit {unit_index}: {k} must be {t.dtype} of shape "
                                  f"{tuple(t.shape)}, got {tensors[k].dtype} of shape "
                                  f"{tuple(tensors[k].shape)}")
+        if rec.exp_avg.is_meta:   # NVMe: into the files
+            self._fill(rec, tensors, kinds=list(tensors))
+            return
+        for k, t in live.items():
             t.copy_(tensors[k])
 
     def rule_state(self, unit_index: int):

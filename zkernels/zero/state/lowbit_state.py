@@ -21,7 +21,8 @@ zero moments, so it never changes its block's absmax scale).
 The step runs ``ops.adamw_step_lowbit`` (the device's OpSet, or the host's with CPU offload:
 its C++ path where built, else the reference) once per live range, with the same unscale,
 found-inf skip (the optimizer skips the whole step) and compute-dtype output as the fp32
-AdamW. NVMe offload is refused (its files and slots hold fp32 moments).
+AdamW. With NVMe offload the files and slots hold the same formats ([Note: low-bit state on
+NVMe] in ``nvme_files.py``).
 """
 from __future__ import annotations
 

@@ -3,6 +3,26 @@ I/O pool, and resuming from a folder a run kept (``close(keep_files=True)``).
 
 The step that streams them is the engine's (``engine.py``, [Note: NVMe offload step]); this
 module only creates, checks, reads and writes files (``swap.py``: format and I/O).
+
+[Note: low-bit state on NVMe]
+A unit whose group keeps low-bit moments (``state_dtype``, [Note: low-bit state in shards] in
+``lowbit_state.py``) keeps them on disk as it trains them: ``exp_avg``/``exp_avg_sq`` files of
+bf16 elements, or of int8 / uint8 codes beside two more files, ``exp_avg_scales`` and
+``exp_avg_sq_scales``, of one fp32 scale per block. Disk then holds 4 (bf16) or 2 + 8/block
+(int8) bytes of moments per element instead of 8, and the step reads and writes that much.
+The slots hold the same: the arena's moment buffers are as wide as the widest format of the
+run's fused-AdamW groups (``state_format.slot_moments``; fp32 4 bytes, bf16 2, int8 1, plus
+the scale buffers), and the fused low-bit AdamW (the host OpSet's: the C++ path where built)
+runs on the swapped-in slot, so a sub-group's codes and scales never exist in fp32. A
+sub-group that does not cover its unit's whole shard starts at a multiple of
+``offload_config.nvme_sub_group_align`` (an aligned block of the codes' file, 4096 int8 or
+2048 bf16 elements, and whole quantization blocks). The scale files are the one kind read and
+written with buffered I/O (exact byte ranges, no ``O_DIRECT``): a sub-group's scales are
+``4 * numel / block`` bytes, far from an aligned block at any sensible sub-group, and they
+are 8/block bytes per element of page cache at most (1/32 of a byte per element at block
+256). A kept folder (``close(keep_files=True)``) resumes with its formats: its manifest names
+each unit's format, and a resume with another ``state_dtype`` or block size is refused by
+name (a checkpoint converts between formats; a kept folder is the run's own state).
 """
 from __future__ import annotations
 
@@ -20,6 +40,7 @@ from .swap import (AsyncFileIO, OffloadIOError, SwapFile, aligned_empty, log, ma
                    probe_direct_io, remove_run_folder, round_up)
 
 MANIFEST = "manifest.json"
+SCALE_KINDS = ("exp_avg_scales", "exp_avg_sq_scales")   # int8 moments' fp32 block scales
 
 
 class NvmeFiles:
@@ -61,6 +82,7 @@ class NvmeFiles:
                         "hold file pages beyond the host budget)", self.folder, reason)
         self.io = AsyncFileIO(config.io_threads)
         self._files: List[Dict[str, SwapFile]] = []
+        self._formats: Dict[str, Optional[list]] = {}   # unit -> its low-bit format (manifest)
         self.kept: Optional[str] = None
         # A kept folder being resumed is this run's only once every file checked out
         # (adopt): until then a failure leaves it as it was.
@@ -87,6 +109,8 @@ class NvmeFiles:
             raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} was kept by "
                                  f"{got}, this optimizer is {want}")
         self._rules = dict(man.get("rules", {}))
+        # (a folder kept before low-bit state on NVMe: fp32 moments everywhere)
+        self._kept_formats = dict(man.get("formats", {}))
         return [int(s) for s in man["steps"]]
 
     def kept_step(self, index: int) -> int:
@@ -107,21 +131,53 @@ class NvmeFiles:
                                  f", this optimizer runs {optimizer} there")
         return info
 
+    def kinds_of(self, rec: ShardState) -> Tuple[str, ...]:
+        """The kinds of ``rec``'s files: :attr:`kinds`, and an int8 format's two scale files
+        ([Note: low-bit state on NVMe])."""
+        fmt = rec.fmt
+        return self.kinds + (SCALE_KINDS if fmt is not None and fmt.blocked else ())
+
+    def file_spec(self, rec: ShardState, kind: str) -> Tuple[int, torch.dtype]:
+        """``(numel, dtype)`` of ``rec``'s file of ``kind``."""
+        fmt, n = rec.fmt, rec.numel
+        if kind in SCALE_KINDS:
+            return fmt.num_blocks(n), torch.float32
+        if kind == "master":   # fp32, or a bf16 master's ([Note: bf16 master])
+            return n, rec.master.dtype
+        if fmt is None:
+            return n, torch.float32
+        if not fmt.blocked:
+            return n, torch.bfloat16
+        return n, torch.int8 if kind == "exp_avg" else torch.uint8
+
     def open(self, rec: ShardState) -> int:
         """Create ``rec``'s files (or, resuming, open and check the kept ones) into
         ``rec.files``; returns the step count kept for the unit (0 for new files)."""
-        n, index = rec.numel, rec.unit_index
+        index = rec.unit_index
+        kinds = self.kinds_of(rec)
+        specs = [self.file_spec(rec, k) for k in kinds]
+        fmt = None if rec.fmt is None else [rec.fmt.name, rec.fmt.block_size]
         if not self.resumed:
-            need = len(self.kinds) * (round_up(n * 4) + IO_ALIGN)
+            need = sum(round_up(n * dt.itemsize) + IO_ALIGN for n, dt in specs)
             st = os.statvfs(self.folder)
             if st.f_bavail * st.f_frsize < need:
                 raise OffloadIOError(f"no space left under offload_dir: this rank's next unit "
                                      f"needs {need} bytes of swap files in {self.folder}, "
                                      f"{st.f_bavail * st.f_frsize} are free")
+        elif self._kept_formats.get(str(index)) != fmt:
+            kept = self._kept_formats.get(str(index)) or "fp32"
+            raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} keeps unit "
+                                 f"{index}'s moments as {kept}, "
+                                 f"this optimizer trains them as {fmt or 'fp32'} (state_dtype, "
+                                 f"state_block_size): a kept folder resumes its own format; "
+                                 f"save a checkpoint to convert")
         make = SwapFile.open_existing if self.resumed else SwapFile.create
-        for k in self.kinds:
+        for k, (n, dt) in zip(kinds, specs):
             path = os.path.join(self.folder, f"unit{index:05d}.{k}.swap")
-            rec.files[k] = make(path, n, k, index, self.rank, self.world_size, self.direct_io)
+            # (scales: buffered I/O, [Note: low-bit state on NVMe])
+            direct = self.direct_io and k not in SCALE_KINDS
+            rec.files[k] = make(path, n, k, index, self.rank, self.world_size, direct, dt)
+        self._formats[str(index)] = fmt
         self._files.append(rec.files)
         return self._steps[index] if self.resumed else 0
 
@@ -176,20 +232,42 @@ class NvmeFiles:
             for f in files.values():
                 f.check_size()
 
+    @staticmethod
+    def _span(f: SwapFile, kind: str, lo: int, hi: int) -> Tuple[int, int]:
+        """``(offset, bytes)`` of elements ``[lo, hi)`` of ``f`` (whole aligned blocks, but a
+        scale file's exact bytes: [Note: low-bit state on NVMe])."""
+        size = f.dtype.itemsize
+        nbytes = (hi - lo) * size
+        return lo * size, nbytes if kind in SCALE_KINDS else round_up(nbytes)
+
     def read(self, rec: ShardState, kind: str, buf: torch.Tensor, lo: int, hi: int,
              counted: bool = True) -> Future:
-        return self.io.read(rec.files[kind], buf, lo * 4, round_up((hi - lo) * 4), counted)
+        """Read elements ``[lo, hi)`` of ``rec``'s ``kind`` (in the file's own elements: a
+        scale file's are blocks) into ``buf``."""
+        f = rec.files[kind]
+        return self.io.read(f, buf, *self._span(f, kind, lo, hi), counted)
 
     def write(self, rec: ShardState, kind: str, buf: torch.Tensor, lo: int, hi: int,
               counted: bool = True) -> Future:
-        return self.io.write(rec.files[kind], buf, lo * 4, round_up((hi - lo) * 4), counted)
+        """Write elements ``[lo, hi)`` of ``rec``'s ``kind`` from ``buf`` (as :meth:`read`)."""
+        f = rec.files[kind]
+        return self.io.write(f, buf, *self._span(f, kind, lo, hi), counted)
 
     def read_all(self, rec: ShardState, kind: str) -> torch.Tensor:
-        """``rec``'s ``kind`` as a new CPU tensor (a load or save, not a step's traffic)."""
+        """``rec``'s ``kind`` as a new CPU tensor of the file's dtype (a load or save, not a
+        step's traffic)."""
         f = rec.files[kind]
         buf = aligned_empty(f.data_bytes)
         self.io.read(f, buf, 0, f.data_bytes, counted=False).result()
-        return buf.view(torch.float32)[:f.numel]
+        return buf.view(f.dtype)[:f.numel]
+
+    def write_all(self, rec: ShardState, kind: str, values: torch.Tensor) -> None:
+        """Write ``rec``'s ``kind`` whole from ``values`` (of the file's dtype and size; a load,
+        not a step's traffic)."""
+        f = rec.files[kind]
+        buf = aligned_empty(f.data_bytes).zero_()
+        buf.view(f.dtype)[:f.numel].copy_(values.reshape(-1))
+        self.io.write(f, buf, 0, f.data_bytes, counted=False).result()
 
     def disk_bytes(self) -> Dict[str, int]:
         """Bytes of the swap files by kind, from ``fstat`` (headers included)."""
@@ -214,7 +292,8 @@ class NvmeFiles:
             return self.kept
         if steps is not None:
             man = {"rank": self.rank, "world_size": self.world_size, "kinds": list(self.kinds),
-                   "steps": list(steps), "rules": {str(k): v for k, v in (rules or {}).items()}}
+                   "steps": list(steps), "formats": dict(self._formats),
+                   "rules": {str(k): v for k, v in (rules or {}).items()}}
             tmp = os.path.join(self.folder, MANIFEST + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(man, f)

@@ -78,19 +78,18 @@ def check_nvme_rules(specs, config: OffloadConfig) -> None:
 def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optional[str],
                 offload_dir, rank: int, world_size: int,
                 offload_config: Optional[OffloadConfig], offload_params: bool = False,
-                specs=(), formats=()):
+                specs=(), formats=(), master_dtype=None):
     """``(engine, storage)``: the update engine placed for ``offload`` (None: states on the
     device) and the storage the parameter shards live in: the device's, or with
     ``offload_params`` (stage 3, checked by ``ZeroConfig``) beside the offloaded state: in
     host RAM with CPU offload (``param_offload.py``, the state's host storage itself), in
-    files with NVMe offload (``param_nvme.py``)."""
+    files with NVMe offload (``param_nvme.py``). ``master_dtype``: the fused AdamW's master
+    (None: fp32; [Note: bf16 master] in ``bf16_master.py``)."""
     device_storage = DeviceStorage()
     if offload is None:
         return UpdateEngine("device", ops=ops, storages={"device": device_storage},
-                            specs=specs, formats=formats), device_storage
-    if offload == "nvme" and any(f is not None for f in formats):
-        raise ValueError("state_dtype (low-bit moments) with offload='nvme' is not supported: "
-                         "the NVMe swap files and slots hold fp32 moments; use offload='cpu'")
+                            specs=specs, formats=formats,
+                            master_dtype=master_dtype), device_storage
     config = offload_config or OffloadConfig()
     if offload == "nvme":
         check_nvme_rules(specs, config)
@@ -112,4 +111,4 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
     storages = {"device": device_storage, "host": host, "params": params}
     return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,
                         config=config, files=files, storages=storages, specs=specs,
-                        formats=formats), params
+                        formats=formats, master_dtype=master_dtype), params

@@ -4,7 +4,9 @@
 Each (unit, kind) of a rank's state is one file in the run's own folder
 (``tempfile.mkdtemp`` under ``offload_dir``). A file starts with one 4096-byte header block
 (magic ``ZKSWAP``, format version, dtype, element count, kind, unit, rank, world size, data
-offset), then the fp32 data, padded to a multiple of 4096 bytes. Every read checks the bytes
+offset), then the data (fp32 state; bf16 moments, int8/uint8 codes and fp32 block scales of
+low-bit state: [Note: low-bit state on NVMe] in ``nvme_files.py``), padded to a multiple of
+4096 bytes. Every read checks the bytes
 it got: a truncated file is an error naming the file, never a step over garbage; opening an
 existing file (resume) checks the header against what the optimizer expects, so a file of
 another run, rank, unit or size is refused.
@@ -188,7 +190,8 @@ class SwapFile:
         try:
             with open(path, "xb") as out:
                 out.write(f._header())
-                out.flush()
+                out.truncate(f.file_bytes)   # (full length now: a file written in exact
+                out.flush()                  # byte ranges, a scale file's, is too)
                 os.fsync(out.fileno())
         except OSError as exc:
             raise OffloadIOError(_explain(exc, path, "create")) from exc
@@ -197,7 +200,8 @@ class SwapFile:
 
     @classmethod
     def open_existing(cls, path: str, numel: int, kind: str, unit: int, rank: int,
-                      world_size: int, direct: bool) -> "SwapFile":
+                      world_size: int, direct: bool,
+                      dtype: torch.dtype = torch.float32) -> "SwapFile":
         """Open a file of an earlier run, checking its header and size.
 
         Raises:
@@ -216,13 +220,13 @@ class SwapFile:
             raise OffloadIOError(f"{path}: swap file format version {ver}, this zkernels "
                                  f"reads version {VERSION}")
         got = (k.rstrip(b"\0").decode(errors="replace"), u, r, ws, n, dt, off)
-        want = (kind, unit, rank, world_size, numel, _DTYPE_CODES[torch.float32],
-                HEADER_BYTES)
+        want = (kind.encode()[:16].decode(errors="replace"), unit, rank, world_size, numel,
+                _DTYPE_CODES[dtype], HEADER_BYTES)   # (the header keeps 16 bytes of a kind)
         if got != want:
             raise OffloadIOError(f"{path} holds (kind, unit, rank, world size, numel, dtype, "
                                  f"offset) = {got}, expected {want}: a file of another run "
                                  f"or layout")
-        f = cls(path, -1, numel, kind, unit, rank, world_size)
+        f = cls(path, -1, numel, kind, unit, rank, world_size, dtype)
         size = os.stat(path).st_size
         if size != f.file_bytes:
             raise OffloadIOError(f"{path} is {size} bytes, expected {f.file_bytes} "
