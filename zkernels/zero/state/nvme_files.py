@@ -81,7 +81,7 @@ class NvmeFiles:
                         "hold file pages beyond the host budget)", self.folder, reason)
         self.io = AsyncFileIO(config.io_threads)
         self._files: List[Dict[str, SwapFile]] = []
-        self._formats: List[Optional[list]] = []   # each unit's low-bit format (manifest)
+        self._formats: Dict[str, Optional[list]] = {}   # unit -> its low-bit format (manifest)
         self.kept: Optional[str] = None
         # A kept folder being resumed is this run's only once every file checked out
         # (adopt): until then a failure leaves it as it was.
@@ -108,7 +108,7 @@ class NvmeFiles:
             raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} was kept by "
                                  f"{got}, this optimizer is {want}")
         # (a folder kept before low-bit state on NVMe: fp32 moments everywhere)
-        self._kept_formats = man.get("formats", [None] * len(man["steps"]))
+        self._kept_formats = dict(man.get("formats", {}))
         return [int(s) for s in man["steps"]]
 
     def kinds_of(self, rec: ShardState) -> Tuple[str, ...]:
@@ -144,9 +144,10 @@ class NvmeFiles:
                 raise OffloadIOError(f"no space left under offload_dir: this rank's next unit "
                                      f"needs {need} bytes of swap files in {self.folder}, "
                                      f"{st.f_bavail * st.f_frsize} are free")
-        elif index < len(self._kept_formats) and self._kept_formats[index] != fmt:
+        elif self._kept_formats.get(str(index)) != fmt:
+            kept = self._kept_formats.get(str(index)) or "fp32"
             raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} keeps unit "
-                                 f"{index}'s moments as {self._kept_formats[index] or 'fp32'}, "
+                                 f"{index}'s moments as {kept}, "
                                  f"this optimizer trains them as {fmt or 'fp32'} (state_dtype, "
                                  f"state_block_size): a kept folder resumes its own format; "
                                  f"save a checkpoint to convert")
@@ -156,7 +157,7 @@ class NvmeFiles:
             # (scales: buffered I/O, [Note: low-bit state on NVMe])
             direct = self.direct_io and k not in SCALE_KINDS
             rec.files[k] = make(path, n, k, index, self.rank, self.world_size, direct, dt)
-        self._formats.append(fmt)
+        self._formats[str(index)] = fmt
         self._files.append(rec.files)
         return self._steps[index] if self.resumed else 0
 
@@ -256,7 +257,7 @@ class NvmeFiles:
             return self.kept
         if steps is not None:
             man = {"rank": self.rank, "world_size": self.world_size, "kinds": list(self.kinds),
-                   "steps": list(steps), "formats": list(self._formats)}
+                   "steps": list(steps), "formats": dict(self._formats)}
             tmp = os.path.join(self.folder, MANIFEST + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(man, f)
