@@ -187,3 +187,23 @@ def test_nvme_keeps_a_bf16_master_file_and_resumes_it(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), twin.parameters()))
     opt2.close()
     ref.close()
+
+
+def test_checkpoint_moves_a_bf16_master_to_another_stage(tmp_path):
+    """zk.checkpoint: saved at stage 1, loaded at stage 3 (CPU offload, a bf16 host master):
+    the same master values, and both continue to the same bits."""
+    from zkernels import checkpoint
+    path = str(tmp_path / "c")
+    model = _model()
+    opt = ZeroOptimizer(model, stage=1, param_dtype=BF16, master_dtype=BF16, **HP)
+    _train(model, opt, 2)
+    checkpoint.save(opt, path)
+    other = _model(3)
+    opt3 = ZeroOptimizer(other, stage=3, param_dtype=BF16, master_dtype=BF16, offload="cpu",
+                         **HP)
+    checkpoint.load(opt3, path)
+    _train(model, opt, 2, seed=2)
+    _train(other, opt3, 2, seed=2)
+    with opt3.gathered():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    opt3.close()
