@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests.zero.test_lowbit_checkpoint import _train  # the same batches (block 8, vocab 128)
 from zkernels import ZeroOptimizer, checkpoint, estimate_memory
 from zkernels.demo.model import GPT, GPTConfig
 from zkernels.zero.planning.offload_config import IO_ALIGN, OffloadConfig
@@ -28,15 +29,6 @@ SMALL_BUDGET = 3 * 4096 * 16 + 2 * IO_ALIGN
 def _model(seed=0):
     torch.manual_seed(seed)
     return GPT(CFG)
-
-
-def _train(model, opt, steps, seed=1, rank=0, ws=1):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randint(128, (2 * ws, CFG.block_size), generator=gen)[2 * rank:2 * rank + 2]
-        opt.backward(model(x, x))
-        opt.step()
-        opt.zero_grad()
 
 
 def _nvme(folder, stage=2, state="int8", budget=None, **config):
