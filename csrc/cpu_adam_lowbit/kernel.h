@@ -47,7 +47,9 @@ constexpr int kEmin = -14;
 constexpr int32_t kCodeBase = (127 + kEmin) << 23;  // the bits of 2^kEmin
 constexpr int64_t kMaxBlock = kMaxQuantBlock;
 
-constexpr float pow2(int e) { return e > 0 ? 2.0f * pow2(e - 1) : e < 0 ? pow2(e + 1) / 2.0f : 1.0f; }
+constexpr float pow2(int e) {
+  return e > 0 ? 2.0f * pow2(e - 1) : e < 0 ? pow2(e + 1) / 2.0f : 1.0f;
+}
 
 // encode_ratio: the code of y in [0, 1] (its bits read as int32; the normal branch rounds the
 // bits to 23 - M fewer mantissa bits, half to even, which carries into the exponent).

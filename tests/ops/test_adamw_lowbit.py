@@ -4,8 +4,9 @@ handling, argument checks, and the whole-parameter oracle LowbitAdamW.
 
 [Note: low-bit tolerance]
 Given the same fp32 moments, the requantization is bit-exact on every backend: it is the
-arithmetic of [Note: blockwise quantization semantics] (absmax by bits, one IEEE division,
-round half to even), which tests/ops/test_quant.py checks bit for bit. The fp32 AdamW step
+arithmetic of [Note: low-bit moment formats] (absmax by bits, one IEEE division, integer
+rounding of the bits or ``rint``), which test_float_codes_are_exact_and_ordered and the C++
+test (against a table search) check bit for bit. The fp32 AdamW step
 before it is not: PyTorch's vectorized CPU kernels (``addcdiv_``, ``lerp_``) may contract or
 reorder a product and a sum where the Triton kernel rounds each operation, so the updated
 master and moments may differ in the last fp32 bit (tests/ops/test_adamw.py compares the fp32
@@ -17,7 +18,7 @@ where ``lerp`` cancels: ``m + w * (g - m)`` near 0 carries the absolute error of
 a few fp32 ulps of ``max(|m|, |g|)``, which is large relative to the tiny result (seen: a
 bf16 moment of 1.06e-5 against 1.055e-5, and 0 against -1.1e-9, after an fp32 ulp of ~6e-8
 in ``g - m``); so ``atol = 2**-20 * max|moment|`` as well (about 8 fp32 ulps of the largest,
-kept below one int8 level, ``max / 254``, by 4000x). The master
+far below one step of the int8 codes, ``max / 16`` at the top). The master
 stays within the fp32 tolerance of test_adamw.py, compounded over the steps (a master that
 differs moves the next gradient step only through the same last bits). These are the bounds
 checked; the counts of differing codes, scales and bf16 moments are also bounded (below 1% of
@@ -31,6 +32,7 @@ bit against the reference with a correctly rounded sqrt).
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +149,33 @@ def test_matches_reference_over_5_steps(lowbit, device, fmt, param_dtype, name):
         coarser = out if param_dtype == torch.float32 else param_dtype
         torch.testing.assert_close(mine.out.float(), mine.param.float(), **tol(coarser))
         assert not (mine.out == 9.0).any()
+
+
+def test_codes_are_bit_exact_against_the_reference(lowbit, device, monkeypatch):
+    """One step from zero moments with beta1 = beta2 = 0 gives m = g and v = g * g on every
+    backend (no fused product or sum to differ), so the 8-bit float codes and scales must be
+    the same bits as the reference's, over 24 decades of magnitudes (both signs, the normal
+    and the linear code ranges, zeros, short tail block). On CPU the reference takes a
+    correctly rounded sqrt (numpy's), as the kernels do ([Note: lowbit arithmetic is
+    torch's])."""
+    if device.type == "cpu":
+        monkeypatch.setattr(torch.Tensor, "sqrt",
+                            lambda t: torch.from_numpy(np.sqrt(t.numpy())))
+    n, bs = 5_003, 256
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(n, generator=g) * torch.logspace(-12, 0, n)[torch.randperm(n,
+                                                                             generator=g)]
+    grad[::97] = 0.0
+    runs = [Run(n, device, "int8", torch.float32, bs) for _ in range(2)]
+    hyper = dict(HYPER, beta1=0.0, beta2=0.0)
+    runs[0].step(lowbit, 1, grad.to(device), **hyper)
+    runs[1].step(reference.adamw_step_lowbit, 1, grad.to(device), **hyper)
+    for k, t in runs[1].state.items():
+        assert_bits_equal(runs[0].state[k], t) if t.is_floating_point() else \
+            torch.testing.assert_close(runs[0].state[k], t, rtol=0, atol=0, msg=k)
+    amax = torch.nn.functional.pad(grad.abs(), (0, -n % bs)).view(-1, bs).amax(1)
+    kept = grad.abs() >= amax.repeat_interleave(bs)[:n] * 2.0 ** -17
+    assert kept.sum() > n // 3 and (runs[1].state["exp_avg"].cpu()[kept] != 0).all()
 
 
 def test_state_check_catches_a_broken_scale(device):

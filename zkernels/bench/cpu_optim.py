@@ -10,8 +10,9 @@ offloaded SGD step (bf16 grads in, unscale, SGD, bf16 params out) natively in on
 torch's separate casts; AdamW over low-bit moments (int8: 16 B/param, p and g fp32, 1-byte codes
 read and written; bf16: 20 B/param) natively in one pass beside the unfused torch composition
 a user would write: dequantize the moments with torch ops, ``torch.optim.adamw.adamw(...,
-foreach=True)`` on the fp32 copies, requantize (blockwise absmax, square-root map for the
-second moment) or round back to bf16 with torch ops. Timed in interleaved rounds with
+foreach=True)`` on the fp32 copies, requantize (blockwise absmax and 8-bit float codes, the
+second moment by its square root) or round back to bf16 with torch ops. Timed in interleaved
+rounds with
 ``cpu_adam``'s timer; ``speedup`` is the peer's median over ours (>= 1.0: ours is faster), ``speedup_vs_torch_fused`` the same
 against ``SGD(fused=True)``. The torch compositions allocate fresh temporaries every step
 (foreach SGD's weight-decay sum; the reference Lion's products and sign), which at these sizes
