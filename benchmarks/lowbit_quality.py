@@ -6,6 +6,7 @@ batches, fp32 parameters with a bf16 autocast forward).
 
     python benchmarks/lowbit_quality.py --json lowbit_quality.json        # the full table
     python benchmarks/lowbit_quality.py --steps 20 --seeds 0 --n-layer 1  # a smoke run
+    python benchmarks/lowbit_quality.py --configs "int8 state" --no-torchao  # one row only
 
 Each (configuration, seed, length) is one ``python -m zkernels demo --rungs 2`` run (its
 ``--eval-batches`` eval loss); ``--jobs`` runs that many at once (2 ranks each). The table
