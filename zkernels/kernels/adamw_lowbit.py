@@ -4,8 +4,9 @@ pass that dequantizes, updates and requantizes, with the arithmetic of
 
 Each program owns ``ROWS`` whole quantization blocks (a (ROWS, BLOCK) tile), so a block's
 absmax is one in-register reduction; the bf16 format uses the same tile with a fixed BLOCK.
-The AdamW arithmetic is that of ``kernels/adamw.py`` operation for operation; the quantization
-that of ``kernels/quant.py`` (``tl.div_rn``, exact ``_rint``, no FP fusion).
+The AdamW arithmetic is that of ``kernels/adamw.py`` operation for operation; the block absmax
+that of ``kernels/quant.py``, and the 8-bit float codes the reference's integer arithmetic on
+the bits (``tl.div_rn``, exact ``_rint``, no FP fusion).
 """
 from __future__ import annotations
 
