@@ -38,9 +38,37 @@ using detail::from_fp16;
 using detail::to_bf16;
 using detail::to_fp16;
 
-constexpr float kQmaxM = 127.0f;  // exp_avg: int8 codes in [-127, 127]
-constexpr float kQmaxR = 255.0f;  // sqrt(exp_avg_sq): uint8 codes in [0, 255]
+// The 8-bit float codes of [Note: low-bit moment formats] (zkernels/reference/adamw_lowbit.py):
+// a block's scale is its absmax, and y = |x| / absmax in [0, 1] is coded with kMant* mantissa
+// bits, normal from 2^kEmin, linear (subnormal) below, rounded to nearest even.
+constexpr int kMantM = 3;  // exp_avg: sign + code, |codes| <= 120
+constexpr int kMantR = 4;  // sqrt(exp_avg_sq): codes <= 240
+constexpr int kEmin = -14;
+constexpr int32_t kCodeBase = (127 + kEmin) << 23;  // the bits of 2^kEmin
 constexpr int64_t kMaxBlock = kMaxQuantBlock;
+
+constexpr float pow2(int e) {
+  return e > 0 ? 2.0f * pow2(e - 1) : e < 0 ? pow2(e + 1) / 2.0f : 1.0f;
+}
+
+// encode_ratio: the code of y in [0, 1] (its bits read as int32; the normal branch rounds the
+// bits to 23 - M fewer mantissa bits, half to even, which carries into the exponent).
+template <int M>
+inline int32_t encode(float y) {
+  constexpr int S = 23 - M;
+  const int32_t d = static_cast<int32_t>(detail::bits_of(y)) - kCodeBase;
+  if (d >= 0) return ((d + ((1 << (S - 1)) - 1) + ((d >> S) & 1)) >> S) + (1 << M);
+  return static_cast<int32_t>(std::rint(y * pow2(M - kEmin)));
+}
+
+// decode_ratio: the value of code c >= 0, exactly.
+template <int M>
+inline float decode(int32_t c) {
+  constexpr int S = 23 - M;
+  const int32_t d = c - (1 << M);
+  if (d >= 0) return detail::float_of(static_cast<uint32_t>(d << S) + kCodeBase);
+  return static_cast<float>(c) * pow2(kEmin - M);
+}
 
 // Step-invariant coefficients, each rounded to float as torch rounds a Python scalar applied
 // to a float tensor.
@@ -128,8 +156,8 @@ inline void scalar_bf16(const Kernel& k, int64_t begin, int64_t end) {
   }
 }
 
-// The int8 format, blocks [b0, b1): dequantize, update (staging the new m and sqrt(v) and
-// their largest |bits|), then the block's scales and codes as quant::block_scale says.
+// The int8 format, blocks [b0, b1): decode, update (staging the new m and sqrt(v) and their
+// largest |bits|), then the block's scales (quant::block_scale's absmax) and codes.
 inline void scalar_int8(const Kernel& k, int64_t b0, int64_t b1) {
   alignas(64) float ms[kMaxBlock], rs[kMaxBlock];
   int8_t* qm = static_cast<int8_t*>(k.exp_avg);
@@ -142,8 +170,10 @@ inline void scalar_int8(const Kernel& k, int64_t b0, int64_t b1) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = base + i;
       float p = load_as(k.param, k.param_dtype, j);
-      float m = static_cast<float>(qm[j]) * sm;
-      const float r0 = static_cast<float>(qv[j]) * sv;
+      const int32_t cm = qm[j];
+      float m = decode<kMantM>(cm < 0 ? -cm : cm) * sm;
+      if (cm < 0) m = -m;
+      const float r0 = decode<kMantR>(qv[j]) * sv;
       float v = r0 * r0;
       const float r = update(k.c, load_as(k.grad, k.grad_dtype, j), p, m, v);
       store_as(k.param, k.param_dtype, j, p);
@@ -154,13 +184,14 @@ inline void scalar_int8(const Kernel& k, int64_t b0, int64_t b1) {
       tm = am > tm ? am : tm;
       tr = ar > tr ? ar : tr;
     }
-    const quant::BlockScale s_m = quant::block_scale(tm, kQmaxM);
-    const quant::BlockScale s_r = quant::block_scale(tr, kQmaxR);
+    const quant::BlockScale s_m = quant::block_scale(tm, 1.0f);  // scale = absmax
+    const quant::BlockScale s_r = quant::block_scale(tr, 1.0f);
     k.m_scales[b] = s_m.scale;
     k.v_scales[b] = s_r.scale;
     for (int64_t i = 0; i < n; ++i) {
-      qm[base + i] = s_m.ok ? static_cast<int8_t>(std::rint((ms[i] / s_m.amax) * kQmaxM)) : 0;
-      qv[base + i] = s_r.ok ? static_cast<uint8_t>(std::rint((rs[i] / s_r.amax) * kQmaxR)) : 0;
+      const int32_t mag = encode<kMantM>(std::fabs(ms[i]) / s_m.amax);
+      qm[base + i] = s_m.ok ? static_cast<int8_t>(ms[i] < 0.0f ? -mag : mag) : 0;
+      qv[base + i] = s_r.ok ? static_cast<uint8_t>(encode<kMantR>(rs[i] / s_r.amax)) : 0;
     }
   }
 }

@@ -42,6 +42,31 @@ struct Update {
   }
 };
 
+// encode<M> / decode<M> of kernel.h on kWidth lanes (the same integer and IEEE operations).
+template <class V, int M>
+ZK_SIMD_INLINE typename V::I encode_v(typename V::F y) {
+  using I = typename V::I;
+  constexpr int S = 23 - M;
+  const I d = V::sub_i(V::bits(y), V::set1i(static_cast<uint32_t>(kCodeBase)));
+  const I odd = V::and_i(V::template srai<S>(d), V::set1i(1));
+  const I normal = V::add_i(
+      V::template srai<S>(V::add_i(V::add_i(d, V::set1i((1u << (S - 1)) - 1u)), odd)),
+      V::set1i(1u << M));
+  const I sub = V::rint_i32(V::mul(y, V::set1(pow2(M - kEmin))));
+  return V::select_neg_i(d, sub, normal);
+}
+
+template <class V, int M>
+ZK_SIMD_INLINE typename V::F decode_v(typename V::I c) {
+  using I = typename V::I;
+  constexpr int S = 23 - M;
+  const I d = V::sub_i(c, V::set1i(1u << M));
+  const typename V::F normal =
+      V::from_bits(V::add_i(V::template slli<S>(d), V::set1i(static_cast<uint32_t>(kCodeBase))));
+  const typename V::F sub = V::mul(V::to_f32(c), V::set1(pow2(kEmin - M)));
+  return V::select_neg_f(d, sub, normal);
+}
+
 // The grad as fp32 lanes (its dtype a run-time switch: a loop-invariant, predicted branch).
 template <class V, class M>
 ZK_SIMD_INLINE typename V::F load_grad(const Kernel& k, int64_t i, M mask) {
@@ -73,7 +98,7 @@ ZK_SIMD void int8_tile(const Kernel& k, int64_t begin, int64_t end) {
   alignas(64) float ms[kMaxBlock], rs[kMaxBlock];
   const Update<V> up(k.c);
   const I nan_hi = simd::bf16_nan_high<V>(0xFFFF), abs_mask = V::set1i(0x7FFFFFFFu);
-  const F qmax_m = V::set1(kQmaxM), qmax_r = V::set1(kQmaxR);
+  const I sign_bit = V::set1i(0x80000000u), zero_i = V::set1i(0);
   int8_t* qm = static_cast<int8_t*>(k.exp_avg);
   uint8_t* qv = static_cast<uint8_t*>(k.exp_avg_sq);
   const int64_t b1 = (end + k.block - 1) / k.block;
@@ -86,8 +111,10 @@ ZK_SIMD void int8_tile(const Kernel& k, int64_t begin, int64_t end) {
       const int64_t j = base + i;
       F g = load_grad<V>(k, j, mask);
       F p = simd::load_as<V, P>(k.param, j, mask);
-      F m = V::mul(V::to_f32(V::load_i8(qm + j, mask)), sm);
-      const F r0 = V::mul(V::to_f32(V::load_u8(qv + j, mask)), sv);
+      const I cm = V::load_i8(qm + j, mask);
+      const F m_abs = V::mul(decode_v<V, kMantM>(V::abs_i(cm)), sm);
+      F m = V::from_bits(V::xor_i(V::bits(m_abs), V::and_i(cm, sign_bit)));
+      const F r0 = V::mul(decode_v<V, kMantR>(V::load_u8(qv + j, mask)), sv);
       F v = V::mul(r0, r0);
       const F r = up(g, p, m, v);
       simd::store_as<V, P>(k.param, j, p, mask, nan_hi);
@@ -97,23 +124,24 @@ ZK_SIMD void int8_tile(const Kernel& k, int64_t begin, int64_t end) {
       tm = V::max_u32(tm, V::and_i(V::bits(m), abs_mask));
       tr = V::max_u32(tr, V::and_i(V::bits(r), abs_mask));
     });
-    const quant::BlockScale s_m = quant::block_scale(V::reduce_max_u32(tm), kQmaxM);
-    const quant::BlockScale s_r = quant::block_scale(V::reduce_max_u32(tr), kQmaxR);
+    const quant::BlockScale s_m = quant::block_scale(V::reduce_max_u32(tm), 1.0f);
+    const quant::BlockScale s_r = quant::block_scale(V::reduce_max_u32(tr), 1.0f);
     k.m_scales[b] = s_m.scale;
     k.v_scales[b] = s_r.scale;
     const F amax_m = V::set1(s_m.amax), amax_r = V::set1(s_r.amax);
     if (s_m.ok) {
       simd::for_vectors<V>(0, n, [&](int64_t i, auto mask) ZK_SIMD_LAMBDA {
-        const F x = V::mul(V::div(V::load(ms + i, mask), amax_m), qmax_m);
-        V::store_i8(qm + base + i, V::rint_i32(x), mask);
+        const I mb = V::bits(V::load(ms + i, mask));
+        const I mag = encode_v<V, kMantM>(V::div(V::from_bits(V::and_i(mb, abs_mask)), amax_m));
+        V::store_i8(qm + base + i, V::select_neg_i(mb, V::sub_i(zero_i, mag), mag), mask);
       });
     } else {
       std::memset(qm + base, 0, static_cast<size_t>(n));
     }
     if (s_r.ok) {
       simd::for_vectors<V>(0, n, [&](int64_t i, auto mask) ZK_SIMD_LAMBDA {
-        const F x = V::mul(V::div(V::load(rs + i, mask), amax_r), qmax_r);
-        V::store_u8(qv + base + i, V::rint_i32(x), mask);
+        V::store_u8(qv + base + i, encode_v<V, kMantR>(V::div(V::load(rs + i, mask), amax_r)),
+                    mask);
       });
     } else {
       std::memset(qv + base, 0, static_cast<size_t>(n));

@@ -136,6 +136,22 @@ struct Avx2 {
   static ZK_SIMD_INLINE F from_bits(I u) { return _mm256_castsi256_ps(u); }
   static ZK_SIMD_INLINE I and_i(I a, I b) { return _mm256_and_si256(a, b); }
   static ZK_SIMD_INLINE I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static ZK_SIMD_INLINE I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static ZK_SIMD_INLINE I xor_i(I a, I b) { return _mm256_xor_si256(a, b); }
+  static ZK_SIMD_INLINE I abs_i(I a) { return _mm256_abs_epi32(a); }
+  template <int N>
+  static ZK_SIMD_INLINE I srai(I a) { return _mm256_srai_epi32(a, N); }
+  template <int N>
+  static ZK_SIMD_INLINE I slli(I a) { return _mm256_slli_epi32(a, N); }
+  // lanes whose int32 `cond` is negative (sign bit set) take `neg`, the others `pos`
+  static ZK_SIMD_INLINE I select_neg_i(I cond, I neg, I pos) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(pos),
+                                                 _mm256_castsi256_ps(neg),
+                                                 _mm256_castsi256_ps(cond)));
+  }
+  static ZK_SIMD_INLINE F select_neg_f(I cond, F neg, F pos) {
+    return _mm256_blendv_ps(pos, neg, _mm256_castsi256_ps(cond));
+  }
   static ZK_SIMD_INLINE I srl16(I a) { return _mm256_srli_epi32(a, 16); }
   static ZK_SIMD_INLINE I sll16(I a) { return _mm256_slli_epi32(a, 16); }
   static ZK_SIMD_INLINE I max_u32(I a, I b) { return _mm256_max_epu32(a, b); }

@@ -109,6 +109,20 @@ struct Avx512 {
   static ZK_SIMD_INLINE F from_bits(I u) { return _mm512_castsi512_ps(u); }
   static ZK_SIMD_INLINE I and_i(I a, I b) { return _mm512_and_si512(a, b); }
   static ZK_SIMD_INLINE I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static ZK_SIMD_INLINE I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static ZK_SIMD_INLINE I xor_i(I a, I b) { return _mm512_xor_si512(a, b); }
+  static ZK_SIMD_INLINE I abs_i(I a) { return _mm512_abs_epi32(a); }
+  template <int N>
+  static ZK_SIMD_INLINE I srai(I a) { return _mm512_srai_epi32(a, N); }
+  template <int N>
+  static ZK_SIMD_INLINE I slli(I a) { return _mm512_slli_epi32(a, N); }
+  // lanes whose int32 `cond` is negative (sign bit set) take `neg`, the others `pos`
+  static ZK_SIMD_INLINE I select_neg_i(I cond, I neg, I pos) {
+    return _mm512_mask_mov_epi32(pos, _mm512_movepi32_mask(cond), neg);
+  }
+  static ZK_SIMD_INLINE F select_neg_f(I cond, F neg, F pos) {
+    return _mm512_mask_mov_ps(pos, _mm512_movepi32_mask(cond), neg);
+  }
   static ZK_SIMD_INLINE I srl16(I a) { return _mm512_srli_epi32(a, 16); }
   static ZK_SIMD_INLINE I sll16(I a) { return _mm512_slli_epi32(a, 16); }
   static ZK_SIMD_INLINE I max_u32(I a, I b) { return _mm512_max_epu32(a, b); }

@@ -13,6 +13,7 @@ from zkernels.checkpoint import manifest
 from zkernels.checkpoint._lowbit import read_lowbit, saved_format
 from zkernels.checkpoint._read import CheckpointFiles
 from zkernels.demo.model import GPT, GPTConfig
+from zkernels.reference.adamw_lowbit import moments_from_codes, quantize_exp_avg
 
 CFG = GPTConfig(vocab_size=128, block_size=8, n_layer=1, n_head=2, n_embd=48)
 BLOCK = 32
@@ -65,7 +66,8 @@ def test_the_state_moves_bit_for_bit_to_another_world_size_and_stage(tmp_path, s
     saved, again = _raw(a), _raw(b)
     assert saved.keys() == again.keys()
     for name, (desc, (_, _, raw)) in saved.items():
-        assert desc == {"dtype": state, "block_size": BLOCK}
+        assert desc == {"dtype": state, "block_size": BLOCK,
+                        **({"code": "float8"} if state == "int8" else {})}
         assert again[name][0] == desc
         for k, t in raw.items():
             assert torch.equal(t, again[name][1][2][k]), (name, k)
@@ -96,7 +98,7 @@ def test_resume_continues_bit_for_bit(tmp_path):
 
 def test_other_formats_convert_and_say_so(tmp_path, caplog):
     """int8 blocks of 32 into int8 blocks of 16 (requantized: each moment moves by at most
-    half a code of its new block), into fp32 (dequantized exactly), and fp32 into int8."""
+    half a step of its new code), into fp32 (dequantized exactly), and fp32 into int8."""
     path, fp32_path = str(tmp_path / "int8"), str(tmp_path / "fp32")
     _run("int8", BLOCK, 1, 3, path=path)
     saved = _raw(path)
@@ -111,7 +113,8 @@ def test_other_formats_convert_and_say_so(tmp_path, caplog):
         assert torch.equal(exported[name]["exp_avg"].reshape(-1), m), name
         assert torch.equal(exported[name]["exp_avg_sq"].reshape(-1), v), name
     moved = _requantized_move(small, saved)
-    assert moved["exp_avg"] <= 0.5 + 1e-3 and moved["exp_avg_sq"] <= 0.5 + 1e-3, moved
+    assert moved["exp_avg"] <= 1 + 1e-3 and moved["exp_avg_sq"] <= 1 + 1e-3, moved
+    assert moved["exp_avg"] > 0.5 and moved["exp_avg_sq"] > 0.5, moved   # tight: can fail
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="zkernels.checkpoint"):
         _run("int8", BLOCK, 1, 0, load=fp32_path)
@@ -119,19 +122,68 @@ def test_other_formats_convert_and_say_so(tmp_path, caplog):
 
 
 def _requantized_move(opt, saved):
-    """The largest move of a requantized moment, in codes of its new block (sqrt domain for
-    ``exp_avg_sq``)."""
+    """The largest move of a requantized moment in units of half a step of its new code
+    (``2**-(mant+1)`` of the value, ``2**(-14-mant-1)`` of the block's absmax below
+    ``2**-14`` of it; the sqrt domain for ``exp_avg_sq``)."""
     worst = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
     for u in opt.units:
         low = opt.read_lowbit_state(u)
         for name, a, s, n in u.param_slices_in_shard():
             _, (m, v, _) = saved[name]
-            for k, ref in (("exp_avg", m[a:a + n]), ("exp_avg_sq", v[a:a + n].sqrt())):
-                sc = low[k + "_scales"].repeat_interleave(16)[s:s + n]
-                got = low[k][s:s + n].float() * sc
-                err = (got - ref).abs() / sc.clamp_min(1e-30)
+            bs = 16
+            sm = low["exp_avg_scales"].repeat_interleave(bs)[s:s + n]
+            sv = low["exp_avg_sq_scales"].repeat_interleave(bs)[s:s + n]
+            got_m, got_v = moments_from_codes(low["exp_avg"][s:s + n],
+                                              low["exp_avg_sq"][s:s + n], sm, sv)
+            for k, ref, got, sc, mant in (("exp_avg", m[a:a + n], got_m, sm, 3),
+                                          ("exp_avg_sq", v[a:a + n].sqrt(), got_v.sqrt(), sv,
+                                           4)):
+                half = torch.maximum(ref.abs() * 2.0 ** -(mant + 1),
+                                     sc * 2.0 ** (-14 - mant - 1)) * (1 + 1e-5)
+                err = (got - ref).abs() / half.clamp_min(1e-30)
                 worst[k] = max(worst[k], float(err.max()))
     return worst
+
+
+def _edit_manifest(path, change):
+    m = manifest.read(path)
+    for p in m["params"].values():
+        for piece in p["pieces"]:
+            if "state_format" in piece:
+                change(piece["state_format"])
+    with open(os.path.join(path, manifest.MANIFEST), "wb") as f:
+        f.write(manifest.dumps({k: v for k, v in m.items() if k != "manifest_crc32"}))
+
+
+def test_linear_codes_of_earlier_versions_convert_and_unknown_codes_are_refused(tmp_path,
+                                                                                caplog):
+    """An int8 state_format without "code" (written before the float codes) is read with the
+    linear map (m = q * scale, sqrt(v) = q * scale) and requantized, saying so; a code this
+    version does not know is refused by name."""
+    path = str(tmp_path / "c")
+    _run("int8", BLOCK, 1, 3, path=path)
+    _edit_manifest(path, lambda desc: desc.pop("code"))
+    old = _raw(path)
+    name, (desc, (m, v, raw)) = next(iter(old.items()))
+    assert "code" not in desc
+    sm = raw["exp_avg_scales"].repeat_interleave(BLOCK)[:m.numel()]
+    sv = raw["exp_avg_sq_scales"].repeat_interleave(BLOCK)[:m.numel()]
+    assert torch.equal(m, raw["exp_avg"].float() * sm)
+    assert torch.equal(v, (raw["exp_avg_sq"].float() * sv) ** 2)
+    with caplog.at_level(logging.WARNING, logger="zkernels.checkpoint"):
+        _, opt = _run("int8", BLOCK, 2, 0, load=path)
+    assert ("int8 (blocks of 32, linear codes of an earlier zkernels), this optimizer keeps "
+            "int8 (blocks of 32)") in caplog.text
+    for u in opt.units:   # requantized from the linear values, in the float codes
+        low = opt.read_lowbit_state(u)
+        for pname, a, s, n in u.param_slices_in_shard():
+            want_q, want_s = quantize_exp_avg(old[pname][1][0][a:a + n], BLOCK)
+            assert torch.equal(low["exp_avg"][s:s + n], want_q), pname
+            assert torch.equal(low["exp_avg_scales"][s // BLOCK:s // BLOCK + want_s.numel()],
+                               want_s), pname
+    _edit_manifest(path, lambda desc: desc.update(code="nf4"))
+    with pytest.raises(ValueError, match="int8 moment code 'nf4'"):
+        _run("int8", BLOCK, 2, 0, load=path)
 
 
 def test_consolidate_moments_exports_fp32(tmp_path):

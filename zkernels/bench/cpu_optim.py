@@ -10,8 +10,9 @@ offloaded SGD step (bf16 grads in, unscale, SGD, bf16 params out) natively in on
 torch's separate casts; AdamW over low-bit moments (int8: 16 B/param, p and g fp32, 1-byte codes
 read and written; bf16: 20 B/param) natively in one pass beside the unfused torch composition
 a user would write: dequantize the moments with torch ops, ``torch.optim.adamw.adamw(...,
-foreach=True)`` on the fp32 copies, requantize (blockwise absmax, square-root map for the
-second moment) or round back to bf16 with torch ops. Timed in interleaved rounds with
+foreach=True)`` on the fp32 copies, requantize (blockwise absmax and 8-bit float codes, the
+second moment by its square root) or round back to bf16 with torch ops. Timed in interleaved
+rounds with
 ``cpu_adam``'s timer; ``speedup`` is the peer's median over ours (>= 1.0: ours is faster), ``speedup_vs_torch_fused`` the same
 against ``SGD(fused=True)``. The torch compositions allocate fresh temporaries every step
 (foreach SGD's weight-decay sum; the reference Lion's products and sign), which at these sizes
@@ -152,9 +153,12 @@ def _lowbit_torch(fmt: str) -> str:
 
 
 def _torch_lowbit_stepper(p, g, st: dict, fmt: str) -> Callable[[], None]:
-    """The unfused composition: fp32 moments from the stored ones, torch's foreach AdamW,
-    the stored ones back from them."""
+    """The unfused composition: fp32 moments from the stored ones (the reference's torch-op
+    decoding of the 8-bit float codes), torch's foreach AdamW, the stored ones back from them
+    (the reference's torch-op encoding)."""
     from torch.optim.adamw import adamw
+    from zkernels.reference.adamw_lowbit import (dequantize_exp_avg, dequantize_exp_avg_sq,
+                                                 quantize_exp_avg, quantize_exp_avg_sq)
     hyper = dict(amsgrad=False, maximize=False, beta1=LOWBIT["beta1"], beta2=LOWBIT["beta2"],
                  lr=LOWBIT["lr"], weight_decay=LOWBIT["weight_decay"], eps=LOWBIT["eps"])
     step = torch.zeros(())
@@ -164,20 +168,18 @@ def _torch_lowbit_stepper(p, g, st: dict, fmt: str) -> Callable[[], None]:
         if fmt == "bf16":
             m, v = st["exp_avg"].float(), st["exp_avg_sq"].float()
         else:
-            m = (st["exp_avg"].view(-1, bs).float() * st["exp_avg_scales"][:, None]).view(-1)
-            r = st["exp_avg_sq"].view(-1, bs).float() * st["exp_avg_sq_scales"][:, None]
-            v = (r * r).view(-1)
+            m = dequantize_exp_avg(st["exp_avg"], st["exp_avg_scales"], bs)
+            v = dequantize_exp_avg_sq(st["exp_avg_sq"], st["exp_avg_sq_scales"], bs)
         adamw([p], [g], [m], [v], [], [step], foreach=True, **hyper)
         if fmt == "bf16":
             st["exp_avg"].copy_(m)
             st["exp_avg_sq"].copy_(v)
             return
-        for x, q, scales, qmax in ((m.view(-1, bs), st["exp_avg"], st["exp_avg_scales"], 127),
-                                   (v.sqrt().view(-1, bs), st["exp_avg_sq"],
-                                    st["exp_avg_sq_scales"], 255)):
-            amax = x.abs().amax(dim=1, keepdim=True)
-            torch.div(amax.view(-1), qmax, out=scales)
-            q.view(-1, bs).copy_(torch.round(x / amax.clamp_min(1e-38) * qmax))
+        for x, key, quant in ((m, "exp_avg", quantize_exp_avg),
+                              (v, "exp_avg_sq", quantize_exp_avg_sq)):
+            codes, scales = quant(x, bs)
+            st[key].copy_(codes)
+            st[key + "_scales"].copy_(scales)
     return fn
 
 

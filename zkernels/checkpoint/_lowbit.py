@@ -5,7 +5,10 @@ A parameter whose group keeps low-bit moments (``ZeroOptimizer(state_dtype=...)`
 as it is trained: each piece holds "master" (fp32) and "exp_avg", "exp_avg_sq" in the trained
 dtype (bf16, or int8 / uint8 codes), and with int8 "exp_avg_scales", "exp_avg_sq_scales"
 (fp32, one per block of ``block_size`` elements). The piece entry records
-``"state_format": {"dtype", "block_size"}`` and the dtype of each field (``"dtypes"``); the
+``"state_format": {"dtype", "block_size"}`` (int8: and ``"code": "float8"``, the map of
+[Note: low-bit moment formats]; an int8 entry without ``"code"`` was written by an earlier
+zkernels with linear codes, read as such and converted like another format below; an unknown
+code is refused by name) and the dtype of each field (``"dtypes"``); the
 scales of a piece ``[start, end)`` are the parameter's blocks ``[start / bs, ceil(end / bs))``
 (an int8 run starts every parameter and shard at a multiple of ``bs``, so pieces hold whole
 blocks and the block ranges tile the parameter as the element ranges do).
@@ -20,8 +23,9 @@ Loading reads each piece of this rank from whichever saved pieces hold it:
   bf16 rounded to nearest even, int8 requantized over its own blocks); a saved fp32 state
   loaded into a low-bit run is quantized the same way. Either conversion is logged at
   WARNING on the "zkernels.checkpoint" logger, naming both formats. Requantizing int8 over
-  other blocks moves each moment by at most half a code of its new block (``amax/254`` of
-  ``m``, ``amax(sqrt v)/510`` of ``sqrt(v)``); tests/zero/test_lowbit_checkpoint.py
+  other blocks (or from the old linear codes) moves each moment by at most half a step of its
+  new code: ``2**-4`` of ``|m|`` and ``2**-5`` of ``sqrt(v)`` (``2**-18`` and ``2**-19`` of the
+  new block's absmax below ``2**-14`` of it); tests/zero/test_lowbit_checkpoint.py
   measures it.
 
 ``consolidate_moments`` exports the fp32 (dequantized) moments of every parameter.
@@ -33,6 +37,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from . import manifest
+from ..reference.adamw_lowbit import (INT8_CODE, LINEAR_INT8_CODE, check_int8_code,
+                                      moments_from_codes)
 from ._tensorfile import dtype_from_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -48,8 +54,11 @@ def saved_format(m: Dict[str, Any], name: str) -> Optional[dict]:
 def describe(desc: Optional[dict]) -> str:
     if desc is None:
         return "fp32"
-    return desc["dtype"] + (f" (blocks of {desc['block_size']})" if desc["dtype"] == "int8"
-                            else "")
+    if desc["dtype"] != "int8":
+        return desc["dtype"]
+    code = desc.get("code", LINEAR_INT8_CODE)
+    old = "" if code == INT8_CODE else f", {code} codes of an earlier zkernels"
+    return f"int8 (blocks of {desc['block_size']}{old})"
 
 
 def _blocks(start: int, end: int, bs: int) -> Tuple[int, int]:
@@ -89,6 +98,7 @@ def read_lowbit(files, name: str, start: int, end: int, desc: dict
             _read_field(files, name, k, start, end, 1, raw[k])
         return raw["exp_avg"].float(), raw["exp_avg_sq"].float(), raw
     bs = int(desc["block_size"])
+    code = check_int8_code(desc.get("code", LINEAR_INT8_CODE), f"params[{name!r}]")
     b0, b1 = _blocks(start, end, bs)
     raw = {"exp_avg": torch.empty(n, dtype=torch.int8),
            "exp_avg_sq": torch.empty(n, dtype=torch.uint8),
@@ -98,9 +108,9 @@ def read_lowbit(files, name: str, start: int, end: int, desc: dict
     for k in SCALES:
         _read_field(files, name, k, b0, b1, bs, raw[k])
     idx = torch.arange(start, end) // bs - b0
-    m = raw["exp_avg"].to(torch.float32) * raw["exp_avg_scales"][idx]
-    r = raw["exp_avg_sq"].to(torch.float32) * raw["exp_avg_sq_scales"][idx]
-    return m, r * r, raw
+    m, v = moments_from_codes(raw["exp_avg"], raw["exp_avg_sq"], raw["exp_avg_scales"][idx],
+                              raw["exp_avg_sq_scales"][idx], code)
+    return m, v, raw
 
 
 def field_specs(desc: Optional[dict], start: int, end: int):

@@ -4,8 +4,9 @@ pass that dequantizes, updates and requantizes, with the arithmetic of
 
 Each program owns ``ROWS`` whole quantization blocks (a (ROWS, BLOCK) tile), so a block's
 absmax is one in-register reduction; the bf16 format uses the same tile with a fixed BLOCK.
-The AdamW arithmetic is that of ``kernels/adamw.py`` operation for operation; the quantization
-that of ``kernels/quant.py`` (``tl.div_rn``, exact ``_rint``, no FP fusion).
+The AdamW arithmetic is that of ``kernels/adamw.py`` operation for operation; the block absmax
+that of ``kernels/quant.py``, and the 8-bit float codes the reference's integer arithmetic on
+the bits (``tl.div_rn``, exact ``_rint``, no FP fusion).
 """
 from __future__ import annotations
 
@@ -19,12 +20,48 @@ import triton.language as tl
 from ._rounding import round_to
 from ._tables import native_nan
 from .adamw import _pow_int, _split
-from .quant import _codes, _scale, _top, _widen
+from .quant import _rint, _scale, _top, _widen
 
 Scalar = Union[float, int, torch.Tensor]
 TILE = 2048
 WARPS = 8
 BF16_BLOCK = 256  # the bf16 format has no blocks; this is only its tile's row length
+# The 8-bit float codes of [Note: low-bit moment formats] (the reference's CODE_EMIN,
+# EXP_AVG_MANT_BITS, EXP_AVG_SQ_MANT_BITS; tests/ops/test_adamw_lowbit.py checks they agree).
+CODE_EMIN = -14
+EXP_AVG_MANT_BITS = 3
+EXP_AVG_SQ_MANT_BITS = 4
+_BASE: tl.constexpr = tl.constexpr((127 + CODE_EMIN) << 23)   # the bits of 2**CODE_EMIN
+
+
+def _code_constants(mant: int):
+    """(shift, half - 1, 2**mant, 2**(mant - emin), 2**(emin - mant)) of a code, as constexprs
+    (the interpreter does no arithmetic on constexprs inside a kernel)."""
+    shift = 23 - mant
+    return tuple(tl.constexpr(x) for x in (shift, (1 << (shift - 1)) - 1, 1 << mant,
+                                           2.0 ** (mant - CODE_EMIN), 2.0 ** (CODE_EMIN - mant)))
+
+
+_M_SHIFT, _M_HALF, _M_ONE, _M_UP, _M_STEP = _code_constants(EXP_AVG_MANT_BITS)
+_V_SHIFT, _V_HALF, _V_ONE, _V_UP, _V_STEP = _code_constants(EXP_AVG_SQ_MANT_BITS)
+
+
+@triton.jit
+def _encode(y, SHIFT: tl.constexpr, HALF: tl.constexpr, ONE: tl.constexpr, UP: tl.constexpr):
+    """``reference.adamw_lowbit.encode_ratio``: int32 codes of fp32 ``y`` in [0, 1]."""
+    d = y.to(tl.int32, bitcast=True) - _BASE
+    normal = ((d + HALF + ((d >> SHIFT) & 1)) >> SHIFT) + ONE
+    sub = _rint(y * UP)
+    return tl.where(d >= 0, normal, sub)
+
+
+@triton.jit
+def _decode(c, SHIFT: tl.constexpr, ONE: tl.constexpr, STEP: tl.constexpr):
+    """``reference.adamw_lowbit.decode_ratio``: fp32 values of int32 codes ``c`` >= 0."""
+    d = c - ONE
+    normal = ((d << SHIFT) + _BASE).to(tl.float32, bitcast=True)
+    sub = c.to(tl.float32) * STEP
+    return tl.where(d >= 0, normal, sub)
 
 
 @triton.jit
@@ -83,8 +120,11 @@ def _adamw_lowbit_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_
             row_ok = rows < num_blocks
             sm = tl.load(ms_ptr + rows, mask=row_ok, other=0.0)
             sv = tl.load(vs_ptr + rows, mask=row_ok, other=0.0)
-            m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * sm[:, None]
-            r = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * sv[:, None]
+            qm = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
+            m = _decode(tl.abs(qm), _M_SHIFT, _M_ONE, _M_STEP) * sm[:, None]
+            m = tl.where(qm < 0, -m, m)
+            qv = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
+            r = _decode(qv, _V_SHIFT, _V_ONE, _V_STEP) * sv[:, None]
             v = r * r
         else:
             m = _widen(tl.load(m_ptr + offs, mask=mask, other=0.0))
@@ -97,10 +137,15 @@ def _adamw_lowbit_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_
             # Lanes past the end hold 0 so they never raise a block's absmax.
             m = tl.where(mask, m, 0.0)
             r = tl.where(mask, tl.sqrt_rn(v), 0.0)
-            scale_m, ok_m, div_m = _scale(_top(m), 127)
-            scale_v, ok_v, div_v = _scale(_top(r), 255)
-            tl.store(m_ptr + offs, _codes(m, div_m, ok_m, 127).to(tl.int8), mask=mask)
-            tl.store(v_ptr + offs, _codes(r, div_v, ok_v, 255).to(tl.uint8), mask=mask)
+            scale_m, ok_m, div_m = _scale(_top(m), 1)
+            scale_v, ok_v, div_v = _scale(_top(r), 1)
+            mag = _encode(tl.div_rn(tl.abs(m), div_m[:, None]), _M_SHIFT, _M_HALF, _M_ONE, _M_UP)
+            cm = tl.where(ok_m[:, None], tl.where(m < 0, -mag, mag), 0)
+            cv = tl.where(ok_v[:, None],
+                          _encode(tl.div_rn(r, div_v[:, None]), _V_SHIFT, _V_HALF, _V_ONE, _V_UP),
+                          0)
+            tl.store(m_ptr + offs, cm.to(tl.int8), mask=mask)
+            tl.store(v_ptr + offs, cv.to(tl.uint8), mask=mask)
             tl.store(ms_ptr + rows, scale_m, mask=row_ok)
             tl.store(vs_ptr + rows, scale_v, mask=row_ok)
         else:

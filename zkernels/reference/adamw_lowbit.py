@@ -16,22 +16,46 @@ Two formats, chosen by the dtypes of ``exp_avg`` / ``exp_avg_sq``:
   caller whose shard boundaries are multiples of ``block_size`` from the parameter's element 0
   therefore never splits a block, and its shards quantize exactly as the whole parameter does.
 
-  * ``exp_avg`` (signed): int8 codes in [-127, 127] and an absmax scale, the arithmetic of
-    [Note: blockwise quantization semantics] (``quant.py``) with qmax 127. Dequantized
-    ``m = float(q) * scale``; error ``|m - m_hat| <= scale / 2 = amax|m| / 254`` per block.
-  * ``exp_avg_sq`` (non-negative): the **square root** ``r = sqrt(v)`` is quantized linearly to
-    uint8 codes in [0, 255] with an absmax scale (same arithmetic, qmax 255); dequantized
-    ``r_hat = float(q) * scale``, ``v_hat = r_hat * r_hat``. Error in the domain AdamW uses,
-    the denominator ``sqrt(v)``: ``|r - r_hat| <= amax(r) / 510`` per block. Small values are
-    kept: ``v`` rounds to 0 only below ``(amax(r) / 510)**2 = max(v) / 260100`` of its block,
-    where a linear absmax code of ``v`` itself (255 levels) zeroes everything below
-    ``max(v) / 510``. Where bitsandbytes/torchao differ: they use a dynamic (exponent-coded)
-    map for both moments, which reaches ~1e-7 of the block max; the square-root map is
-    linear, cheaper (no table lookup or search) and uniform in ``sqrt(v)``. An element whose
-    ``sqrt(v)`` is below ``scale / 2`` while its ``m`` code is not 0 gets ``denom = eps``, a
-    large step, as with any code that rounds ``v`` to 0: that needs ``|m| < amax(r) / 510``
-    while ``|m| >= amax|m| / 254``, i.e. a block whose ``amax|m|`` is below half its
-    ``amax sqrt(v)``'s /255 level, which bias-corrected Adam moments rarely reach.
+  Each block's scale is its absmax (found as [Note: blockwise quantization semantics] finds
+  it: by the bits, NaN above inf), and each element is coded by ``y = |x| / absmax`` in
+  [0, 1] (one IEEE division) in an 8-bit float code: ``mant_bits`` mantissa bits, normal for
+  ``y >= 2**CODE_EMIN`` (``CODE_EMIN = -14``), linear ("subnormal") below it with the lowest
+  octave's step, round half to even, ``0`` only for ``y < 2**(CODE_EMIN - mant_bits - 1)``.
+  Code ``c`` for ``y >= 2**-14`` is ``(bits(y) - bits(2**-14))`` rounded half to even to a
+  multiple of ``2**(23 - mant_bits)``, shifted down, plus ``2**mant_bits`` (the integer order of
+  fp32 bits is the order of values, and a carry out of the mantissa steps the exponent);
+  below, ``rint(y * 2**(mant_bits + 14))``. Decoding builds the fp32 bits back (or multiplies
+  by a power of two), exactly, then multiplies by the scale: ``x_hat = decode(c) * absmax``.
+  Only integer operations, one IEEE division, products by powers of two, ``rint`` and (for
+  ``v``) the IEEE square root are involved, so the Triton kernel, the C++ paths and this
+  reference produce the same bits (no ``pow``/``log``, which are not correctly rounded).
+  ``y = 1`` (the block's absmax element) codes as ``15 * 2**mant_bits`` and decodes exactly.
+
+  * ``exp_avg`` (signed): int8 ``+-c`` with ``mant_bits = 3`` (``|c| <= 120``): 8 levels per
+    octave over 15 octaves, then linear steps of ``2**-17 * absmax``. Error: at most
+    ``2**-4 = 6.25%`` of ``|m|`` (normal), ``2**-18 * absmax`` (below); 0 only under
+    ``2**-18 * absmax|m|``.
+  * ``exp_avg_sq`` (non-negative): ``r = sqrt(v)`` is coded, uint8 ``c`` with
+    ``mant_bits = 4`` (``c <= 240``), the scale is ``absmax(r)``; ``v_hat = r_hat * r_hat``.
+    Error in the domain AdamW uses, the denominator ``sqrt(v)``: at most ``2**-5 = 3.1%`` of
+    ``r`` (normal), ``2**-19 * absmax(r)`` below; ``v`` rounds to 0 only under
+    ``2**-38 = 3.6e-12`` of its block's largest ``v``.
+
+  Why not the linear codes that came first (``q = rint(127 * m / absmax)``, and
+  ``rint(255 * sqrt(v) / absmax)``): a linear code of ``sqrt(v)`` rounds ``v`` to 0 below
+  ``max(v) / 260100`` of its block. Such elements (rarely-seen embedding rows beside frequent
+  ones) then step with ``denom = eps`` while their ``m`` code is not 0: on the demo's GPT
+  (seed 1, 300 steps) about 7,300 element-steps had a zero-coded ``v`` beside a nonzero
+  ``m`` and normalized updates ``|m_hat| / (sqrt(v_hat) + eps)`` reached 12,000 (fp32 Adam
+  keeps them near 1), and two of four seeds ended 6-8% worse than fp32 state
+  (benchmarks/README.md). A linear ``m`` code also errs by up to 100% on elements far below
+  their block's absmax, which is what their update is divided by. The float codes keep both
+  moments to a few % relative over 15 octaves, as bitsandbytes' and torchao's dynamic maps
+  (a 256-entry table searched per element, signed for ``m``, unsigned for ``v``, reaching
+  ~1e-7 of the block max) do; where we differ: a closed-form code (no table, bit-exact across
+  backends), of ``sqrt(v)`` rather than ``v`` (half the dynamic range to cover, and the error
+  is in the denominator's units), uniform relative precision (the dynamic map is finer near
+  the block max, ~0.4-4%, and coarser far below it).
   * Non-finite values follow [Note: blockwise quantization semantics]: a block holding NaN
     gets scale NaN and codes 0 (it dequantizes to NaN), so a step that was not skipped on a
     non-finite gradient poisons only the blocks it touched, visibly.
@@ -49,11 +73,16 @@ from typing import Iterable, List, Optional, Tuple, Union
 import torch
 
 from .adamw import _value, adamw_step
-from .quant import block_codes
+from .quant import _INF_BITS, _NAN_BITS, _blocks
 
 Scalar = Union[float, int, torch.Tensor]
-EXP_AVG_QMAX = 127
-EXP_AVG_SQ_QMAX = 255
+EXP_AVG_MANT_BITS = 3     # exp_avg: sign + 7-bit code, |codes| <= 120
+EXP_AVG_SQ_MANT_BITS = 4  # sqrt(exp_avg_sq): 8-bit code, codes <= 240
+CODE_EMIN = -14           # the codes' smallest normal exponent
+_CODE_BASE_BITS = (127 + CODE_EMIN) << 23
+INT8_CODE = "float8"           # a checkpoint's state_format "code" for these codes
+LINEAR_INT8_CODE = "linear"    # the linear codes before them (a state_format with no "code")
+INT8_CODES = (INT8_CODE, LINEAR_INT8_CODE)
 DEFAULT_BLOCK_SIZE = 256
 
 
@@ -62,33 +91,102 @@ def lowbit_format(exp_avg: torch.Tensor) -> str:
     return "bf16" if exp_avg.dtype == torch.bfloat16 else "int8"
 
 
+def _block_amax(flat: torch.Tensor, block_size: int
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blocks, scale, ok, divisor)`` of the fp32 1-D ``flat``: its zero-padded
+    (num_blocks, block_size) view, each block's absmax as [Note: blockwise quantization
+    semantics] finds it (``scale``: the absmax, NaN for a block holding NaN, +inf for one
+    holding inf, 0 for an all-zero one), ``ok`` where it is finite and nonzero, and ``divisor``
+    (the absmax where ok, else 1)."""
+    blocks = _blocks(flat, block_size)
+    top = (blocks.view(torch.int32) & 0x7FFFFFFF).amax(dim=1)
+    amax = top.view(torch.float32)
+    ok = (top > 0) & (top < _INF_BITS)
+    scale = torch.where(top > _INF_BITS, torch.full_like(top, _NAN_BITS).view(torch.float32),
+                        amax)
+    return blocks, scale, ok, torch.where(ok, amax, torch.ones_like(amax))
+
+
+def encode_ratio(y: torch.Tensor, mant_bits: int) -> torch.Tensor:
+    """int32 codes of fp32 ``y`` in [0, 1] in the 8-bit float code of [Note: low-bit moment
+    formats]: ``mant_bits`` mantissa bits, normal from ``2**CODE_EMIN``, linear (subnormal)
+    below it, rounded to nearest even."""
+    shift = 23 - mant_bits
+    d = y.view(torch.int32) - _CODE_BASE_BITS
+    normal = ((d + ((1 << (shift - 1)) - 1) + ((d >> shift) & 1)) >> shift) + (1 << mant_bits)
+    sub = torch.round(y * 2.0 ** (mant_bits - CODE_EMIN)).to(torch.int32)
+    return torch.where(d >= 0, normal, sub)
+
+
+def decode_ratio(c: torch.Tensor, mant_bits: int) -> torch.Tensor:
+    """fp32 values of the codes ``c`` (>= 0) of :func:`encode_ratio`, exactly."""
+    c = c.to(torch.int32)
+    normal = (((c - (1 << mant_bits)) << (23 - mant_bits)) + _CODE_BASE_BITS).view(torch.float32)
+    sub = c.to(torch.float32) * 2.0 ** (CODE_EMIN - mant_bits)
+    return torch.where(c >= (1 << mant_bits), normal, sub)
+
+
+def check_int8_code(code: str, where: str = "state_format") -> str:
+    """``code`` if it names int8 codes this version decodes, else a ValueError naming it."""
+    if code not in INT8_CODES:
+        raise ValueError(f"{where}: int8 moment code {code!r} is not one this zkernels "
+                         f"decodes ({', '.join(INT8_CODES)}); it was written by another "
+                         f"version")
+    return code
+
+
+def moments_from_codes(qm: torch.Tensor, qv: torch.Tensor, sm: torch.Tensor, sv: torch.Tensor,
+                       code: str = INT8_CODE) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(exp_avg, exp_avg_sq)`` of int8-format codes ``qm`` (int8), ``qv`` (uint8) with
+    per-element scales ``sm``, ``sv`` (fp32, the codes' shape), in the code ``code`` names:
+    ``INT8_CODE`` (these), or ``LINEAR_INT8_CODE`` (the linear codes of earlier versions, kept
+    to read their checkpoints: ``m = q * scale``, ``sqrt(v) = q * scale``)."""
+    check_int8_code(code)
+    if code == LINEAR_INT8_CODE:
+        r = qv.to(torch.float32) * sv
+        return qm.to(torch.float32) * sm, r * r
+    qm = qm.to(torch.int32)
+    x = decode_ratio(qm.abs(), EXP_AVG_MANT_BITS) * sm
+    r = decode_ratio(qv, EXP_AVG_SQ_MANT_BITS) * sv
+    return torch.where(qm < 0, -x, x), r * r
+
+
 def quantize_exp_avg(m: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(codes int8, scales fp32)`` of the first moment ``m`` (1-D fp32), absmax, qmax 127."""
-    codes, scales = block_codes(m.reshape(-1).float(), block_size, EXP_AVG_QMAX)
-    return codes.to(torch.int8), scales
+    """``(codes int8, scales fp32)`` of the first moment ``m`` (1-D fp32): the sign and the
+    code of ``|m| / absmax`` with ``EXP_AVG_MANT_BITS``; the scale is the block's absmax."""
+    flat = m.reshape(-1).float()
+    blocks, scale, ok, div = _block_amax(flat, block_size)
+    mag = encode_ratio(blocks.abs() / div[:, None], EXP_AVG_MANT_BITS)
+    codes = torch.where(ok[:, None], torch.where(blocks < 0, -mag, mag), 0)
+    return codes.reshape(-1)[:flat.numel()].to(torch.int8), scale
 
 
 def dequantize_exp_avg(q: torch.Tensor, scales: torch.Tensor,
                        block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
-    """fp32 ``float(q) * scale`` per element."""
+    """fp32 ``+-decode(|q|) * scale`` per element (one product)."""
     s = scales.reshape(-1).repeat_interleave(block_size)[:q.numel()]
-    return q.reshape(-1).to(torch.float32) * s
+    q = q.reshape(-1).to(torch.int32)
+    x = decode_ratio(q.abs(), EXP_AVG_MANT_BITS) * s
+    return torch.where(q < 0, -x, x)
 
 
 def quantize_exp_avg_sq(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(codes uint8, scales fp32)`` of the second moment ``v`` (1-D fp32, >= 0): its square
-    root quantized linearly, absmax, qmax 255."""
-    codes, scales = block_codes(v.reshape(-1).float().sqrt(), block_size, EXP_AVG_SQ_QMAX)
-    return codes.to(torch.uint8), scales
+    """``(codes uint8, scales fp32)`` of the second moment ``v`` (1-D fp32, >= 0): the code of
+    ``sqrt(v) / absmax(sqrt(v))`` with ``EXP_AVG_SQ_MANT_BITS``; the scale is that absmax."""
+    flat = v.reshape(-1).float().sqrt()
+    blocks, scale, ok, div = _block_amax(flat, block_size)
+    codes = torch.where(ok[:, None], encode_ratio(blocks / div[:, None], EXP_AVG_SQ_MANT_BITS),
+                        0)
+    return codes.reshape(-1)[:flat.numel()].to(torch.uint8), scale
 
 
 def dequantize_exp_avg_sq(q: torch.Tensor, scales: torch.Tensor,
                           block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
-    """fp32 ``r * r`` with ``r = float(q) * scale`` per element."""
+    """fp32 ``r * r`` with ``r = decode(q) * scale`` per element."""
     s = scales.reshape(-1).repeat_interleave(block_size)[:q.numel()]
-    r = q.reshape(-1).to(torch.float32) * s
+    r = decode_ratio(q.reshape(-1), EXP_AVG_SQ_MANT_BITS) * s
     return r * r
 
 

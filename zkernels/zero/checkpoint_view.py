@@ -116,8 +116,9 @@ class CheckpointSource(Protocol):
         """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard, fp32."""
 
     def state_format(self, unit: CheckpointUnit) -> Optional[Dict[str, Any]]:
-        """``{"dtype": "bf16" | "int8", "block_size": int}`` where ``unit``'s moments are
-        low-bit (``state_dtype``), else None; ``read_state`` gives them dequantized to fp32."""
+        """``{"dtype": "bf16" | "int8", "block_size": int}`` (int8: and ``"code"``, the map's
+        name) where ``unit``'s moments are low-bit (``state_dtype``), else None;
+        ``read_state`` gives them dequantized to fp32."""
 
     def read_lowbit_state(self, unit: CheckpointUnit) -> Optional[Dict[str, torch.Tensor]]:
         """A low-bit unit's moments as trained (``exp_avg``, ``exp_avg_sq``, and int8's

@@ -39,6 +39,7 @@ from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
 from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
 from .planning.state_format import group_formats, split_group_formats
+from .state.lowbit_state import describe_format
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .state.placement import check_offload_dir, make_engine
@@ -533,10 +534,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq, param_steps)
 
     def state_format(self, unit):
-        """``{"dtype": "bf16" | "int8", "block_size": int}`` of a unit whose moments are
-        low-bit (``state_dtype``), or None (fp32 moments)."""
-        fmt = self.state_formats[unit.group_index]
-        return None if fmt is None else {"dtype": fmt.name, "block_size": fmt.block_size}
+        """``{"dtype": "bf16" | "int8", "block_size": int}`` (int8: and the ``"code"`` of its
+        map) of a unit whose moments are low-bit (``state_dtype``), or None (fp32 moments)."""
+        return describe_format(self.state_formats[unit.group_index])
 
     def read_lowbit_state(self, unit):
         """A low-bit unit's moments as trained (live tensors: bf16, or int8/uint8 codes and

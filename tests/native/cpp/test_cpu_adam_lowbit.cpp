@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -38,9 +39,36 @@ static float param_at(const State& s, bool bf16_param, int64_t i) {
   return bf16_param ? from_bits(static_cast<uint32_t>(s.p16[i]) << 16) : s.p32[i];
 }
 
-// One block's absmax code (quant semantics): returns scale; writes codes via `put`.
+// The 8-bit float codes of [Note: low-bit moment formats], written independently of the
+// kernel's bit arithmetic: decode from the definition (ldexp), encode by searching the sorted
+// decoded values for the nearest one (ties to the even code).
+constexpr int kEmin = -14;
+
+static float decode(int c, int mant) {
+  if (c < (1 << mant)) return static_cast<float>(std::ldexp(static_cast<double>(c), kEmin - mant));
+  const int e = (c >> mant) - 1 + kEmin, f = c & ((1 << mant) - 1);
+  return static_cast<float>(std::ldexp(1.0 + std::ldexp(static_cast<double>(f), -mant), e));
+}
+
+static int encode(float y, int mant) {
+  const int top = 15 << mant;  // the code of 1.0
+  int lo = 0, hi = top;        // the first code whose value is >= y
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (decode(mid, mant) < y) lo = mid + 1; else hi = mid;
+  }
+  if (lo == 0) return 0;
+  const double above = decode(lo, mant) - static_cast<double>(y);
+  const double below = static_cast<double>(y) - decode(lo - 1, mant);
+  if (above < below) return lo;
+  if (below < above) return lo - 1;
+  return lo % 2 == 0 ? lo : lo - 1;
+}
+
+// One block's absmax scale (quant semantics) and float codes of |x| / absmax, signed or not;
+// returns the scale (the absmax; NaN / inf / 0 blocks: codes 0).
 template <typename Put>
-static float requantize(const float* x, int64_t n, float qmax, Put put) {
+static float requantize(const float* x, int64_t n, int mant, Put put) {
   uint32_t top = 0;
   for (int64_t i = 0; i < n; ++i) top = std::max(top, bits(x[i]) & 0x7FFFFFFFu);
   if (top > 0x7F800000u) {
@@ -52,8 +80,11 @@ static float requantize(const float* x, int64_t n, float qmax, Put put) {
     return top == 0 ? 0.0f : INFINITY;
   }
   const float amax = from_bits(top);
-  for (int64_t i = 0; i < n; ++i) put(i, static_cast<int>(std::nearbyint((x[i] / amax) * qmax)));
-  return amax / qmax;
+  for (int64_t i = 0; i < n; ++i) {
+    const int c = encode(std::fabs(x[i]) / amax, mant);
+    put(i, x[i] < 0.0f ? -c : c);
+  }
+  return amax;
 }
 
 // The reference step (adamw_lowbit.py over adamw.py's torch ops), one operation at a time.
@@ -64,8 +95,9 @@ static void recipe(const AdamWConfig& c, bool int8, int64_t bs, bool bf16_param,
   for (int64_t i = 0; i < n; ++i) {
     p[i] = param_at(s, bf16_param, i);
     if (int8) {
-      m[i] = static_cast<float>(s.qm[i]) * s.sm[i / bs];
-      const float r = static_cast<float>(s.qv[i]) * s.sv[i / bs];
+      const float a = decode(std::abs(static_cast<int>(s.qm[i])), 3) * s.sm[i / bs];
+      m[i] = s.qm[i] < 0 ? -a : a;
+      const float r = decode(s.qv[i], 4) * s.sv[i / bs];
       v[i] = r * r;
     } else {
       m[i] = from_bits(static_cast<uint32_t>(s.m16[i]) << 16);
@@ -104,9 +136,9 @@ static void recipe(const AdamWConfig& c, bool int8, int64_t bs, bool bf16_param,
   if (!int8) return;
   for (int64_t b = 0; b * bs < n; ++b) {
     const int64_t base = b * bs, len = std::min(bs, n - base);
-    s.sm[b] = requantize(&m[base], len, 127.0f,
+    s.sm[b] = requantize(&m[base], len, 3,
                          [&](int64_t i, int q) { s.qm[base + i] = static_cast<int8_t>(q); });
-    s.sv[b] = requantize(&root[base], len, 255.0f,
+    s.sv[b] = requantize(&root[base], len, 4,
                          [&](int64_t i, int q) { s.qv[base + i] = static_cast<uint8_t>(q); });
   }
 }
@@ -121,12 +153,12 @@ static State make_state(int64_t n, int64_t bs, uint32_t seed) {
     s.p16.push_back(exact_bf16(s.p32.back()));
     s.m16.push_back(exact_bf16(0.1f * normal(rng)));
     s.v16.push_back(exact_bf16(0.01f * std::fabs(normal(rng))));
-    s.qm.push_back(static_cast<int8_t>(static_cast<int>(rng() % 255) - 127));
-    s.qv.push_back(static_cast<uint8_t>(rng() % 256));
+    s.qm.push_back(static_cast<int8_t>(static_cast<int>(rng() % 241) - 120));  // |c| <= 120
+    s.qv.push_back(static_cast<uint8_t>(rng() % 241));                          // c <= 240
   }
-  for (int64_t b = 0; b < nb; ++b) {
-    s.sm.push_back(0.1f / 127.0f * (1.0f + 0.01f * static_cast<float>(b % 7)));
-    s.sv.push_back(0.1f / 255.0f);
+  for (int64_t b = 0; b < nb; ++b) {  // scales: the blocks' absmax
+    s.sm.push_back(0.1f * (1.0f + 0.01f * static_cast<float>(b % 7)));
+    s.sv.push_back(0.1f);
   }
   return s;
 }

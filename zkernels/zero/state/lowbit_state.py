@@ -30,7 +30,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ...reference.adamw_lowbit import (dequantize_exp_avg, dequantize_exp_avg_sq,
+from ...reference.adamw_lowbit import (INT8_CODE, LINEAR_INT8_CODE, moments_from_codes,
                                        quantize_exp_avg, quantize_exp_avg_sq)
 from ..planning.state_format import StateFormat
 
@@ -69,13 +69,16 @@ def step_range(ops, fmt: StateFormat, master: torch.Tensor, grad: torch.Tensor,
 
 
 def dequantized(fmt: StateFormat, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                sm: Optional[torch.Tensor], sv: Optional[torch.Tensor]
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 copies of the moments (for export and fp32 readers)."""
+                sm: Optional[torch.Tensor], sv: Optional[torch.Tensor],
+                code: str = INT8_CODE) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 copies of the moments (for export and fp32 readers; ``code``: the int8 codes'
+    map, ``reference.adamw_lowbit.INT8_CODES``)."""
     if not fmt.blocked:
         return exp_avg.float(), exp_avg_sq.float()
-    bs = fmt.block_size
-    return (dequantize_exp_avg(exp_avg, sm, bs), dequantize_exp_avg_sq(exp_avg_sq, sv, bs))
+    bs, n = fmt.block_size, exp_avg.numel()
+    return moments_from_codes(exp_avg.reshape(-1), exp_avg_sq.reshape(-1),
+                              sm.reshape(-1).repeat_interleave(bs)[:n],
+                              sv.reshape(-1).repeat_interleave(bs)[:n], code)
 
 
 def quantized(fmt: StateFormat, m: torch.Tensor, v: torch.Tensor) -> dict:
@@ -86,6 +89,15 @@ def quantized(fmt: StateFormat, m: torch.Tensor, v: torch.Tensor) -> dict:
     qm, sm = quantize_exp_avg(m.float(), fmt.block_size)
     qv, sv = quantize_exp_avg_sq(v.float(), fmt.block_size)
     return {"exp_avg": qm, "exp_avg_sq": qv, "exp_avg_scales": sm, "exp_avg_sq_scales": sv}
+
+
+def describe_format(fmt: Optional[StateFormat]) -> Optional[dict]:
+    """A checkpoint's ``{"dtype", "block_size"}`` of ``fmt``, and for int8 the ``"code"`` of its
+    map (a state_format without one holds the linear codes of earlier versions)."""
+    if fmt is None:
+        return None
+    desc = {"dtype": fmt.name, "block_size": fmt.block_size}
+    return {**desc, "code": INT8_CODE} if fmt.blocked else desc
 
 
 def format_of(desc: Optional[dict]) -> Optional[StateFormat]:
@@ -102,4 +114,5 @@ def fp32_moments(desc: Optional[dict], tensors: dict) -> Tuple[torch.Tensor, tor
     if fmt is None:
         return tensors["exp_avg"], tensors["exp_avg_sq"]
     return dequantized(fmt, tensors["exp_avg"], tensors["exp_avg_sq"],
-                       tensors.get("exp_avg_scales"), tensors.get("exp_avg_sq_scales"))
+                       tensors.get("exp_avg_scales"), tensors.get("exp_avg_sq_scales"),
+                       desc.get("code", LINEAR_INT8_CODE))

@@ -43,7 +43,9 @@ def _fingerprint(opt) -> list:
 # A unit whose moments are low-bit (``state_dtype``) saves them as trained: "exp_avg" and
 # "exp_avg_sq" are its bf16 tensors or int8 / uint8 codes, int8 adds "exp_avg_scales" and
 # "exp_avg_sq_scales" (fp32, one per block of the shard), and "state_format" says which
-# (``{"dtype": "bf16" | "int8", "block_size": n}``). Loading into the same format copies
+# (``{"dtype": "bf16" | "int8", "block_size": n}``, int8 with the ``"code"`` of its map; one
+# without it holds an earlier version's linear codes, read as such and converted as another
+# format is, [Note: low-bit moments in a checkpoint]). Loading into the same format copies
 # them (a resume continues bit for bit); into another (fp32 <-> bf16 <-> int8, or another
 # block size) the moments are dequantized to fp32 and stored in this optimizer's format (fp32,
 # rounded to bf16, or requantized), and a WARNING on the "zkernels.zero" logger names the
@@ -53,8 +55,10 @@ _log = logging.getLogger("zkernels.zero")
 
 
 def _name(desc) -> str:
-    return "fp32" if desc is None else desc["dtype"] + (
-        f"/{desc['block_size']}" if desc["dtype"] == "int8" else "")
+    if desc is None or desc["dtype"] != "int8":
+        return "fp32" if desc is None else desc["dtype"]
+    code = desc.get("code", "linear")
+    return f"int8/{desc['block_size']}" + ("" if code == "float8" else f" ({code} codes)")
 
 
 def _optimizers(opt) -> list:
