@@ -157,7 +157,7 @@ def test_checkpoint_moves_to_another_world_size_and_stage(tmp_path):
     checkpoint.save(opt, b)
     saved, again = _raw(a), _raw(b)
     for name, (desc, (_, _, raw)) in saved.items():
-        assert desc == {"dtype": "int8", "block_size": BLOCK} == again[name][0]
+        assert desc == {"dtype": "int8", "block_size": BLOCK, "code": "float8"} == again[name][0]
         for k, t in raw.items():
             assert torch.equal(t, again[name][1][2][k]), (name, k)
     _train(model, opt, 2, seed=2)
