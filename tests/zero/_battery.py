@@ -427,7 +427,7 @@ class Reference:
                                   out=torch.zeros(u.layout.padded_numel))
             mine, want = masters[u.index], flat[u.shard_slice]
             if self.row.master:   # [Note: a bf16 master against its oracle]
-                ulp = ratio(mine, want, rtol=2 ** -7 * 1.01, atol=1e-30)
+                ulp = ratio(mine, want, rtol=2 ** -6 * 1.01, atol=1e-30)
                 flips = float((mine != want).float().mean()) if mine.numel() else 0.0
                 out["master"] = max(out["master"], ulp, flips / MASTER_FLIPS)
                 continue
@@ -536,15 +536,20 @@ class BrokenScale:
             args[4].mul_(1.02)
         return out
 # [Note: a bf16 master against its oracle]
-# A bf16 master is compared element for element: each within one bf16 ulp of the oracle's
-# (torch's AdamW in fp32, rounded to nearest even; rtol 2**-7: an ulp is up to 2**-7 of a
+# A bf16 master is compared element for element: each within two bf16 ulps of the oracle's
+# (torch's AdamW in fp32, rounded to nearest even; rtol 2**-6: an ulp is up to 2**-7 of a
 # value just below a power of two), and at most MASTER_FLIPS of them different at all. Where
 # the fp32 update is the same bits as torch's every element is equal; a sum in another order
 # (4 ranks' gradients, clipping's norm) or a kernel that rounds one fp32 operation otherwise
 # (the C++ path of CPU offload) moves the fp32 update by an fp32 ulp, which flips the rounding
 # of about one element in 2**16 by one bf16 ulp. A wrong rounding (MASTER_FAULT: truncation)
-# differs on about half of them.
-MASTER_FLIPS = 1e-3
+# differs on about half of them. With 2 intra-op threads per rank (CI's AVX2 pass,
+# ZKERNELS_TEST_THREADS=2) the rows' bf16 gradients and the oracle's are no longer the same bits
+# (seen: up to 0.69% of masters one ulp apart, 1 to 4 ranks, with or without offload; with one
+# thread under 0.1%; a few by just over one ulp; which bf16 reduction splits differently was
+# not isolated), so the bounds are two ulps (rtol 2**-6) and 2% of elements: three times the
+# worst share seen, and a twenty-fifth of what truncation flips.
+MASTER_FLIPS = 2e-2
 # A bf16-master row's fault: the update written back truncated (rounded toward zero) instead of
 # to nearest even.
 MASTER_FAULT = "truncated_master"
