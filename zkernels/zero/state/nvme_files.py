@@ -208,9 +208,8 @@ class NvmeFiles:
             OffloadIOError: missing, or of another unit, rank, kind or size.
         """
         path = os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
-        # (the header keeps the kind's first 16 bytes: "rule-momentum_buffer" is longer)
-        f = SwapFile.open_existing(path, numel, kind.encode()[:16].decode(errors="replace"),
-                                   index, self.rank, self.world_size, self.direct_io)
+        f = SwapFile.open_existing(path, numel, kind, index, self.rank, self.world_size,
+                                   self.direct_io)
         self._files.append({kind: f})
         return f
 
