@@ -1,14 +1,15 @@
 """``ZeroOptimizer``: ZeRO stage 1/2/3 AdamW as a ``torch.optim.Optimizer``.
 
-The class is thin glue (see [Note: parameters and state] in ``units.py``): the stage's
-:class:`~zkernels.zero.planning.policy.StagePolicy` (``policy.py``) says what is sharded; flat parameter
-units (``units.py``, cut by ``buckets.py``) own the compute copy through their gather policy;
-the update engine (``state/engine.py``) owns the per-unit state records (master, moments)
-and their placement; a gradient strategy (``grad_reducers.py``, chosen once from the stage) delivers this
-rank's reduced gradient shard per unit; ``clip.py`` folds the 1/N, the loss scale and the clip
-coefficient into one divisor; then one fused AdamW per unit shard and each unit's gather
-policy's ``publish`` (one all-gather per unit at stages 1-2) rebuild the parameters. Every op
-goes through one :class:`~zkernels.ops.OpSet` chosen at construction (``ops_backend=``).
+The class is thin glue ([Note: parameters and state] in ``units.py``): the stage's
+:class:`~zkernels.zero.planning.policy.StagePolicy` (``policy.py``) says what is sharded; the
+parameter side (``parameters/build.py``) builds the flat units, the update engine
+(``state/engine.py``) their state records, the gradient strategy (``grad_reducers.py``) their
+buckets; one :class:`~zkernels.zero.unit.ZeroUnit` per unit holds the three (``unit.py``:
+what happens to unit k, in forward, backward and step).
+``step()`` reduces, folds 1/N, the loss scale and the clip coefficient into one divisor
+(``clip.py``), then loops over the units: each updates its state and publishes its
+parameters. Every op goes through one :class:`~zkernels.ops.OpSet` chosen at construction
+(``ops_backend=``).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from .planning.state_format import group_formats, split_group_formats
 from .state.lowbit_state import describe_format
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
+from .unit import ZeroUnit
 from .state.placement import check_offload_dir, make_engine
 
 
@@ -157,6 +159,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the stage's :class:`~zkernels.zero.planning.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.parameters.units.FlatParamUnit` list, in launch order.
+        zero_units: one :class:`~zkernels.zero.unit.ZeroUnit` per unit, by index: its flat,
+            gradient bucket, state record and step (``unit.py``).
         frozen_units: stage 3: the frozen parameters' flat units (gathered with their unit,
             no state; see [Note: frozen parameters at stage 3] in ``units.py``); else empty.
         shard_update: the update engine (``state/engine.py``), placed by ``placement.py``;
@@ -294,6 +298,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not isinstance(reshard_after_forward, bool):             # parameters/secondary
                 attach_secondary_shards(self.units, self.comm, reshard_after_forward, device,
                                         comm_backend, timeout, self.meter)
+        self.zero_units = [ZeroUnit(f, b, self.shard_update, self.param_groups[f.group_index])
+                           for f, b in zip(self.units, self.reducer.buckets)]  # unit.py
         self._param_waiter = ParamGatherWaiter(model, self.units) if overlap_param_gather \
             else None                                                   # parameters/param_wait
         self.module = model  # zkernels.checkpoint names parameters and buffers through it
@@ -401,11 +407,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.shard_update.matrix is not None:   # whole matrices, on their owners first
             self.shard_update.matrix.step(self.comm, self.meter, shards, grad_scale, live,
                                           self.param_groups)
-        for u in self.shard_update.update_order(self.units):
-            self.shard_update.update(u, shards[u.index], self.param_groups[u.group_index],
-                                     grad_scale, live[u.index])
-            # Gather this unit while the next one updates.
-            h = u.gather.publish(self.comm)
+        for u in [self.zero_units[f.index] for f in self.shard_update.update_order(self.units)]:
+            # Its all-gather runs while the next unit updates.
+            h = u.step(shards[u.index], grad_scale, live[u.index], self.comm)
             if self._param_waiter is not None:
                 self._param_waiter.add(u.index, h)
             else:
