@@ -11,9 +11,8 @@ The folder follows the design (see [Note: parameters and state] in ``parameters/
   scaling, clipping, the non-finite policy;
 - ``state/``: ShardState records and the update engine that places them (device, host
   RAM, NVMe), their configuration and copies, the optimizer's state_dict;
-- ``unit.py``: one ZeroUnit per unit holds its flat, gradient bucket and state record and
-  steps them; ``optimizer.py`` composes the sides and loops over the units; ``stats.py``
-  counts the bytes held. The bucketed reduce-scatter lives in ``zkernels.comm.bucketed``.
+- ``unit.py``: a unit's flat, bucket, state and step; ``optimizer.py`` loops over them;
+  ``stats.py`` counts the bytes held. The reduce-scatter is ``zkernels.comm.bucketed``'s.
 """
 from .gradients.nonfinite import NonFiniteGradientError
 from .planning.offload_config import OffloadConfig

@@ -2,14 +2,12 @@
 
 The class is thin glue ([Note: parameters and state] in ``units.py``): the stage's
 :class:`~zkernels.zero.planning.policy.StagePolicy` (``policy.py``) says what is sharded; the
-parameter side (``parameters/build.py``) builds the flat units, the update engine
+parameter side (``parameters/build.py``) builds the flat units, the engine
 (``state/engine.py``) their state records, the gradient strategy (``grad_reducers.py``) their
-buckets; one :class:`~zkernels.zero.unit.ZeroUnit` per unit holds the three (``unit.py``:
-what happens to unit k, in forward, backward and step).
-``step()`` reduces, folds 1/N, the loss scale and the clip coefficient into one divisor
-(``clip.py``), then loops over the units: each updates its state and publishes its
-parameters. Every op goes through one :class:`~zkernels.ops.OpSet` chosen at construction
-(``ops_backend=``).
+buckets; a :class:`~zkernels.zero.unit.ZeroUnit` holds one unit's three (``unit.py``: what
+happens to unit k). ``step()`` reduces, folds 1/N, the loss scale and the clip coefficient into
+one divisor (``clip.py``), then loops over the units: each updates its state and publishes its
+parameters. Every op goes through one :class:`~zkernels.ops.OpSet` (``ops_backend=``).
 """
 from __future__ import annotations
 
@@ -159,8 +157,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the stage's :class:`~zkernels.zero.planning.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.parameters.units.FlatParamUnit` list, in launch order.
-        zero_units: one :class:`~zkernels.zero.unit.ZeroUnit` per unit, by index: its flat,
-            gradient bucket, state record and step (``unit.py``).
+        zero_units: each unit's :class:`~zkernels.zero.unit.ZeroUnit` (its step), by index.
         frozen_units: stage 3: the frozen parameters' flat units (gathered with their unit,
             no state; see [Note: frozen parameters at stage 3] in ``units.py``); else empty.
         shard_update: the update engine (``state/engine.py``), placed by ``placement.py``;

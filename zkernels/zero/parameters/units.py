@@ -27,10 +27,8 @@ side only:
   bucket object per flat unit (or, at stage 3, per unit's trainable flat, called by the
   unit's :class:`~zkernels.zero.parameters.stage3.GatherUnit`) that owns its gradients' step.
 
-One :class:`~zkernels.zero.unit.ZeroUnit` per flat unit (``zkernels/zero/unit.py``, above the
-three sides) holds unit k's flat, bucket and ShardState, and its ``step`` is the engine's update
-then the gather policy's ``publish``; ``ZeroOptimizer.step`` loops over them. Its module tells
-what happens to unit k in forward, backward and step ([Note: a ZeroUnit per flat]).
+A :class:`~zkernels.zero.unit.ZeroUnit` (``zkernels/zero/unit.py``: what happens to unit k)
+holds a flat unit, its bucket and its ShardState and steps them; ``step()`` loops over them.
 """
 from __future__ import annotations
 
