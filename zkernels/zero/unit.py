@@ -11,8 +11,8 @@ shard all carry the same index k):
   param group's flat of one module unit (``planning/unit_plan.py``); only this rank's compute
   shard persists (``ShardedParams``), kept by the injected storage: the device, host RAM
   (``offload_params``) or an NVMe file ([Note: shard storage] in ``parameters/storage.py``).
-  As k is built, the update engine allocates its ``ShardState`` (fp32 master, moments, step
-  counts) where the placement keeps it, from k's fp32 shard values (``engine.init_state``).
+  As k is built, the update engine allocates its ``ShardState`` (master, moments, step counts)
+  where the placement keeps it, from k's fp32 shard values (``engine.init_state``).
 - Forward. Stages 1-2: nothing (with ``overlap_param_gather`` the first module owning one of
   k's parameters waits for k's last all-gather: [Note: lazy parameter gathers]). Stage 3: the
   forward pre-hook of k's ``GatherUnit`` (``parameters/stage3.py``) gathers all its flats, k
@@ -39,9 +39,9 @@ shard all carry the same index k):
   whole-matrix class's result computed on its owner before the loop: [Note: whole matrices on
   owners]; host sub-groups with CPU offload, NVMe slots streamed in index order: [Note: NVMe
   offload step]) and writes k's compute shard (in place where it lives beside the update,
-  else by a copy); then k publishes: stages 1-2 all-gather every rank's new shard into the
-  full buffer while the next unit updates, stage 3 frees a full copy that is now stale (the
-  next forward gathers the new shards).
+  into its file where it is on disk, else by a copy); then k publishes: stages 1-2 all-gather
+  every rank's new shard into the full buffer while the next unit updates, stage 3 frees a full
+  copy that is now stale (the next forward gathers the new shards).
 
 [Note: a ZeroUnit per flat]
 A stage-3 ``GatherUnit`` may hold several flats: one per param group of its module and its
