@@ -1,61 +1,13 @@
-"""The update engine: one AdamW sub-group loop over per-unit state records, parametrized by
-where the master, the moments and the updated parameters live.
+"""The update engine: one AdamW sub-group loop over per-unit state records, wherever the state
+lives.
 
-See [Note: parameters and state] in ``units.py``. A placement (``"device"``, ``"cpu"``,
-``"nvme"``, chosen once by ``placement.make_engine`` from ``offload=``) says where each kind
-lives: the device (no offload), host RAM (CPU offload) or files streamed through host slots
-(NVMe offload; the master too with ``nvme_master``). The engine allocates each unit's
-:class:`~zkernels.zero.state.shard_state.ShardState` there, walks its shard in sub-groups,
-runs one fused AdamW per sub-group where the state is (the device's OpSet, or the host's: the
-native CPU AdamW where built) and writes the updated parameters into the unit's compute shard
-(directly where it lives beside the step, else by a copy off the compute stream). The engine
-also names the update order it wants (NVMe streams units in index order), the gradient sink
-it fills (CPU offload) and the OpSet of the gradient shards (clipping's sum of squares).
-
-[Note: CPU offload step]
-Three overlaps make the offloaded step cheap (ZeRO-Offload's schedule, with our fused C++ AdamW):
-
-1. During backward, each unit's reduced gradient shard is copied to a host fp32 shard the
-   moment its reduce-scatter finishes (``grad_sink.GradShards`` with a copier: ``accumulate``
-   issues the copy off the compute stream and hands its fence to the reduce pool, which waits
-   it before reusing the buffer). Only the copies still running when backward ends are
-   exposed: ``stats()["offload"]`` reports copy time and the part hidden.
-2. The step runs the CPU AdamW over host buffers in sub-groups of
-   ``OffloadConfig.sub_group_numel`` elements, reading the fp32 gradient and writing the
-   updated parameters in the compute dtype in the same pass (no separate cast).
-3. The compute-dtype result of sub-group k goes to the device (into the unit's compute
-   shard) on the copy stream while sub-group k+1 updates; two host staging slots alternate,
-   and a slot is reused only after its copy finished. In pure fp32 the master itself is
-   copied (no staging). The unit's last copy is fenced onto the compute stream before the
-   gather policy's ``publish`` reads the shard.
-
-Host memory per rank: master 4Ψ/N + moments 8Ψ/N + gradient shard 4Ψ/N + two staging
-sub-groups. Stage 1 is refused (its full gradients live on the device until ``step()``).
-With ``offload_params=True`` (stage 3) the parameter shards live in host RAM
-(``param_offload.py``, [Note: parameter offload]); the step then writes the host shard in
-place (no staging, nothing sent in ``step()``), and in pure fp32 the master is the shard.
-With NVMe offload they live in files instead (``param_nvme.py``, [Note: parameters on
-NVMe]): each sub-group's output goes from its slot to the unit's file (in pure fp32 the
-slot's master, or, with a host master, an aligned copy in the slot), and sub-groups span
-whole 4096-byte blocks of the file, so the smallest budget for bf16 parameters doubles.
-
-[Note: NVMe offload step]
-Host RAM holds ``NUM_NVME_BUFFERS`` (3) slots carved out of one aligned arena: each slot holds
-one sub-group's moments (and master), its gradient slice and its compute-dtype output. The
-arena is sized to need: a sub-group never exceeds the largest unit shard, and the whole arena
-never exceeds ``OffloadConfig.nvme_buffer_bytes`` (the budget caps the sub-group). The step
-walks every unit's shard in sub-groups, slot after slot, so that sub-group k+1 is being read
-from disk while k is updated by the CPU AdamW and k-1 written back (a slot is reused only
-after its writes and its device copy finished); the read of the next unit's first sub-group
-starts during the current unit's last, so units go in index order (``update_order``). The
-gradient shard stays where stage 2 keeps it (the device); each sub-group's slice comes to
-its slot by the copier, and the updated parameters go back the same way. Host RAM is the
-arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master), and
-low-bit moments at their own size (4Ψ/N bf16, (2 + 8/block)Ψ/N int8: [Note: low-bit state on
-NVMe] in nvme_files.py, which also says how the slots hold them).
-Before the first sub-group of a step every file's size is checked, so a truncated file fails
-the step before any state changes. Files live in the run's own folder (``nvme_files.py``)
-and go at :meth:`UpdateEngine.close` unless ``close(keep_files=True)`` keeps them.
+See [Note: parameters and state] in ``units.py`` and [Note: state places] in ``places.py``.
+The engine allocates each unit's :class:`~zkernels.zero.state.shard_state.ShardState` from its
+injected place, dispatches the unit's update by rule (the fused AdamW, low-bit moments, a
+torch.optim class, the fused Lion/SGD, whole matrices on owners), runs one fused AdamW per
+sub-group the place yields, over the live parameters' ranges, with the place's OpSet, and
+writes the updated parameters where the unit's shard says: in place where it ``holds`` the
+step's memory, into its file where it is ``in_file``, else by the place's copy to the device.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The files of ``offload="nvme"``: this run's folder, one swap file per (unit, kind), their
 I/O pool, and resuming from a folder a run kept (``close(keep_files=True)``).
 
-The step that streams them is the engine's (``engine.py``, [Note: NVMe offload step]); this
+The step that streams them is ``nvme_place.py``'s ([Note: NVMe offload step]); this
 module only creates, checks, reads and writes files (``swap.py``: format and I/O).
 
 [Note: low-bit state on NVMe]

@@ -1,6 +1,24 @@
 """NVMe offload's state place: the state kinds in files (``nvme_files.py``), streamed through
-an arena of host slots (see [Note: NVMe offload step] in ``engine.py`` and [Note: state
-places] in ``places.py``)."""
+an arena of host slots ([Note: state places] in ``places.py``).
+
+[Note: NVMe offload step]
+Host RAM holds ``NUM_NVME_BUFFERS`` (3) slots carved out of one aligned arena: each slot holds
+one sub-group's moments (and master), its gradient slice and its compute-dtype output. The
+arena is sized to need: a sub-group never exceeds the largest unit shard, and the whole arena
+never exceeds ``OffloadConfig.nvme_buffer_bytes`` (the budget caps the sub-group). The step
+walks every unit's shard in sub-groups, slot after slot, so that sub-group k+1 is being read
+from disk while k is updated by the CPU AdamW and k-1 written back (a slot is reused only
+after its writes and its device copy finished); the read of the next unit's first sub-group
+starts during the current unit's last, so units go in index order (``update_order``). The
+gradient shard stays where stage 2 keeps it (the device); each sub-group's slice comes to
+its slot by the copier, and the updated parameters go back the same way. Host RAM is the
+arena whatever the model size; disk holds 8Ψ/N (moments) or 12Ψ/N (with the master), and
+low-bit moments at their own size (4Ψ/N bf16, (2 + 8/block)Ψ/N int8: [Note: low-bit state on
+NVMe] in nvme_files.py, which also says how the slots hold them).
+Before the first sub-group of a step every file's size is checked, so a truncated file fails
+the step before any state changes. Files live in the run's own folder (``nvme_files.py``)
+and go at ``close`` unless ``close(keep_files=True)`` keeps them.
+"""
 from __future__ import annotations
 
 from typing import Dict, Iterator, Optional, Sequence, Tuple

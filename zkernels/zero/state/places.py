@@ -2,28 +2,48 @@
 (``engine.py``) asks instead of testing a placement string.
 
 [Note: state places]
-``placement.make_engine`` turns ``offload=`` into one place object and composes it into the
-:class:`~zkernels.zero.state.engine.UpdateEngine`: :class:`DevicePlace` (no offload: the
-state on the device), :class:`HostPlace` (CPU offload: host RAM, [Note: CPU offload step] in
-``engine.py``) or :class:`~zkernels.zero.state.nvme_place.NvmePlace` (files streamed through
-host slots: [Note: NVMe offload step]). A place owns everything that differs by where the
-bytes live: it allocates each state kind (``where``, ``alloc``), places a new unit's record
-(``add``: the gradient sink's shard, the host slots, NVMe's files or a rule's swap), cuts a
-shard into sub-groups and yields each sub-group's tensors (``pieces``), starts and finishes
-the step (the host's one read of the scale, the copies and I/O still running, the transfer
-figures), names the update order, adopts a kept run, reports what it holds and closes.
+``placement.make_engine`` turns ``offload=`` into one place composed into the
+:class:`~zkernels.zero.state.engine.UpdateEngine`: :class:`DevicePlace` (no offload),
+:class:`HostPlace` (host RAM: [Note: CPU offload step]) or
+:class:`~zkernels.zero.state.nvme_place.NvmePlace` (files streamed through host slots: [Note:
+NVMe offload step]). A place owns what differs by where the bytes live: each state kind's
+allocation (``where``, ``alloc``), a new unit's record (``add``: its host gradient shard, the
+slots, its files or a rule's swap), the sub-groups and their tensors (``pieces``), the step's
+start and finish (one read of the scale, the copies and I/O still running, the figures), the
+update order, adopting a kept run, what it holds, and ``close``. The same object carries the
+parameter shards' storage as ``params`` ([Note: shard storage] in ``parameters/storage.py``),
+which ``make_engine`` injects into the parameter side's builders; its in-memory state kinds
+come from ``storage`` (the device's ``DeviceStorage`` or the host's ``HostStorage``). With
+``offload_params`` the two are one ``HostStorage`` (CPU) or the parameter files beside the
+state's (NVMe); without it the shards stay on the device while the state is offloaded, so a
+place composes the shards' storage rather than being it.
 
-The same place holds the parameter shards' storage ([Note: shard storage] in
-``parameters/storage.py``) as ``params``, which ``make_engine`` injects into the parameter
-side's builders, and its in-memory state kinds come from ``storage``: the device's
-:class:`~zkernels.zero.parameters.storage.DeviceStorage`, or the host's ``HostStorage``.
-With ``offload_params`` the two are one object (CPU) or the parameter files beside the state's
-(NVMe: ``DiskStorage``); without it the shards stay on the device while the state is
-offloaded, which is why a place composes the parameters' storage instead of being it. The
-engine keeps what does not depend on the place: the dispatch over rules (fused AdamW, low-bit
-moments, a torch class, fused Lion/SGD, whole matrices), the live ranges, the AdamW calls,
-and where each sub-group's output goes, which it asks the unit's shard (``holds``,
-``in_file``).
+[Note: CPU offload step]
+Three overlaps make the offloaded step cheap (ZeRO-Offload's schedule, with our fused C++ AdamW):
+
+1. During backward, each unit's reduced gradient shard is copied to a host fp32 shard the
+   moment its reduce-scatter finishes (``grad_sink.GradShards`` with a copier: ``accumulate``
+   issues the copy off the compute stream and hands its fence to the reduce pool, which waits
+   it before reusing the buffer). Only the copies still running when backward ends are
+   exposed: ``stats()["offload"]`` reports copy time and the part hidden.
+2. The step runs the CPU AdamW over host buffers in sub-groups of
+   ``OffloadConfig.sub_group_numel`` elements, reading the fp32 gradient and writing the
+   updated parameters in the compute dtype in the same pass (no separate cast).
+3. The compute-dtype result of sub-group k goes to the device (into the unit's compute
+   shard) on the copy stream while sub-group k+1 updates; two host staging slots alternate,
+   and a slot is reused only after its copy finished. In pure fp32 the master itself is
+   copied (no staging). The unit's last copy is fenced onto the compute stream before the
+   gather policy's ``publish`` reads the shard.
+
+Host memory per rank: master 4Ψ/N + moments 8Ψ/N + gradient shard 4Ψ/N + two staging
+sub-groups. Stage 1 is refused (its full gradients live on the device until ``step()``).
+With ``offload_params=True`` (stage 3) the parameter shards live in host RAM
+(``param_offload.py``, [Note: parameter offload]); the step then writes the host shard in
+place (no staging, nothing sent in ``step()``), and in pure fp32 the master is the shard.
+With NVMe offload they live in files instead (``param_nvme.py``, [Note: parameters on
+NVMe]): each sub-group's output goes from its slot to the unit's file (in pure fp32 the
+slot's master, or, with a host master, an aligned copy in the slot), and sub-groups span
+whole 4096-byte blocks of the file, so the smallest budget for bf16 parameters doubles.
 """
 from __future__ import annotations
 
@@ -318,7 +338,7 @@ class HostPlace(OffloadPlace):
     """CPU offload: every state kind in host RAM, the reduced gradient shards copied into
     host shards during backward (``grad_sink``), sub-groups of
     ``OffloadConfig.sub_group_numel`` with two staging slots for a device shard's output
-    (see [Note: CPU offload step] in ``engine.py``)."""
+    (see [Note: CPU offload step])."""
 
     name = "cpu"
 
