@@ -166,7 +166,7 @@ class UpdateEngine:
                 master.copy_(initial_master)   # (bf16: rounded to nearest even)
         none = master.new_empty(0)
         rec = ShardState(unit, master, none, none)
-        pieces = [(s, k) for _, _, s, k in unit.param_slices_in_shard()]
+        pieces, fmt = [(s, k) for _, _, s, k in unit.param_slices_in_shard()], self.format_of(unit)
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
             if self.matrix is None:
                 self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs,
@@ -177,8 +177,7 @@ class UpdateEngine:
             rec.rule = FusedShardRule(spec, master, pieces, place.step_ops)
         elif spec is not None and not spec.fused:   # the class allocates its own state
             rec.rule = TorchShardRule(spec, master, pieces)
-        elif self.format_of(unit) is not None:
-            fmt = self.format_of(unit)
+        elif fmt is not None:
             m, v, sm, sv = alloc_moments(n, fmt, lambda k, dt: place.alloc(
                 k, "exp_avg", unit.device, dt))
             rec = ShardState(unit, master, m, v, fmt=fmt, exp_avg_scales=sm,
@@ -192,7 +191,7 @@ class UpdateEngine:
 
     def _check_bf16_master(self, unit: FlatParamUnit, spec) -> None:
         """A bf16 master needs the fused AdamW and bf16 parameters (named otherwise)."""
-        if spec is not None and not self._is_adamw(unit.group_index):
+        if not fused_adamw(spec):
             raise ValueError(f"master_dtype=torch.bfloat16 applies to the fused AdamW only; "
                              f"param_groups[{unit.group_index}] runs {spec.name}, whose master "
                              f"stays fp32 ([Note: bf16 master])")
@@ -203,13 +202,8 @@ class UpdateEngine:
 
     def format_of(self, unit: FlatParamUnit):
         """The unit's group's low-bit state format, or None (fp32 moments)."""
-        return self.format_of_group(unit.group_index)
-
-    def format_of_group(self, group_index: int):
-        return self.formats[group_index] if group_index < len(self.formats) else None
-
-    def _is_adamw(self, group_index: int) -> bool:
-        return fused_adamw(self.specs[group_index] if group_index < len(self.specs) else None)
+        g = unit.group_index
+        return self.formats[g] if g < len(self.formats) else None
 
     def adopt(self, num_units: int) -> None:
         """Resuming (NVMe): every unit's files checked out; the kept folder is this run's.
