@@ -261,6 +261,18 @@ def _train_both(pairs, x, steps: int) -> None:
             o.zero_grad()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_gradient_shards_are_read_where_they_live(kind, folder):
+    """CPU offload copies the gradient shards to host RAM (clipping reads them with the host
+    OpSet); NVMe leaves them on the device (its OpSet); both update with the host's."""
+    opt = ZeroOptimizer(make_model(), stage=2, offload=kind,
+                        **({"offload_dir": folder} if kind == "nvme" else {}))
+    place = opt.shard_update.place
+    assert (place.grad_ops is place.step_ops) == (kind == "cpu") and place.step_ops is not opt.ops
+    assert (place.grad_ops is opt.ops) == (kind == "nvme")
+    opt.close()
+
+
 def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
     """A model whose moments (8 bytes per parameter) are more than 10x the host budget: host
     RAM held by the strategy is the budget, the state is on disk, and the step is exact."""

@@ -206,20 +206,14 @@ class UpdateEngine:
         return self.formats[g] if g < len(self.formats) else None
 
     def adopt(self, num_units: int) -> None:
-        """Resuming (NVMe): every unit's files checked out; the kept folder is this run's.
-
-        Raises:
-            RuntimeError: this placement resumes nothing. OffloadIOError: another layout.
-        """
+        """Resuming (NVMe): every unit's files checked out (RuntimeError elsewhere)."""
         self.place.adopt(num_units)
 
     # -- the step -----------------------------------------------------------------------
 
     def update_order(self, units: Sequence[FlatParamUnit]) -> List[FlatParamUnit]:
-        """The order ``update`` wants the units in: forward order (units are in backward
-        order), so the gathers land as the next forward needs them ([Note: lazy parameter
-        gathers] in param_wait.py); NVMe streams states in index order (it prefetches unit
-        i+1 while unit i updates)."""
+        """The order ``update`` wants the units in (the place's: forward order, or NVMe's
+        index order)."""
         return self.place.update_order(units)
 
     def update(self, unit: FlatParamUnit, grad: torch.Tensor, group: dict,
@@ -298,26 +292,21 @@ class UpdateEngine:
 
     def state_tensors(self, unit_index: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(master, exp_avg, exp_avg_sq)`` of a unit: the live tensors where they are in
-        memory, new CPU tensors read from the files where they are on disk."""
+        memory, new CPU tensors read from the files where they are on disk (fp32 values: a
+        bf16 master's exact ones, low-bit moments dequantized)."""
         self.place.settle()
         rec = self.states[unit_index]
         if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
             return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
-        out = self._state_tensors(rec)
-        if out[0].dtype == torch.bfloat16:   # (a bf16 master: its exact fp32 values)
-            return (out[0].float(),) + tuple(out[1:])
-        return out
-
-    def _state_tensors(self, rec: ShardState):
-        """:meth:`state_tensors` of a record (its master as it is)."""
-        unit_index = rec.unit_index
+        master = self.place.materialize(rec, "master", rec.master)
         if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
             low = self.lowbit_tensors(unit_index)
-            master = self.place.materialize(rec, "master", rec.master)
-            return (master,) + dequantized(rec.fmt, low["exp_avg"], low["exp_avg_sq"],
-                                           low.get("exp_avg_scales"),
-                                           low.get("exp_avg_sq_scales"))
-        return tuple(self.place.materialize(rec, k, t) for k, t in zip(KINDS, rec.tensors()))
+            moments = dequantized(rec.fmt, low["exp_avg"], low["exp_avg_sq"],
+                                  low.get("exp_avg_scales"), low.get("exp_avg_sq_scales"))
+        else:
+            moments = tuple(self.place.materialize(rec, k, t) for k, t in
+                            zip(KINDS[1:], rec.tensors()[1:]))
+        return (master.float() if master.dtype == torch.bfloat16 else master,) + moments
 
     def load_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -423,13 +412,11 @@ class UpdateEngine:
         return self.place.held_at(self.states, "device")
 
     def held_host(self) -> Dict[str, List[torch.Tensor]]:
-        """Host tensors held by kind (offload) for ``stats()``: parameter shards
-        (``offload_params``), master, moments, gradient shards and the slots' buffers."""
+        """Host tensors held by kind (offload) for ``stats()``."""
         return self.place.held_host(self.states)
 
     def disk_bytes(self) -> Dict[str, int]:
-        """Bytes of files held by kind (NVMe offload; the parameter shards' too where they
-        are on disk), measured from the files."""
+        """Bytes of files held by kind (NVMe offload), measured from the files."""
         return self.place.disk_bytes()
 
     def close(self, keep_files: bool = False) -> Optional[str]:

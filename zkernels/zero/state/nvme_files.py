@@ -260,14 +260,6 @@ class NvmeFiles:
         self.io.read(f, buf, 0, f.data_bytes, counted=False).result()
         return buf.view(f.dtype)[:f.numel]
 
-    def write_all(self, rec: ShardState, kind: str, values: torch.Tensor) -> None:
-        """Write ``rec``'s ``kind`` whole from ``values`` (of the file's dtype and size; a load,
-        not a step's traffic)."""
-        f = rec.files[kind]
-        buf = aligned_empty(f.data_bytes).zero_()
-        buf.view(f.dtype)[:f.numel].copy_(values.reshape(-1))
-        self.io.write(f, buf, 0, f.data_bytes, counted=False).result()
-
     def disk_bytes(self) -> Dict[str, int]:
         """Bytes of the swap files by kind, from ``fstat`` (headers included)."""
         out = {"master": 0, "optimizer_states": 0}

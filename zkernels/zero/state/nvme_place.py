@@ -51,7 +51,7 @@ class NvmePlace(OffloadPlace):
     unit's shard streamed through ``NUM_NVME_BUFFERS`` slots in index order.
 
     Args:
-        host_ops, copier, storage, params: as :class:`~zkernels.zero.state.places.HostPlace`.
+        ops, host_ops, copier, storage, params: as ``places.OffloadPlace``.
         config: the :class:`OffloadConfig` (the arena's budget).
         files: the run's :class:`NvmeFiles`.
         slot_moments: the slots' moment width and scales (``state_format.slot_moments``).
@@ -60,9 +60,9 @@ class NvmePlace(OffloadPlace):
 
     name = "nvme"
 
-    def __init__(self, host_ops: OpSet, copier: Copier, config, files: NvmeFiles, storage,
-                 params, slot_moments, master_dtype: torch.dtype) -> None:
-        super().__init__(host_ops, copier, storage, params)
+    def __init__(self, ops: OpSet, host_ops: OpSet, copier: Copier, config, files: NvmeFiles,
+                 storage, params, slot_moments, master_dtype: torch.dtype) -> None:
+        super().__init__(ops, host_ops, copier, storage, params)
         self.config, self.files, self.resumed = config, files, files.resumed
         self.slot_moments, self.master_dtype = slot_moments, master_dtype
         self.where.update((k, "disk") for k in files.kinds)

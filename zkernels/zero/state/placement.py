@@ -103,13 +103,13 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
         params = host if offload_params else device_storage
         host_ops = host_ops_for(ops_backend)
         if files is None:
-            place = HostPlace(host_ops, copier, config, host, params)
+            place = HostPlace(ops, host_ops, copier, config, host, params)
         else:
             if offload_params:
                 params = DiskStorage(copier, offload_dir or os.path.dirname(files.folder), rank,
                                      world_size, config.io_threads, config.direct_io,
                                      config.nvme_param_buffer_bytes)
-            place = NvmePlace(host_ops, copier, config, files, host, params,
+            place = NvmePlace(ops, host_ops, copier, config, files, host, params,
                               adamw_slot_moments(specs, formats), master_dtype or torch.float32)
     except BaseException:
         if files is not None:

@@ -102,24 +102,19 @@ class Piece:
 
 
 class DevicePlace:
-    """The state on the compute device (no offload): allocated from ``storage``, updated in
-    place by the device's OpSet (see [Note: state places]).
+    """The state on the compute device (no offload), updated in place by the device's OpSet
+    (see [Note: state places]).
 
     Attributes:
-        name: the placement ("device", "cpu", "nvme"), as ``offload=`` names it.
-        step_at: where the update runs ("device" or "host"; a shard that ``holds`` it is
-            written in place).
+        name: the placement as ``offload=`` names it ("device", "cpu", "nvme").
+        step_at: where the update runs (a shard that ``holds`` it is written in place).
         where: each state kind's location ("device", "host" or "disk"), for ``stats()``.
-        storage, params: the storage of the in-memory state kinds and of the parameter shards.
-        step_ops, grad_ops: the OpSets of the update and of the gradient shards.
-        grad_sink: the host gradient shards the gradient strategy fills (CPU offload), or None
-            (the strategy keeps its own).
-        files, copier: NVMe's files and the offload's copier (None where there are none), for
-            the whole-matrix update's owners.
+        grad_sink: CPU offload's host gradient shards (the gradient strategy fills them), or
+            None (the strategy keeps its own); ``grad_ops``: the OpSet of the shards.
+        files, copier: NVMe's files and the offload's copier, for the whole-matrix update.
         sub_group_numel: elements per AdamW call (0: a shard whole).
-        resumed: the files of a kept run were adopted (the optimizer re-gathers).
-        closed: ``close()`` ran (the offloaded state is gone).
-        last_step: transfer figures of the last step, for ``stats()``.
+        resumed: a kept run was adopted; ``closed``: ``close()`` ran; ``last_step``: the
+            last step's transfer figures.
     """
 
     name, step_at = "device", "device"
@@ -238,13 +233,19 @@ class DevicePlace:
 class OffloadPlace(DevicePlace):
     """The state in host RAM or files, updated by the host's OpSet (CPU AdamW), each unit's
     result copied to the device where its shard is there; the host slots and the copier's
-    thread or stream are this object's (see [Note: state places])."""
+    thread or stream are this object's (see [Note: state places]).
+
+    Args:
+        ops, host_ops: the device's OpSet (the gradient shards') and the host's (the update's).
+        copier: the offload's :class:`Copier`; storage, params: the ``HostStorage`` of the
+            state kinds in RAM and the parameter shards' storage.
+    """
 
     step_at = "host"
 
-    def __init__(self, host_ops: OpSet, copier: Copier, storage, params) -> None:
-        super().__init__(host_ops, storage)
-        self.params, self.copier = params, copier
+    def __init__(self, ops: OpSet, host_ops: OpSet, copier: Copier, storage, params) -> None:
+        super().__init__(ops, storage)   # (the gradient shards stay the device's)
+        self.step_ops, self.params, self.copier = host_ops, params, copier
         self._slots: List[Slot] = []
         self._buffers: List[torch.Tensor] = []   # the host memory behind the slots
         self._next_slot = 0
@@ -342,9 +343,10 @@ class HostPlace(OffloadPlace):
 
     name = "cpu"
 
-    def __init__(self, host_ops: OpSet, copier: Copier, config, storage, params) -> None:
-        super().__init__(host_ops, copier, storage, params)
-        self.grad_sink = GradShards(copier=copier)
+    def __init__(self, ops: OpSet, host_ops: OpSet, copier: Copier, config, storage,
+                 params) -> None:
+        super().__init__(ops, host_ops, copier, storage, params)
+        self.grad_sink, self.grad_ops = GradShards(copier=copier), host_ops
         self.sub_group_numel = config.sub_group_numel
 
     def add(self, rec: ShardState, initial_master: torch.Tensor, spec) -> None:
