@@ -37,13 +37,10 @@ Three overlaps make the offloaded step cheap (ZeRO-Offload's schedule, with our 
 
 Host memory per rank: master 4Ψ/N + moments 8Ψ/N + gradient shard 4Ψ/N + two staging
 sub-groups. Stage 1 is refused (its full gradients live on the device until ``step()``).
-With ``offload_params=True`` (stage 3) the parameter shards live in host RAM
-(``param_offload.py``, [Note: parameter offload]); the step then writes the host shard in
-place (no staging, nothing sent in ``step()``), and in pure fp32 the master is the shard.
-With NVMe offload they live in files instead (``param_nvme.py``, [Note: parameters on
-NVMe]): each sub-group's output goes from its slot to the unit's file (in pure fp32 the
-slot's master, or, with a host master, an aligned copy in the slot), and sub-groups span
-whole 4096-byte blocks of the file, so the smallest budget for bf16 parameters doubles.
+With ``offload_params=True`` (stage 3) the step writes the host shard in place ([Note:
+parameter offload]: no staging, nothing sent in ``step()``; in pure fp32 the master is the
+shard), with NVMe offload each sub-group's slot into the shard's file ([Note: parameters on
+NVMe]: sub-groups span whole 4096-byte blocks of it, so the smallest bf16 budget doubles).
 """
 from __future__ import annotations
 
