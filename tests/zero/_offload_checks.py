@@ -167,8 +167,8 @@ def nvme_budget_and_disk(rank, ws, *, nvme_master):
         assert disk == data + kinds * len(shards) * HEADER_BYTES, (disk, data)
         # = 12 or 8 bytes per shard element, up to the 4096-byte padding of each file
         assert 4 * kinds * psi_over_n <= data < 4 * kinds * psi_over_n + kinds * len(shards) * 4096
-        files = [os.path.join(opt.shard_update.files.folder, f)
-                 for f in os.listdir(opt.shard_update.files.folder)]
+        files = [os.path.join(opt.shard_update.place.files.folder, f)
+                 for f in os.listdir(opt.shard_update.place.files.folder)]
         assert sum(os.path.getsize(f) for f in files) == disk and len(files) == kinds * len(shards)
         host = st["memory_location_bytes"]["host"]
         arena = opt.shard_update.held_host()["buffers"][0]
@@ -184,7 +184,7 @@ def nvme_budget_and_disk(rank, ws, *, nvme_master):
         # (the arena exactly; a host master up to its per-unit padding)
         assert abs(expected_host - est.host_bytes) <= 0.01 * expected_host, \
             (expected_host, est.host_bytes)
-        folder_of_run = opt.shard_update.files.folder
+        folder_of_run = opt.shard_update.place.files.folder
         opt.close()
         assert not os.path.exists(folder_of_run), "close() removes the run's folder"
 

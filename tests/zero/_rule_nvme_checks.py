@@ -95,7 +95,7 @@ def matrix_nvme_and_cpu(rank, world_size, stage, kind):
                 zk.checkpoint.save(opt, folder)
         out[offload] = [p.tolist() for p in params(m, opt)]
         if offload == "nvme":
-            files = [n for n in os.listdir(opt.shard_update.files.folder) if ".whole" in n]
+            files = [n for n in os.listdir(opt.shard_update.place.files.folder) if ".whole" in n]
             out["whole_files"] = len(files)
             out["owned"] = len(opt.shard_update.matrix.owned())
             out["held"] = sum(len(opt.shard_update.matrix.held(r.unit.index))

@@ -122,7 +122,7 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
             mx.step = lambda comm, meter, shards, *a: mstep(comm, meter,
                                                            [g.roll(1) for g in shards], *a)
     if fault == _battery.SCALE_FAULT:
-        opt.shard_update.step_ops = _battery.BrokenScale(opt.shard_update.step_ops)
+        opt.shard_update.place.step_ops = _battery.BrokenScale(opt.shard_update.place.step_ops)
     grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0
     buffers_before = opt.stats()["memory_bytes"]["buffers"]
     # Bytes the reduce-scatters had sent when backward reached the embeddings' output, i.e.

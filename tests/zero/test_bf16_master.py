@@ -172,7 +172,7 @@ def test_nvme_keeps_a_bf16_master_file_and_resumes_it(tmp_path):
                                         **config), **HP)
     model, opt = nvme("a")
     eng = opt.shard_update
-    assert eng.sub_group_numel == 2048 < max(r.numel for r in eng.states)
+    assert eng.place.sub_group_numel == 2048 < max(r.numel for r in eng.states)
     for rec in eng.states:
         f = rec.files["master"]
         assert f.dtype == BF16 and f.data_bytes == -(-2 * rec.numel // 4096) * 4096

@@ -57,8 +57,8 @@ def test_files_hold_the_state_as_trained(tmp_path, state, budget):
     fmt = FORMATS[state]
     eng = opt.shard_update
     if budget is not None:   # several sub-groups of the largest shard, each whole blocks
-        assert eng.sub_group_numel < max(u.layout.shard_numel for u in opt.units)
-        assert eng.sub_group_numel % 4096 == 0
+        assert eng.place.sub_group_numel < max(u.layout.shard_numel for u in opt.units)
+        assert eng.place.sub_group_numel % 4096 == 0
     data = files = 0
     for rec in eng.states:
         n = rec.numel
@@ -108,7 +108,7 @@ def test_disk_and_slots_shrink_with_the_format(tmp_path):
                             offload="nvme", offload_dir=str(tmp_path / str(state)),
                             offload_config=OffloadConfig(nvme_buffer_bytes=1 << 23))
         disk[state] = opt.stats()["memory_bytes_by_location"]["disk"]["optimizer_states"]
-        sub[state] = opt.shard_update.sub_group_numel
+        sub[state] = opt.shard_update.place.sub_group_numel
         opt.close()
     assert disk["bf16"] / disk[None] == pytest.approx(0.5, rel=0.01)
     assert disk["int8"] / disk[None] == pytest.approx(2.25 / 8, rel=0.01)

@@ -72,7 +72,7 @@ def _umount(path):
 def test_files_go_on_close_and_on_garbage_collection(folder, one_thread):
     model = make_model()
     opt = _nvme(model, folder)
-    run = opt.shard_update.files.folder
+    run = opt.shard_update.place.files.folder
     assert os.path.dirname(run) == folder and os.listdir(run)
     _train(model, opt)
     opt.close()
@@ -81,7 +81,7 @@ def test_files_go_on_close_and_on_garbage_collection(folder, one_thread):
     with pytest.raises(RuntimeError, match="was closed"):
         _train(model, opt)
     opt2 = _nvme(make_model(), folder)
-    run2 = opt2.shard_update.files.folder
+    run2 = opt2.shard_update.place.files.folder
     del opt2
     gc.collect()
     assert not os.path.exists(run2), "weakref.finalize removes a dropped optimizer's files"
@@ -147,7 +147,7 @@ def test_short_read_is_an_error(folder, one_thread):
     os.truncate(f.path, swap.HEADER_BYTES + 100)
     buf = swap.aligned_empty(f.data_bytes)
     with pytest.raises(OffloadIOError, match="truncated"):
-        opt.shard_update.files.io.read(f, buf, 0, f.data_bytes).result()
+        opt.shard_update.place.files.io.read(f, buf, 0, f.data_bytes).result()
     opt.close()
 
 
@@ -216,12 +216,12 @@ def test_budget_too_small(folder):
 def test_direct_io_choice_is_reported(folder, caplog, monkeypatch, one_thread):
     opt = _nvme(make_model(), folder)
     ok, reason = swap.probe_direct_io(folder)
-    files = opt.shard_update.files
+    files = opt.shard_update.place.files
     assert files.direct_io == ok and files.direct_io_reason == reason
     opt.close()
     opt = _nvme(make_model(), folder, direct_io=False)
-    assert not opt.shard_update.files.direct_io and "direct_io=False" in \
-        opt.shard_update.files.direct_io_reason
+    assert not opt.shard_update.place.files.direct_io and "direct_io=False" in \
+        opt.shard_update.place.files.direct_io_reason
     opt.close()
     # A filesystem that refuses O_DIRECT (older tmpfs, some overlays): simulated, since this
     # machine's tmpfs takes it. Buffered I/O with a warning, or an error when demanded.
@@ -235,8 +235,8 @@ def test_direct_io_choice_is_reported(folder, caplog, monkeypatch, one_thread):
     monkeypatch.setattr(swap.os, "open", refuse_direct)
     with caplog.at_level(logging.WARNING, logger="zkernels.offload"):
         opt = _nvme(make_model(), folder)
-    assert not opt.shard_update.files.direct_io and "buffered I/O" in caplog.text
-    assert "refuses O_DIRECT" in opt.shard_update.files.direct_io_reason
+    assert not opt.shard_update.place.files.direct_io and "buffered I/O" in caplog.text
+    assert "refuses O_DIRECT" in opt.shard_update.place.files.direct_io_reason
     _train(make_model(), opt)
     opt.close()
     with pytest.raises(OffloadIOError, match="direct_io=True"):
@@ -259,6 +259,18 @@ def _train_both(pairs, x, steps: int) -> None:
             o.backward(m(x).square().mean())
             o.step()
             o.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_gradient_shards_are_read_where_they_live(kind, folder):
+    """CPU offload copies the gradient shards to host RAM (clipping reads them with the host
+    OpSet); NVMe leaves them on the device (its OpSet); both update with the host's."""
+    opt = ZeroOptimizer(make_model(), stage=2, offload=kind,
+                        **({"offload_dir": folder} if kind == "nvme" else {}))
+    place = opt.shard_update.place
+    assert (place.grad_ops is place.step_ops) == (kind == "cpu") and place.step_ops is not opt.ops
+    assert (place.grad_ops is opt.ops) == (kind == "nvme")
+    opt.close()
 
 
 def test_nvme_host_ram_stays_within_budget_at_10x(folder, one_thread):
@@ -429,7 +441,7 @@ def test_offload_params_close_and_eval_loops_stay_bounded(kind, folder, one_thre
         if kind == "nvme" else {}
     opt = ZeroOptimizer(model, stage=3, lr=1e-3, offload=kind, offload_params=True, **kw)
     _train(model, opt, steps=1)
-    store = opt.shard_update.param_storage
+    store = opt.shard_update.place.params
     batch = make_batches(1, MICRO_BATCH)[0]
     with torch.no_grad():
         for _ in range(20):

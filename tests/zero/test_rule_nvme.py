@@ -102,7 +102,7 @@ def test_host_ram_holds_one_unit_and_files_are_counted(case, master):
     mem = opt.stats()["memory_bytes_by_location"]
     assert mem["host"]["optimizer_states"] == 0
     assert (mem["host"]["master"] == 0) == master
-    folder = opt.shard_update.files.folder
+    folder = opt.shard_update.place.files.folder
     names = sorted(n for n in os.listdir(folder) if ".rule-" in n)
     key = "momentum_buffer" if case == "sgd_class" else "exp_avg"
     assert names == [f"unit{i:05d}.rule-{key}.swap" for i in range(len(recs))]
@@ -228,7 +228,7 @@ def test_nvme_variants_match_cpu_offload(variant, master):
             if variant == "mixed_groups":   # an AdamW unit right before a rule's unit
                 rules = [r.rule is None for r in opt.shard_update.states]
                 assert any(a and not b for a, b in zip(rules, rules[1:])), rules
-            kinds = {n.split(".")[1] for n in os.listdir(opt.shard_update.files.folder)
+            kinds = {n.split(".")[1] for n in os.listdir(opt.shard_update.place.files.folder)
                      if n.endswith(".swap")}
             assert "rule-momentum_buffer" in kinds
             assert ("exp_avg" in kinds) == (variant == "mixed_groups")

@@ -12,6 +12,7 @@ from zkernels.zero.planning.estimate import estimate_memory
 from zkernels.zero.optimizer import resolve_stage
 from zkernels.zero.parameters.units import ReplicatedParams, build_flat_unit, param_names
 from zkernels.zero.state.engine import UpdateEngine
+from zkernels.zero.state.places import DevicePlace
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def test_shard_ranges_map_back_to_parameter_names(world_size):
         layout = FlatLayout.build([p.numel() for p in params], world_size, align=8)
         unit, initial = build_flat_unit(0, 0, params, param_names(model), layout, rank,
                                         torch.bfloat16, ops)
-        st = UpdateEngine("device", ops=ops).init_state(unit, initial)
+        st = UpdateEngine(DevicePlace(ops)).init_state(unit, initial)
         assert st.shard_range == layout.shard_range(rank) and st.unit is unit
         for name, start_in_param, start_in_shard, n in unit.param_slices_in_shard():
             torch.testing.assert_close(st.master[start_in_shard:start_in_shard + n],

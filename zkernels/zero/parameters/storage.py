@@ -8,9 +8,9 @@ parameter side's builders (``build.py``), which wrap each unit's shard in the on
 views too), ``HostStorage`` (host RAM: [Note: parameter offload]) or ``DiskStorage`` (files:
 [Note: parameters on NVMe]). The last two live on the state side (``state/param_offload.py``,
 ``state/param_nvme.py``) beside the copier and swap files they share with the offloaded
-state, so parameters/ imports nothing of state/; the engine allocates its in-memory state
-kinds from the same objects (``empty``), and with ``offload_params`` the host master and the
-parameter shards share one ``HostStorage``.
+state, so parameters/ imports nothing of state/; the state's place ([Note: state places] in
+``state/places.py``) allocates its in-memory kinds from the same objects (``empty``), and with
+``offload_params`` the host master and the parameter shards share one ``HostStorage``.
 
 ``units.ShardedParams`` composes its shard instead of being subclassed per place: it owns the
 full buffer and its states, the shard ``issue_gather``s into it. The update engine asks the

@@ -19,9 +19,10 @@ side only:
   the storage object injected into the builders ([Note: shard storage] in ``storage.py``).
 - a :class:`~zkernels.zero.state.shard_state.ShardState` is the optimizer side: this rank's fp32
   master shard, AdamW moments and step count of one unit. The update engine
-  (``state/engine.py``) allocates the states (its placement decides where they live: the
-  device, host RAM or NVMe), receives the reduced gradient shard per unit, and writes the
-  updated compute shard back into the unit's ``compute_shard``. In pure fp32 the master *is*
+  (``state/engine.py``) allocates the states from its injected place (the device, host RAM or
+  NVMe: [Note: state places] in ``state/places.py``, which also carries the shards' storage),
+  receives the reduced gradient shard per unit, and writes the updated compute shard back
+  into the unit's ``compute_shard``. In pure fp32 the master *is*
   the unit's compute shard (a view: no extra memory).
 - the gradient strategy (``grad_reducers.py``) owns gradient storage and reduce buffers: one
   bucket object per flat unit (or, at stage 3, per unit's trainable flat, called by the

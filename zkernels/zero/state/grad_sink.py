@@ -1,6 +1,6 @@
 """Where stage 2-3's reduced gradient shards go as each reduce-scatter finishes: one fp32 shard
 per unit, on the device (added into in place) or in host RAM (filled by copies off the compute
-stream, see [Note: CPU offload step] in ``engine.py``). The gradient strategies
+stream, see [Note: CPU offload step] in ``places.py``). The gradient strategies
 (``gradients/grad_reducers.py``) use it through the GradSink protocol: ``accumulate(unit_index,
 reduced) -> Optional[fence]``, ``collect()``, ``reset()``.
 

@@ -1,7 +1,7 @@
 """The files of ``offload="nvme"``: this run's folder, one swap file per (unit, kind), their
 I/O pool, and resuming from a folder a run kept (``close(keep_files=True)``).
 
-The step that streams them is the engine's (``engine.py``, [Note: NVMe offload step]); this
+The step that streams them is ``nvme_place.py``'s ([Note: NVMe offload step]); this
 module only creates, checks, reads and writes files (``swap.py``: format and I/O).
 
 [Note: low-bit state on NVMe]
@@ -259,14 +259,6 @@ class NvmeFiles:
         buf = aligned_empty(f.data_bytes)
         self.io.read(f, buf, 0, f.data_bytes, counted=False).result()
         return buf.view(f.dtype)[:f.numel]
-
-    def write_all(self, rec: ShardState, kind: str, values: torch.Tensor) -> None:
-        """Write ``rec``'s ``kind`` whole from ``values`` (of the file's dtype and size; a load,
-        not a step's traffic)."""
-        f = rec.files[kind]
-        buf = aligned_empty(f.data_bytes).zero_()
-        buf.view(f.dtype)[:f.numel].copy_(values.reshape(-1))
-        self.io.write(f, buf, 0, f.data_bytes, counted=False).result()
 
     def disk_bytes(self) -> Dict[str, int]:
         """Bytes of the swap files by kind, from ``fstat`` (headers included)."""

@@ -4,7 +4,7 @@ and pass through a bounded host bounce on their way to each gather.
 [Note: parameters on NVMe]
 With CPU offload the parameter shards live in host RAM (``param_offload.py``); with NVMe
 offload host RAM is a budget (the update's slot arena, [Note: NVMe offload step] in
-``state/engine.py``), so the shards go to disk too, as DeepSpeed's ``offload_param: {device:
+``nvme_place.py``), so the shards go to disk too, as DeepSpeed's ``offload_param: {device:
 nvme}`` does. Each unit's shard (trainable or frozen: a LoRA's base is the bulk) is one swap
 file in its compute dtype ([Note: swap files and their I/O]) in a run folder of its own under
 ``offload_dir``; between uses neither the device nor host RAM holds a byte of it.

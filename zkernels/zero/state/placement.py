@@ -1,7 +1,8 @@
-"""Where the optimizer state lives: the one place that turns ``offload=`` into a placement of
-the update engine (``engine.UpdateEngine``: "device", "cpu" or "nvme"), and ``offload_params``
-into the storage object the parameter shards live in ([Note: shard storage] in
-``parameters/storage.py``), injected into the parameter side's builders.
+"""Where the optimizer state lives: the one place that turns ``offload=`` into the place
+object composed into the update engine (``places.py``: device, host RAM or NVMe files,
+[Note: state places]), and ``offload_params`` into the storage object the parameter shards
+live in ([Note: shard storage] in ``parameters/storage.py``), injected into the parameter
+side's builders.
 
 The registry (``policy.OFFLOADS``) says which kinds exist and the lowest stage each combines
 with, ``ZeroConfig`` checks the run's offload arguments against it; this module checks the
@@ -19,10 +20,12 @@ from ...ops import OpSet
 from ..planning.offload_config import OffloadConfig
 from ..planning.config import OffloadSpec
 from ..parameters.storage import DeviceStorage
-from .engine import UpdateEngine
+from .engine import UpdateEngine, adamw_slot_moments
 from .nvme_files import NvmeFiles
+from .nvme_place import NvmePlace
 from .param_nvme import DiskStorage
 from .param_offload import HostStorage
+from .places import DevicePlace, HostPlace
 from .swap import check_writable
 from .transfer import Copier
 
@@ -87,8 +90,7 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
     (None: fp32; [Note: bf16 master] in ``bf16_master.py``)."""
     device_storage = DeviceStorage()
     if offload is None:
-        return UpdateEngine("device", ops=ops, storages={"device": device_storage},
-                            specs=specs, formats=formats,
+        return UpdateEngine(DevicePlace(ops, device_storage), specs=specs, formats=formats,
                             master_dtype=master_dtype), device_storage
     config = offload_config or OffloadConfig()
     if offload == "nvme":
@@ -99,16 +101,19 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
         files = NvmeFiles(config, offload_dir, rank, world_size) if offload == "nvme" else None
         host = HostStorage(copier)
         params = host if offload_params else device_storage
-        if offload_params and files is not None:
-            params = DiskStorage(copier, offload_dir or os.path.dirname(files.folder), rank,
-                                 world_size, config.io_threads, config.direct_io,
-                                 config.nvme_param_buffer_bytes)
+        host_ops = host_ops_for(ops_backend)
+        if files is None:
+            place = HostPlace(ops, host_ops, copier, config, host, params)
+        else:
+            if offload_params:
+                params = DiskStorage(copier, offload_dir or os.path.dirname(files.folder), rank,
+                                     world_size, config.io_threads, config.direct_io,
+                                     config.nvme_param_buffer_bytes)
+            place = NvmePlace(ops, host_ops, copier, config, files, host, params,
+                              adamw_slot_moments(specs, formats), master_dtype or torch.float32)
     except BaseException:
         if files is not None:
             files.close()
         copier.close()
         raise
-    storages = {"device": device_storage, "host": host, "params": params}
-    return UpdateEngine(offload, ops=ops, host_ops=host_ops_for(ops_backend), copier=copier,
-                        config=config, files=files, storages=storages, specs=specs,
-                        formats=formats, master_dtype=master_dtype), params
+    return UpdateEngine(place, specs=specs, formats=formats, master_dtype=master_dtype), params
