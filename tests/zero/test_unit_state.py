@@ -31,7 +31,7 @@ def _recorded(opt):
                 seen.append(u.state)
         u.move = spy
         u.module.register_forward_pre_hook(
-            lambda m, a, u=u: forwards.append((u.name, u.state, opt.schedule._in_backward)))
+            lambda m, a, u=u: forwards.append((u.name, u.state, opt.schedule.in_backward)))
     return history, forwards
 
 

@@ -77,7 +77,7 @@ from ...comm.base import CollectiveError, Comm, Handle
 from ...layout import FlatLayout
 from ...ops import OpSet
 from ..planning.unit_plan import ROOT_NAME, plan_units
-from .unit_state import TrainingState, move
+from .unit_state import SchedulePhase, TrainingState, move
 from .units import (FlatParamUnit, build_flat_unit, build_frozen_unit, frozen_compute_dtype,
                     hook_grads, remove_hooks)
 
@@ -309,7 +309,7 @@ class GatherSchedule:
                                else self.root.nbytes + 2 * max(others, default=0))
         self._fwd = _Order(self.units)  # module order until a forward is seen
         self._bwd = _Order([])
-        self._in_backward = False
+        self.phase = SchedulePhase.IDLE   # [Note: unit states]
         self.gathers = 0
         self.peak_bytes = 0
         this = weakref.ref(self)
@@ -333,6 +333,10 @@ class GatherSchedule:
         weakref.finalize(self, remove_hooks, handles)
 
     # -- gathering --------------------------------------------------------------------------
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is SchedulePhase.BACKWARD
 
     def live_bytes(self, transient_only: bool = False) -> int:
         return sum(u.nbytes for u in self.units
@@ -404,12 +408,12 @@ class GatherSchedule:
     # -- hooks ------------------------------------------------------------------------------
 
     def _pre_forward(self, u: GatherUnit) -> None:
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
+        if self.in_backward and torch._C._current_graph_task_id() == -1:
             # A backward that raised never ran its end-of-backward callback: close it now
             # (its gradients wait for step() or zero_grad(), as before).
             self._end_backward(completed=False)
         nxt = None  # in backward: a recompute (activation checkpointing), gathered, never freed
-        if not self._in_backward:
+        if not self.in_backward:
             if u.is_root and u.depth == 0:
                 self._fwd.begin()
             nxt = self._fwd.observe(u)
@@ -420,7 +424,7 @@ class GatherSchedule:
 
     def _post_forward(self, u: GatherUnit, out) -> None:
         u.depth -= 1
-        if self._in_backward:
+        if self.in_backward:
             return
         tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
         if tensors:
@@ -441,8 +445,8 @@ class GatherSchedule:
                     v.free()
 
     def _pre_backward(self, u: GatherUnit) -> None:
-        if not self._in_backward:
-            self._in_backward = True
+        if not self.in_backward:
+            self.phase = move("the gather schedule", self.phase, SchedulePhase.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if not self._bwd.prev:
                 fwd = [v for v in self._fwd.prev if not v.is_root]
@@ -457,7 +461,7 @@ class GatherSchedule:
             self._prefetch(nxt)
 
     def _end_backward(self, completed: bool = True) -> None:
-        self._in_backward = False
+        self.phase = move("the gather schedule", self.phase, SchedulePhase.IDLE)
         self._bwd.end()
         for u in self.units:
             u.end_backward()
@@ -502,7 +506,7 @@ class GatherSchedule:
         finally:
             for u in units:
                 u.pins -= 1
-                if u.pins == 0 and u.depth == 0 and not u.kept and not self._in_backward:
+                if u.pins == 0 and u.depth == 0 and not u.kept and not self.in_backward:
                     u.free()
 
     def close_step(self) -> dict:

@@ -16,6 +16,12 @@ raises, naming the unit and both states.
   and leaves the state; reentrant checkpointing's nested backward moves IDLE -> POST_BACKWARD,
   a second backward through a retained graph IDLE -> PRE_BACKWARD.
 
+- The schedule (``stage3.GatherSchedule``): IDLE -> BACKWARD (the first pre-backward hook of a
+  backward; it queues the end-of-backward callback) -> IDLE (that callback, or the next
+  forward's hook when a backward raised and its callback never ran). Its hooks read it: in
+  BACKWARD a forward is a recompute (gathered, never freed by its post-forward hook), and
+  ``gathered()`` leaves the freeing to the end of backward.
+
 Counts stay counts beside the state: forwards on the stack (``depth``), ``gathered()``
 contexts (``pins``), input-gradient hooks not yet fired, parameters whose gradients are in.
 """
@@ -23,7 +29,8 @@ import enum
 
 ShardedState = enum.Enum("ShardedState", "SHARDED SHARDED_POST_FORWARD UNSHARDING UNSHARDED")
 TrainingState = enum.Enum("TrainingState", "IDLE FORWARD POST_FORWARD PRE_BACKWARD POST_BACKWARD")
-S, T = ShardedState, TrainingState
+SchedulePhase = enum.Enum("SchedulePhase", "IDLE BACKWARD")
+S, T, P = ShardedState, TrainingState, SchedulePhase
 LEGAL = {  # state -> the states it may move to (staying is always allowed)
     S.SHARDED: {S.UNSHARDING},
     S.SHARDED_POST_FORWARD: {S.UNSHARDING, S.SHARDED},
@@ -34,6 +41,8 @@ LEGAL = {  # state -> the states it may move to (staying is always allowed)
     T.POST_FORWARD: {T.PRE_BACKWARD, T.POST_BACKWARD},
     T.PRE_BACKWARD: {T.POST_BACKWARD},
     T.POST_BACKWARD: {T.PRE_BACKWARD},
+    P.IDLE: {P.BACKWARD},
+    P.BACKWARD: {P.IDLE},
 }
 
 
