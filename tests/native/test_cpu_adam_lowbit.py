@@ -209,9 +209,12 @@ def test_public_op_dispatches_to_cpp(native_C, monkeypatch):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_bench_peer_is_the_reference_step(native_C, fmt):
     """The cpu_optim bench's unfused torch composition (the peer of the native rows) computes
-    the reference's step bit for bit, so the ratio compares the same work; the rows come out."""
+    the reference's step, so the ratio compares the same work: the moments bit for bit, the
+    params but for torch's own sqrt in its foreach AdamW (not correctly rounded for ~0.6% of
+    inputs with MKL on AVX-512 CPUs, [Note: correctly rounded sqrt]: 3-7 params of 65,536 an
+    ulp apart after 3 steps, measured); the rows come out."""
     from zkernels.bench import cpu_optim
-    n = 4 * cpu_optim.LOWBIT_BLOCK
+    n = 64 * cpu_optim.LOWBIT_BLOCK
     p, g = cpu_optim._tensors(n)
     q = p.clone()
     st = new_lowbit_state(n, FORMATS[fmt], block_size=cpu_optim.LOWBIT_BLOCK)
@@ -222,9 +225,10 @@ def test_bench_peer_is_the_reference_step(native_C, fmt):
         reference.adamw_step_lowbit(q, g, ref["exp_avg"], ref["exp_avg_sq"],
                                     ref.get("exp_avg_scales"), ref.get("exp_avg_sq_scales"),
                                     step=t, block_size=cpu_optim.LOWBIT_BLOCK, **cpu_optim.LOWBIT)
-    assert _differing(p, q) == 0
+    assert _differing(p, q) <= n // 1000
+    torch.testing.assert_close(p, q, rtol=2 ** -22, atol=0)
     for key in st:
         assert _differing(st[key], ref[key]) == 0, key
-    rows = cpu_optim._lowbit_rows(n, 1, 1, 0)
+    rows = cpu_optim._lowbit_rows(4 * cpu_optim.LOWBIT_BLOCK, 1, 1, 0)
     assert [r["name"] for r in rows if "speedup" in r] == [cpu_optim._lowbit_native("int8"),
                                                           cpu_optim._lowbit_native("bf16")]
