@@ -33,11 +33,15 @@ a composition of torch calls, which is all the reference can be while it stays t
 - adamw_step: native (csrc/cpu_adam), one fused pass in its own operation order, so it is
   within the fp32 tolerance table of the reference, not bit for bit (tests/ops/test_adamw.py,
   tests/native/test_cpu_adam.py); its bf16/fp16 parameter copy is torch's cast bit for bit.
+  Both take the IEEE sqrt ([Note: correctly rounded sqrt] in zkernels/reference/adamw.py);
+  the moments already differ in last bits (its lerp and ``v`` update are unrounded products
+  and sums where torch's kernels fuse a multiply-add, it multiplies by ``1/grad_scale`` and
+  ``1/sqrt(1-beta2^t)`` where the reference divides, and forms ``step_size * (m / denom)``).
 - adamw_step_lowbit: native (csrc/cpu_adam_lowbit), one pass with each block staged in L1;
   the reference dequantizes, steps and requantizes whole buffers, a dozen passes with their
-  fp32 temporaries. It fuses where torch's CPU kernels fuse, so it is bit-exact with the
-  reference except through torch's MKL sqrt, which is not correctly rounded ([Note: lowbit
-  arithmetic is torch's] in csrc/cpu_adam_lowbit/kernel.h).
+  fp32 temporaries. It fuses where torch's CPU kernels fuse and takes the correctly rounded
+  sqrt the reference takes, so it is bit-exact with the reference ([Note: lowbit arithmetic
+  is torch's] in csrc/cpu_adam_lowbit/kernel.h).
 - lion_step / sgd_step: native (csrc/cpu_optim), one pass; the reference is several torch ops
   each with its fp32 temporary. Bit-exact with the reference for power-of-two (or no)
   ``grad_scale``: the native paths multiply by ``1/grad_scale`` as cpu_adam does.

@@ -6,8 +6,7 @@
 // (per block, staged in L1) and write param, moments, scales and (optionally) the updated
 // param cast to bf16/fp16. The arithmetic is the reference's, operation for operation, with
 // the fusions torch's CPU kernels make, so every path (scalar, AVX2, AVX-512) and thread count
-// gives the same bits, the reference's where its sqrt is correctly rounded ([Note: lowbit
-// arithmetic is torch's] in kernel.h).
+// gives the same bits, the reference's ([Note: lowbit arithmetic is torch's] in kernel.h).
 #pragma once
 
 #include <cstdint>

@@ -9,17 +9,14 @@
 // ``fma(a, x, self)``, while ``addcdiv_`` is ``self + (value * t1) / t2`` unfused and a tensor
 // divided by a Python scalar is an IEEE division (not a product by the reciprocal). This
 // kernel performs exactly those operations (every other product and sum rounded on its own:
-// the TU is built with -ffp-contract=off), in the reference's order. One reference op is out of
-// reach: torch's CPU ``sqrt`` runs MKL's vector sqrt, which on AVX-512 CPUs is not correctly
-// rounded (1 ulp off for ~0.7% of fp32 inputs, measured; with MKL's AVX2 code it is exact),
-// where every path here uses the IEEE sqrt instruction.
-// So the kernel equals the reference bit for bit when the reference's sqrt is correctly
-// rounded (tests/native/test_cpu_adam_lowbit.py runs it so, on every path), and otherwise
-// differs only through those 1-ulp roots: the denominator (a last-bit param difference) and,
-// int8 format, the staged sqrt(v) (a code one level off at a rounding boundary, or a block
-// scale 1 ulp off when the root is the block's max), within [Note: low-bit tolerance] in
-// tests/ops/test_adamw_lowbit.py. csrc/cpu_adam keeps the unfused order of its own recipe
-// instead (compared with the reference to the fp32 tolerance).
+// the TU is built with -ffp-contract=off), in the reference's order. Its sqrt is the IEEE
+// instruction, and the reference's is correctly rounded too ([Note: correctly rounded sqrt] in
+// zkernels/reference/adamw.py: torch's own CPU ``sqrt`` runs MKL's vector sqrt, which on
+// AVX-512 CPUs is 1 ulp off for ~0.6% of fp32 inputs). So the kernel equals the reference bit
+// for bit on every path wherever torch's kernels fuse as above (every capability but DEFAULT;
+// tests/native/test_cpu_adam_lowbit.py, tests/ops/test_adamw_lowbit.py).
+// csrc/cpu_adam keeps the unfused order of its own recipe instead (compared with the
+// reference to the fp32 tolerance).
 #pragma once
 
 #include <cmath>

@@ -1,15 +1,13 @@
 """The native AdamW over low-bit moments (zkernels._C through zkernels._cpu) against the
-reference bit for bit, every SIMD path forced in turn. The reference's ``sqrt`` is replaced by a
-correctly rounded one (numpy's) in the exact rows: torch's CPU sqrt (MKL's, on AVX-512) is 1 ulp
-off for ~0.7% of inputs, the one operation the kernel cannot reproduce ([Note: lowbit arithmetic is
-torch's] in csrc/cpu_adam_lowbit/kernel.h); a deliberately 1-ulp-off root fails the exact
-comparison, and with torch's own sqrt only last bits differ (tests/ops/test_adamw_lowbit.py
-holds the tolerance)."""
-import numpy as np
+reference bit for bit, every SIMD path forced in turn. The reference takes the correctly rounded
+sqrt the kernel takes ([Note: correctly rounded sqrt] in zkernels/reference/adamw.py; torch's
+own CPU sqrt is 1 ulp off for ~0.7% of inputs on AVX-512 CPUs), so the comparison is direct:
+no patched reference; a deliberately 1-ulp-off root fails it."""
 import pytest
 import torch
 
 from zkernels import reference
+from zkernels.reference import adamw as ref_adamw, adamw_lowbit as ref_lowbit
 from zkernels.reference.adamw_lowbit import new_lowbit_state
 
 N = 40_009  # awkward: not a multiple of any vector width or block, three OpenMP tiles
@@ -33,16 +31,17 @@ def _differing(a, b):
     return (_bits(a) != _bits(b)).sum().item()
 
 
-def _patch_sqrt(monkeypatch, nudge_every=0):
-    """The reference with a correctly rounded fp32 sqrt (numpy's IEEE sqrt); ``nudge_every``
-    > 0 moves every such element's root 1 ulp up (a deliberately wrong root)."""
-    def sqrt(self):
-        r = np.sqrt(self.numpy())
-        if nudge_every:
-            r = r.copy()
-            r[::nudge_every] = np.nextafter(r[::nudge_every], np.float32(np.inf))
-        return torch.from_numpy(r)
-    monkeypatch.setattr(torch.Tensor, "sqrt", sqrt)
+def _nudge_sqrt(monkeypatch, every):
+    """The reference with every ``every``-th root 1 ulp up (a deliberately wrong root, as
+    torch's MKL sqrt gives on AVX-512 CPUs)."""
+    exact = ref_adamw.sqrt_rn
+
+    def sqrt(x):
+        r = exact(x)
+        r[::every] = torch.nextafter(r[::every], torch.tensor(float("inf")))
+        return r
+    monkeypatch.setattr(ref_adamw, "sqrt_rn", sqrt)
+    monkeypatch.setattr(ref_lowbit, "sqrt_rn", sqrt)
 
 
 @pytest.fixture
@@ -51,11 +50,6 @@ def fused_torch():
         pytest.skip("torch's default-capability kernels do not fuse lerp/addcmul: the "
                     "reference's fp32 update then rounds differently ([Note: lowbit "
                     "arithmetic is torch's])")
-
-
-@pytest.fixture
-def exact_sqrt(fused_torch, monkeypatch):
-    _patch_sqrt(monkeypatch)
 
 
 def _steps(fmt, param_dtype, grad_dtype, out_dtype, cfg, steps=4, n=N):
@@ -88,7 +82,7 @@ def _steps(fmt, param_dtype, grad_dtype, out_dtype, cfg, steps=4, n=N):
     (torch.bfloat16, torch.float16, torch.float16),
 ])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_reference_bit_for_bit(isa, exact_sqrt, fmt, param_dtype, grad_dtype, out_dtype,
+def test_matches_reference_bit_for_bit(isa, fused_torch, fmt, param_dtype, grad_dtype, out_dtype,
                                        name):
     mine, ref = _steps(fmt, param_dtype, grad_dtype, out_dtype, CONFIGS[name])
     assert set(mine) == set(ref)
@@ -97,33 +91,20 @@ def test_matches_reference_bit_for_bit(isa, exact_sqrt, fmt, param_dtype, grad_d
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_catches_a_one_ulp_root(native_C, monkeypatch, fmt):
+def test_catches_a_one_ulp_root(native_C, fused_torch, monkeypatch, fmt):
     """The exact comparison fails when the reference's root is 1 ulp off for 1% of the
-    elements: what torch's MKL sqrt does on AVX-512 CPUs."""
-    _patch_sqrt(monkeypatch, nudge_every=100)
+    elements (what torch's MKL sqrt does on AVX-512 CPUs): in the params, and for int8 in the
+    codes of sqrt(v) or their scales (the bf16 format's moments do not take the root)."""
+    _nudge_sqrt(monkeypatch, every=100)
     mine, ref = _steps(fmt, torch.float32, torch.float32, None, CONFIGS["adamw"], steps=2)
     assert _differing(mine["param"], ref["param"]) > 0
+    if fmt == "int8":
+        assert _differing(mine["exp_avg_sq"], ref["exp_avg_sq"]) + \
+            _differing(mine["exp_avg_sq_scales"], ref["exp_avg_sq_scales"]) > 0
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_with_torch_sqrt_only_last_bits_differ(native_C, fused_torch, fmt):
-    """With torch's own sqrt (MKL: correctly rounded with AVX2, 1 ulp off for ~0.7% of
-    inputs with AVX-512), at most 1% of the params differ, by fp32 round-off; the bf16 format's
-    moments do not take the root (AdamW, no L2), so they agree exactly; int8 codes move by at
-    most one level."""
-    mine, ref = _steps(fmt, torch.float32, torch.float32, None, CONFIGS["adamw"], steps=2)
-    assert _differing(mine["param"], ref["param"]) <= N // 100
-    torch.testing.assert_close(mine["param"], ref["param"], rtol=2 ** -20, atol=0)
-    for key in ("exp_avg", "exp_avg_sq"):
-        a, b = mine[key], ref[key]
-        if fmt == "bf16":
-            assert _differing(a, b) == 0, key
-        else:
-            assert (a.to(torch.int32) - b.to(torch.int32)).abs().max().item() <= 1, key
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_special_values(isa, exact_sqrt, fmt):
+def test_special_values(isa, fused_torch, fmt):
     """NaN, inf, huge and zero gradients, not skipped: the int8 blocks they reach get NaN/inf
     scales and zero codes, exactly as the reference's; everything else keeps its bits."""
     n, bs = 1_000, 64
@@ -228,9 +209,12 @@ def test_public_op_dispatches_to_cpp(native_C, monkeypatch):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_bench_peer_is_the_reference_step(native_C, fmt):
     """The cpu_optim bench's unfused torch composition (the peer of the native rows) computes
-    the reference's step bit for bit, so the ratio compares the same work; the rows come out."""
+    the reference's step, so the ratio compares the same work: the moments bit for bit, the
+    params but for torch's own sqrt in its foreach AdamW (not correctly rounded for ~0.6% of
+    inputs with MKL on AVX-512 CPUs, [Note: correctly rounded sqrt]: 3-7 params of 65,536 an
+    ulp apart after 3 steps, measured); the rows come out."""
     from zkernels.bench import cpu_optim
-    n = 4 * cpu_optim.LOWBIT_BLOCK
+    n = 64 * cpu_optim.LOWBIT_BLOCK
     p, g = cpu_optim._tensors(n)
     q = p.clone()
     st = new_lowbit_state(n, FORMATS[fmt], block_size=cpu_optim.LOWBIT_BLOCK)
@@ -241,9 +225,10 @@ def test_bench_peer_is_the_reference_step(native_C, fmt):
         reference.adamw_step_lowbit(q, g, ref["exp_avg"], ref["exp_avg_sq"],
                                     ref.get("exp_avg_scales"), ref.get("exp_avg_sq_scales"),
                                     step=t, block_size=cpu_optim.LOWBIT_BLOCK, **cpu_optim.LOWBIT)
-    assert _differing(p, q) == 0
+    assert _differing(p, q) <= n // 1000
+    torch.testing.assert_close(p, q, rtol=2 ** -22, atol=0)
     for key in st:
         assert _differing(st[key], ref[key]) == 0, key
-    rows = cpu_optim._lowbit_rows(n, 1, 1, 0)
+    rows = cpu_optim._lowbit_rows(4 * cpu_optim.LOWBIT_BLOCK, 1, 1, 0)
     assert [r["name"] for r in rows if "speedup" in r] == [cpu_optim._lowbit_native("int8"),
                                                           cpu_optim._lowbit_native("bf16")]

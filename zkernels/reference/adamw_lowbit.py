@@ -27,8 +27,9 @@ Two formats, chosen by the dtypes of ``exp_avg`` / ``exp_avg_sq``:
   below, ``rint(y * 2**(mant_bits + 14))``. Decoding builds the fp32 bits back (or multiplies
   by a power of two), exactly, then multiplies by the scale: ``x_hat = decode(c) * absmax``.
   Only integer operations, one IEEE division, products by powers of two, ``rint`` and (for
-  ``v``) the IEEE square root are involved, so the Triton kernel, the C++ paths and this
-  reference produce the same bits (no ``pow``/``log``, which are not correctly rounded).
+  ``v``) the IEEE square root (:func:`zkernels.reference.adamw.sqrt_rn` here, [Note: correctly
+  rounded sqrt]) are involved, so the Triton kernel, the C++ paths and this reference produce
+  the same bits (no ``pow``/``log``, which are not correctly rounded).
   ``y = 1`` (the block's absmax element) codes as ``15 * 2**mant_bits`` and decodes exactly.
 
   * ``exp_avg`` (signed): int8 ``+-c`` with ``mant_bits = 3`` (``|c| <= 120``): 8 levels per
@@ -72,7 +73,7 @@ from typing import Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .adamw import _value, adamw_step
+from .adamw import _value, adamw_step, sqrt_rn
 from .quant import _INF_BITS, _NAN_BITS, _blocks
 
 Scalar = Union[float, int, torch.Tensor]
@@ -175,7 +176,7 @@ def quantize_exp_avg_sq(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(codes uint8, scales fp32)`` of the second moment ``v`` (1-D fp32, >= 0): the code of
     ``sqrt(v) / absmax(sqrt(v))`` with ``EXP_AVG_SQ_MANT_BITS``; the scale is that absmax."""
-    flat = v.reshape(-1).float().sqrt()
+    flat = sqrt_rn(v.reshape(-1).float())
     blocks, scale, ok, div = _block_amax(flat, block_size)
     codes = torch.where(ok[:, None], encode_ratio(blocks / div[:, None], EXP_AVG_SQ_MANT_BITS),
                         0)
