@@ -75,12 +75,10 @@ def test_per_group_formats_and_the_oracle():
     groups = [{"params": model[0].parameters(), "state_dtype": "int8"},
               {"params": model[1].parameters(), "state_dtype": torch.bfloat16},
               {"params": model[2].parameters(), "state_dtype": None}]
-    # The reference ops: LowbitAdamW runs them, and the native CPU path differs from them in
-    # the last bit where torch's (MKL's) sqrt is not correctly rounded ([Note: lowbit arithmetic
-    # is torch's] in csrc/cpu_adam_lowbit/kernel.h); the battery's low-bit rows run the native
-    # path within a code / an ulp.
+    # The default ops (the native CPU step where built): bit for bit LowbitAdamW's, whose
+    # reference takes a correctly rounded sqrt ([Note: correctly rounded sqrt]).
     opt = ZeroOptimizer(model, stage=2, lr=1e-2, weight_decay=0.1, param_groups=groups,
-                        state_dtype="bf16", state_block_size=32, ops_backend="reference")
+                        state_dtype="bf16", state_block_size=32)
     assert "state_dtype" not in opt.param_groups[0]
     dtypes = {u.group_index: opt.shard_update.states[u.index].exp_avg.dtype for u in opt.units}
     assert dtypes == {0: torch.int8, 1: torch.bfloat16, 2: torch.float32}
