@@ -9,7 +9,9 @@
 // ``fma(a, x, self)``, while ``addcdiv_`` is ``self + (value * t1) / t2`` unfused and a tensor
 // divided by a Python scalar is an IEEE division (not a product by the reciprocal). This
 // kernel performs exactly those operations (every other product and sum rounded on its own:
-// the TU is built with -ffp-contract=off), in the reference's order. One reference op is out of
+// the TU is built with -ffp-contract=off), in the reference's order; the SIMD paths obtain the
+// quotients by a per-step or per-block constant without the divider but with the division's
+// bits ([Note: dividing by a constant without the divider] in tile.h). One reference op is out of
 // reach: torch's CPU ``sqrt`` runs MKL's vector sqrt, which on AVX-512 CPUs is not correctly
 // rounded (1 ulp off for ~0.7% of fp32 inputs, measured; with MKL's AVX2 code it is exact),
 // where every path here uses the IEEE sqrt instruction.
