@@ -35,7 +35,10 @@ namespace zk::cpu::lowbit {
 //   both stay below 2^-39, which codes as 0 either way (the codes' smallest step is 2^-18).
 // The remaining division, by the denominator sqrt(v) / sqrt_bc2 + eps, varies per element and
 // stays an IEEE division, as does every division of the scalar path (the tests compare each
-// path with the reference, bit for bit).
+// path with the reference, bit for bit). Only the AVX-512 path does this (V::kFmaQuotient):
+// there, on the 2-core Xeon VM (Sapphire Rapids class) of benchmarks/README.md, it cut the
+// int8 tile's time by ~15% in L2 and at 16M elements, bf16's by ~13% in L2; the AVX2 path,
+// with 8 lanes per division, ran 5-10% slower with it, so it keeps the divider.
 template <class V>
 ZK_SIMD_INLINE typename V::F quotient(typename V::F x, typename V::F b, typename V::F inv) {
   const typename V::F q = V::mul(x, inv);
@@ -85,8 +88,13 @@ struct Update {
     m = c.w_small ? V::fmadd(w, diff, m) : V::fmadd(w_minus_one, diff, g);
     v = V::fmadd(V::mul(omb2, g), g, V::mul(v, beta2));
     const F r = V::sqrt(v);
-    F root = quotient<V>(r, sqrt_bc2, inv_bc2);  // [Note: dividing by a constant ...]
-    if (V::any_ge_u32(V::and_i(V::bits(r), abs_mask), r_lim)) root = V::div(r, sqrt_bc2);
+    F root;  // r / sqrt_bc2 ([Note: dividing by a constant without the divider])
+    if constexpr (V::kFmaQuotient) {
+      root = quotient<V>(r, sqrt_bc2, inv_bc2);
+      if (V::any_ge_u32(V::and_i(V::bits(r), abs_mask), r_lim)) root = V::div(r, sqrt_bc2);
+    } else {
+      root = V::div(r, sqrt_bc2);
+    }
     const F denom = V::add(root, eps);
     p = V::add(p, V::div(V::mul(nss, m), denom));
     return r;
@@ -164,7 +172,9 @@ ZK_SIMD_INLINE void encode_codes(C* q, const float* xs, int64_t n, float amax) {
 
 template <class V, int M, class C>
 ZK_SIMD_INLINE void encode_block(C* q, const float* xs, int64_t n, float amax) {
-  if (quotient_ok(amax)) return encode_codes<V, M, true>(q, xs, n, amax);
+  if constexpr (V::kFmaQuotient) {
+    if (quotient_ok(amax)) return encode_codes<V, M, true>(q, xs, n, amax);
+  }
   encode_codes<V, M, false>(q, xs, n, amax);
 }
 

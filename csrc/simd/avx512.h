@@ -19,6 +19,9 @@ namespace zk::simd {
 
 struct Avx512 {
   static constexpr int kWidth = 16;
+  // Quotients by a constant through products and FMAs rather than the divider (see
+  // [Note: dividing by a constant without the divider] in csrc/cpu_adam_lowbit/tile.h).
+  static constexpr bool kFmaQuotient = true;
   using F = __m512;   // kWidth fp32
   using I = __m512i;  // kWidth int32 (or 2 kWidth 16-bit words)
   using H = __m256i;  // kWidth 16-bit words
