@@ -9,9 +9,7 @@
 // ``fma(a, x, self)``, while ``addcdiv_`` is ``self + (value * t1) / t2`` unfused and a tensor
 // divided by a Python scalar is an IEEE division (not a product by the reciprocal). This
 // kernel performs exactly those operations (every other product and sum rounded on its own:
-// the TU is built with -ffp-contract=off), in the reference's order; the SIMD paths obtain the
-// quotients by a per-step or per-block constant without the divider but with the division's
-// bits ([Note: dividing by a constant without the divider] in tile.h). One reference op is out of
+// the TU is built with -ffp-contract=off), in the reference's order. One reference op is out of
 // reach: torch's CPU ``sqrt`` runs MKL's vector sqrt, which on AVX-512 CPUs is not correctly
 // rounded (1 ulp off for ~0.7% of fp32 inputs, measured; with MKL's AVX2 code it is exact),
 // where every path here uses the IEEE sqrt instruction.
@@ -128,6 +126,9 @@ inline void store_as(void* p, DType dt, int64_t i, float x) {
 
 // The update of one element, in the reference's order ([Note: lowbit arithmetic is torch's]);
 // returns sqrt(v), which is both the denominator's root and what the int8 format quantizes.
+// The AVX-512 path gets its quotients by a per-step or per-block constant from FMAs instead of
+// the divider, with the division's bits ([Note: dividing by a constant without the divider]
+// in tile.h); this scalar path divides.
 inline float update(const Coeffs& c, float g, float& p, float& m, float& v) {
   if (c.unscale) g = g / c.grad_scale;
   if (c.decoupled) {
