@@ -14,8 +14,8 @@ namespace zk::cpu::lowbit {
 
 // [Note: dividing by a constant without the divider]
 // Per element the int8 format divides four times and takes one square root, and the divider
-// (which also runs the root: vdivps/vsqrtps, one per several cycles) bounds the whole tile:
-// the loads and stores, the codes' integer work and the FMAs all fit beside it. Three of the
+// (which also runs the root: vdivps/vsqrtps, one per several cycles) is one limit of the tile,
+// beside the vector ports' other work (the codes' integer arithmetic above all). Three of the
 // divisors are constant over many elements: sqrt(v) / sqrt(1 - beta2^t) (one per step) and the
 // requantization's |m| / absmax and sqrt(v) / absmax (one per block). Those quotients are
 // computed with one product and two FMAs instead, and are the IEEE quotient bit for bit: with
@@ -35,10 +35,11 @@ namespace zk::cpu::lowbit {
 //   both stay below 2^-39, which codes as 0 either way (the codes' smallest step is 2^-18).
 // The remaining division, by the denominator sqrt(v) / sqrt_bc2 + eps, varies per element and
 // stays an IEEE division, as does every division of the scalar path (the tests compare each
-// path with the reference, bit for bit). Only the AVX-512 path does this (V::kFmaQuotient):
-// there, on the 2-core Xeon VM (Sapphire Rapids class) of benchmarks/README.md, it cut the
-// int8 tile's time by ~15% in L2 and at 16M elements, bf16's by ~13% in L2; the AVX2 path,
-// with 8 lanes per division, ran 5-10% slower with it, so it keeps the divider.
+// path with the reference and with the scalar path, bit for bit, blocks from 2^-136 to 2^126
+// included). Only the AVX-512 path does this (V::kFmaQuotient): there, on the 2-core Xeon VM
+// of benchmarks/README.md, it cut the int8 tile's time by ~15% in L2 and at 16M elements,
+// bf16's by ~13% in L2; the AVX2 path, with 8 lanes per division, ran 5-10% slower with it in
+// L2, so it keeps the divider.
 template <class V>
 ZK_SIMD_INLINE typename V::F quotient(typename V::F x, typename V::F b, typename V::F inv) {
   const typename V::F q = V::mul(x, inv);
