@@ -123,6 +123,9 @@ inline void store_as(void* p, DType dt, int64_t i, float x) {
 
 // The update of one element, in the reference's order ([Note: lowbit arithmetic is torch's]);
 // returns sqrt(v), which is both the denominator's root and what the int8 format quantizes.
+// The AVX-512 path gets its quotients by a per-step or per-block constant from FMAs instead of
+// the divider, with the division's bits ([Note: dividing by a constant without the divider]
+// in tile.h); this scalar path divides.
 inline float update(const Coeffs& c, float g, float& p, float& m, float& v) {
   if (c.unscale) g = g / c.grad_scale;
   if (c.decoupled) {

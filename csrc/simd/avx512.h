@@ -19,6 +19,9 @@ namespace zk::simd {
 
 struct Avx512 {
   static constexpr int kWidth = 16;
+  // Quotients by a constant through products and FMAs rather than the divider (see
+  // [Note: dividing by a constant without the divider] in csrc/cpu_adam_lowbit/tile.h).
+  static constexpr bool kFmaQuotient = true;
   using F = __m512;   // kWidth fp32
   using I = __m512i;  // kWidth int32 (or 2 kWidth 16-bit words)
   using H = __m256i;  // kWidth 16-bit words
@@ -91,6 +94,9 @@ struct Avx512 {
   static ZK_SIMD_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
   // a * b + c rounded once (torch's Vectorized fmadd)
   static ZK_SIMD_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // a * b - c and -(a * b) + c, rounded once
+  static ZK_SIMD_INLINE F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
+  static ZK_SIMD_INLINE F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   // torch.sign: (0 < x) - (x < 0), so +-0 and NaN give +0
   static ZK_SIMD_INLINE F sign(F x) {
     const F zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
@@ -127,6 +133,10 @@ struct Avx512 {
   static ZK_SIMD_INLINE I sll16(I a) { return _mm512_slli_epi32(a, 16); }
   static ZK_SIMD_INLINE I max_u32(I a, I b) { return _mm512_max_epu32(a, b); }
   static ZK_SIMD_INLINE uint32_t reduce_max_u32(I a) { return _mm512_reduce_max_epu32(a); }
+  // whether some lane has a >= lim (unsigned)
+  static ZK_SIMD_INLINE bool any_ge_u32(I a, I lim) {
+    return _mm512_cmpge_epu32_mask(a, lim) != 0;
+  }
   // lanes where x is NaN take `nan`, the others r
   static ZK_SIMD_INLINE I select_nan(F x, I r, I nan) {
     return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);

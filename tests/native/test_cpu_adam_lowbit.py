@@ -132,6 +132,40 @@ def test_special_values(isa, fused_torch, fmt):
         assert torch.isnan(st["exp_avg_scales"][0]) and st["exp_avg_scales"][2].item() > 0
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_wide_ranges_of_block_scales_and_ratios(native_C, isa):
+    """Blocks whose absmax runs from 2^-136 to 2^126 (the top block's m is above 2^126) and
+    elements from 2^0 down to 2^-62 of their block's max: the SIMD paths' quotient by the
+    block scale and their division fallback both ([Note: dividing by a constant without the
+    divider] in csrc/cpu_adam_lowbit/tile.h), bit for bit against the scalar path, which
+    divides (itself compared with the reference above)."""
+    if not native_C.cpu_isa_supported(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    n, bs = 64 * 64, 64
+    blocks = torch.arange(n) // bs
+    block_exp = torch.linspace(-136, 126, n // bs).round()[blocks]
+    within = -(torch.arange(n) * 7 % 63).float()
+    runs = []
+    for path in (isa, "scalar"):
+        st = new_lowbit_state(n, "int8", block_size=bs)
+        p = torch.randn(n, generator=torch.Generator().manual_seed(5))
+        for t in (1, 2, 3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(10 + t))
+            g = (g.abs() + 0.5).clamp(max=1.9).copysign(g) * torch.exp2(block_exp + within)
+            native_C.cpu_adamw_step_lowbit(
+                p, g, st["exp_avg"], st["exp_avg_sq"], st["exp_avg_scales"],
+                st["exp_avg_sq_scales"], step=float(t), block_size=bs, isa=path,
+                num_threads=1, **{**HYPER, "beta1": 0.3})
+        runs.append(dict(st, p=p))
+    mine, ref = runs
+    for key in ref:
+        a, b = mine[key], ref[key]
+        if a.is_floating_point():
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), key
+            a, b = a[~torch.isnan(a)], b[~torch.isnan(b)]
+        assert _differing(a, b) == 0, (key, _differing(a, b))
+
+
 def test_found_inf_skips_everything(native_C):
     from zkernels import _cpu
     for fmt in FORMATS:

@@ -3,8 +3,9 @@
 // reference's operations one at a time, zkernels/reference/adamw_lowbit.py: dequantize, AdamW
 // with torch's fused lerp/addcmul, requantize per block), bit for bit, over several steps,
 // sizes with ragged ends and blocks, both param dtypes, every grad and out dtype, 1 and 2
-// threads; found_inf and the argument checks. Exit status 0 iff every check passed; each path
-// prints "PATH <name> ok" when it ran.
+// threads; found_inf and the argument checks; the SIMD paths' quotient by a constant against
+// the IEEE division. Exit status 0 iff every check passed; each path prints "PATH <name> ok"
+// when it ran.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +18,10 @@
 
 #include "check.h"
 #include "cpu_adam_lowbit/cpu_adam_lowbit.h"
+#if defined(__x86_64__)
+#include "simd/avx2.h"  // lowbit::quotient on the AVX2 traits (the arithmetic of every path)
+#include "cpu_adam_lowbit/tile.h"
+#endif
 
 using zk::DType;
 using namespace zk::cpu;
@@ -310,7 +315,53 @@ static void test_errors() {
   std::printf("errors ok\n");
 }
 
+#if defined(__x86_64__)
+// The mismatches of lowbit::quotient(x, b, RN(1 / b)) against x / b over every significand of
+// x in [lo, 2 lo) (8 lanes at a time).
+ZK_SIMD static int64_t quotient_mismatches(float b, float lo) {
+  using V = zk::simd::Avx2;
+  const V::F vb = V::set1(b), inv = V::set1(1.0f / b);
+  int64_t bad = 0;
+  for (uint32_t u = bits(lo), end = bits(lo) + (1u << 23); u < end; u += V::kWidth) {
+    const V::I lanes = _mm256_add_epi32(V::set1i(u), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const V::F x = V::from_bits(lanes);
+    const V::I fast = V::bits(lowbit::quotient<V>(x, vb, inv)), ieee = V::bits(V::div(x, vb));
+    bad += __builtin_popcount(static_cast<unsigned>(
+        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(fast, ieee))) ^ 0xFF));
+  }
+  return bad;
+}
+#endif
+
+// [Note: dividing by a constant without the divider] (tile.h): the product-and-two-FMAs
+// quotient equals the IEEE division for x over two whole octaves around b (exponents shift
+// both exactly, so these stand for every x / b within the note's ranges), for the divisors
+// the note names and 200 random significands, at exponents from 2^-60 to 2^125.
+static void test_quotient() {
+#if defined(__x86_64__)
+  if (!isa_supported(Isa::kAvx2)) {
+    std::printf("quotient: no AVX2, not run\n");
+    return;
+  }
+  std::vector<float> divisors = {1.0f, 3.0f, 0.1f, from_bits(0x3F7FFFFFu),
+                                 from_bits(0x3F800001u), from_bits(0x3FFFFFFFu)};
+  std::mt19937 rng(11);
+  for (int i = 0; i < 200; ++i) {
+    const uint32_t exp = 127 - 60 + static_cast<uint32_t>(rng() % 186);  // 2^-60 .. 2^125
+    divisors.push_back(from_bits((exp << 23) | (rng() & 0x7FFFFFu)));
+  }
+  for (float b : divisors) {
+    const float lo = from_bits(bits(b) & 0x7F800000u);  // 2^floor(log2 b)
+    const int64_t bad = quotient_mismatches(b, lo) + quotient_mismatches(b, lo * 0.5f);
+    CHECK(bad == 0, "quotient: %lld of 2^24 quotients by %a differ from the division",
+          static_cast<long long>(bad), b);
+  }
+  std::printf("quotient ok (%zu divisors)\n", divisors.size());
+#endif
+}
+
 int main() {
   test_errors();
+  test_quotient();
   return run_paths(test_paths);
 }
