@@ -470,14 +470,9 @@ def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm:
                       grad_sink: Optional[GradSink] = None) -> GradReducer:
     """The gradient strategy of ``policy``'s stage (``GRAD_REDUCERS``). ``grad_sink``: where
     reduced shards go (the update strategy's, for offload); only the stages that shard
-    gradients take one. A stage that shards parameters reduces over its units' flats with the
-    hooks left to its units (``GatherSchedule`` binds them)."""
-    if policy.stage not in GRAD_REDUCERS:
-        raise ValueError(f"no gradient strategy for stage {policy.stage} (have "
-                         f"{tuple(GRAD_REDUCERS)})")
-    if grad_sink is not None and not policy.shards_grads:
-        raise ValueError(f"{policy.name} keeps full gradients until step(): it takes no "
-                         f"grad_sink (offload needs a stage that shards gradients)")
+    gradients get one (``ZeroConfig`` puts offload at stage 2 or 3). A stage that shards
+    parameters reduces over its units' flats with the hooks left to its units
+    (``GatherSchedule`` binds them)."""
     extra = {} if not policy.shards_grads else {"grad_sink": grad_sink,
                                                 "hooks": not policy.shards_params}
     return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops, **extra)

@@ -63,16 +63,14 @@ class OwnerPlan:
         return owners
 
 
-def exchange_chunk(items: Sequence[Tuple[int, Sequence[int]]], world_size: int,
-                   per: int = 1) -> int:
+def exchange_chunk(items: Sequence[Tuple[int, Sequence[int]]], world_size: int) -> int:
     """Elements of one chunk of an exchange: the most one rank sends another, ``items`` as
-    ``(owner, elements in each rank's shard)``; ``per`` values per element (2 when the master
-    pieces go with the gradient's)."""
+    ``(owner, elements in each rank's shard)``."""
     n = world_size
     sizes = [[0] * n for _ in range(n)]
     for owner, pieces in items:
         for r in range(n):
-            sizes[r][owner] += per * pieces[r]
+            sizes[r][owner] += pieces[r]
     return max((sizes[r][q] for r in range(n) for q in range(n) if r != q), default=0)
 
 

@@ -108,18 +108,16 @@ class OptimizerSpec:
         """Whether the class updates whole parameters on an owner rank (:data:`MATRIX`)."""
         return self.cls in MATRIX
 
-    def state_bytes(self, hparams: Optional[dict] = None) -> int:
-        """fp32 state bytes per trainable element under ``hparams`` (default: the spec's)."""
+    def state_bytes(self) -> int:
+        """fp32 state bytes per trainable element under the spec's hyperparameters."""
         if self.kernel is not None:   # Lion's exp_avg; SGD's momentum buffer when it has one
-            h = {**self.defaults, **(hparams or {})}
-            return 4 if self.kernel == "lion" or h.get("momentum", 0) else 0
+            return 4 if self.kernel == "lion" or self.defaults.get("momentum", 0) else 0
         if self.cls is None:
             return ADAMW_STATE_BYTES
-        h = {**self.defaults, **(hparams or {})}
         rule = ELEMENTWISE.get(self.cls) or MATRIX.get(self.cls)
         if rule is None:   # a declared class: its state measured after its first step
             return 0
-        return rule(h)
+        return rule(self.defaults)
 
 
 def _class_of(optimizer, where: str):

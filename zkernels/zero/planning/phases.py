@@ -85,10 +85,6 @@ class PhaseEstimate:
         return max(self.peak_bytes("build"), self.peak_bytes("load"))
 
     @property
-    def save_peak_bytes(self) -> int:
-        return self.peak_bytes("save")
-
-    @property
     def train_peak_bytes(self) -> int:
         return self.peak_bytes("train")
 
