@@ -1,10 +1,10 @@
 """The ladder's decision: the lowest rung whose estimate fits a memory budget (pure arithmetic).
 
-``stage="auto"`` (:mod:`zkernels.zero.planning.auto`) and ``python -m zkernels plan`` both decide here.
-Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 2 and 3 with offload to
+``stage="auto"`` (:mod:`zkernels.zero.planning.auto`) and ``python -m zkernels plan`` both decide
+here. Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 2 and 3 with offload to
 host RAM, then to NVMe. A stage-3 offload rung that does not fit is tried again with
-``offload_params`` (the parameter shards in host RAM too: ``param_offload.py``) before the
-next rung: it costs host-to-device copies at each gather, not disk bandwidth.
+``offload_params`` (the parameter shards in host RAM too: ``param_offload.py``) before the next
+rung: it costs host-to-device copies at each gather, not disk bandwidth.
 """
 from __future__ import annotations
 
