@@ -17,7 +17,7 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
     updated. Shared (tied) parameters appear once (``model.parameters()`` deduplicates them).
 
     Args:
-        model: the module being trained.
+        model: the module being trained (``meta_init.check_meta_args`` checked its type).
         param_groups: None (one group: every trainable parameter), or a list of dicts
             ``{"params": [...], <hyperparameter>: value, ...}`` like torch optimizers take.
         defaults_of: ``(index, user group) -> hyperparameters`` for the keys the group does
@@ -34,8 +34,6 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
             on several devices (dtypes are :func:`resolve_param_dtype`'s).
         TypeError: a malformed ``param_groups``.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
