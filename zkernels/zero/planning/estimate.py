@@ -422,10 +422,9 @@ def _states(c: _Counts) -> Dict[str, int]:
     per = c.shard if pol.shards_optimizer else c.n_psi
     # Pure fp32 offload: the device parameter can no longer be the master (the update runs
     # elsewhere), so the host or disk holds an fp32 master shard of its own (with CPU
-    # offload_params the host master is the host parameter shard itself).
-    # A bf16 master ([Note: bf16 master] in state/bf16_master.py) is 2 bytes, and with bf16
-    # parameters it is their shard as fp32's is in pure fp32 (0 where that shard lives beside
-    # the step).
+    # offload_params the host master is the host parameter shard itself). A bf16 master ([Note:
+    # bf16 master] in state/bf16_master.py) is 2 bytes, and with bf16 parameters it is their shard
+    # as fp32's is in pure fp32 (0 where that shard lives beside the step).
     mb = 2 if c.cfg.state.master_dtype == torch.bfloat16 else MASTER_BYTES
     own_master = c.p != mb or c.offload is not None and not (c.offload_params and
                                                              c.offload == "cpu")
@@ -487,11 +486,10 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         host["staging"] = 2 * p * min(opts.sub_group_numel, c.shard) \
             if c.mixed and not c.offload_params else 0
     elif c.offload == "nvme" and c.rule:
-        # A rule's state (and with nvme_master its master) in files, one unit's read into
-        # host RAM for its step with the unit's gradient shard ([Note: rule state on NVMe]
-        # in state/rule_swap.py).
-        # A whole-matrix class's shard master stays in host RAM ([Note: whole matrices on
-        # NVMe] in state/matrix_swap.py; its owners' whole masters count as its state).
+        # A rule's state (and with nvme_master its master) in files, one unit's read into host RAM
+        # for its step with the unit's gradient shard ([Note: rule state on NVMe] in
+        # state/rule_swap.py). A whole-matrix class's shard master stays in host RAM ([Note: whole
+        # matrices on NVMe] in state/matrix_swap.py; its owners' whole masters count as its state).
         disk["optimizer_states"] = device.pop("optimizer_states")
         master_on_disk = opts.nvme_master and not c.matrix
         (disk if master_on_disk else host)["master"] = device.pop("master")
@@ -692,9 +690,8 @@ def _with_groups(c: _Counts, model, param_groups, optimizer, optimizer_kwargs) -
     specs = []
     for i, g in enumerate(groups):
         opt = g.get("optimizer", optimizer)
-        hp = {k: v for k, v in g.items() if k not in ("params", "optimizer")}
-        if "optimizer" not in g:
-            hp = dict(optimizer_kwargs or {})
+        hp = {k: v for k, v in g.items() if k not in ("params", "optimizer")} \
+            if "optimizer" in g else dict(optimizer_kwargs or {})
         specs.append(resolve_optimizer(opt, {} if isinstance(opt, str) and
                                        opt.lower() == "adamw" else hp,
                                        where=f"estimate_memory: param_groups[{i}]: "))
