@@ -125,7 +125,6 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     where = f"{_gb(usable)} usable of {_gb(budget_bytes)} " \
             f"({headroom:.0%} headroom for activations and fragmentation)"
     rejected = []
-    est = None
     tries = ladder_rows(rungs, offload_params)
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "
