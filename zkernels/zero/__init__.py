@@ -4,7 +4,8 @@ The folder follows the design (see [Note: parameters and state] in ``parameters/
 [Note: the stage registry] in ``planning/policy.py``):
 
 - ``planning/``: the run's ZeroConfig, the stage and offload registry (StagePolicy,
-  OffloadPolicy, STAGES, OFFLOADS, RUNGS), buckets, stage-3 units, the memory estimator and the ladder;
+  OffloadPolicy, STAGES, OFFLOADS, RUNGS), buckets, stage-3 units, the memory estimator and
+  the ladder;
 - ``parameters/``: param groups, flat parameter units and their gather policies (replicated,
   sharded, host-sharded), stage 3's gather schedule;
 - ``gradients/``: the gradient strategies (reduction during backward), precision and loss
@@ -23,7 +24,6 @@ from .planning.policy import OFFLOADS, RUNGS, STAGES, OffloadPolicy, StagePolicy
 from .gradients.precision import LossScaleConfig, MixedPrecision
 
 __all__ = ["ZeroOptimizer", "ZeroConfig", "ShardingConfig", "PrecisionConfig", "OffloadSpec",
-           "QuantizeConfig", "BucketConfig", "StateConfig", "resolve_stage", "OffloadConfig", "LossScaleConfig",
-           "MixedPrecision",
-           "StagePolicy", "OffloadPolicy", "STAGES", "OFFLOADS", "RUNGS",
-           "NonFiniteGradientError"]
+           "QuantizeConfig", "BucketConfig", "StateConfig", "resolve_stage", "OffloadConfig",
+           "LossScaleConfig", "MixedPrecision", "StagePolicy", "OffloadPolicy", "STAGES",
+           "OFFLOADS", "RUNGS", "NonFiniteGradientError"]

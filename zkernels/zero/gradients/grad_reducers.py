@@ -11,19 +11,19 @@ and the tensors they hold (for ``stats()``). The number of reduce buffers is the
 rule (``policy.num_reduce_buffers``).
 
 [Note: gradient accumulation]
-Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype); under ``no_sync``
-its hooks do nothing, so nothing is communicated, and the next synced backward reduces each
-bucket's accumulated sum once it is complete (see [Note: stage 1 reduces during backward]).
-Stage 2 under ``no_sync`` leaves ``param.grad`` alone: full gradients accumulate in the param
-dtype exactly as in DDP/FSDP's ``no_sync``, and the next synced backward's hooks (or ``step()``)
-pack the accumulated sum and reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed), would
-save the full-gradient memory during accumulation but pay the whole reduce-scatter on every
-micro-step; ``no_sync`` is asked to skip communication, so it trades memory for traffic like
-DDP. Two synced backwards without ``zero_grad`` add their reduced shards (fp32) as torch adds
-gradients. Stage 3 reuses stage 2's buckets over its units' flats (each GatherUnit's hook calls
-its flat's bucket, then counts the gradient to free the unit), so the same holds there: inside
-``no_sync`` full gradients (Ψ in the param dtype) accumulate while the parameters themselves
-stay sharded, like FSDP2's ``set_requires_gradient_sync(False)``.
+Stage 1 accumulates micro-steps in its flat gradient buffers (param dtype); under ``no_sync`` its
+hooks do nothing, so nothing is communicated, and the next synced backward reduces each bucket's
+accumulated sum once it is complete (see [Note: stage 1 reduces during backward]). Stage 2 under
+``no_sync`` leaves ``param.grad`` alone: full gradients accumulate in the param dtype exactly as in
+DDP/FSDP's ``no_sync``, and the next synced backward's hooks (or ``step()``) pack the accumulated
+sum and reduce it once. The alternative, reducing every micro-step into an fp32 shard (DeepSpeed),
+would save the full-gradient memory during accumulation but pay the whole reduce-scatter on every
+micro-step; ``no_sync`` is asked to skip communication, so it trades memory for traffic like DDP.
+Two synced backwards without ``zero_grad`` add their reduced shards (fp32) as torch adds gradients.
+Stage 3 reuses stage 2's buckets over its units' flats (each GatherUnit's hook calls its flat's
+bucket, then counts the gradient to free the unit), so the same holds there: inside ``no_sync``
+full gradients (Ψ in the param dtype) accumulate while the parameters themselves stay sharded, like
+FSDP2's ``set_requires_gradient_sync(False)``.
 
 [Note: stage 1 reduces during backward]
 A bucket's reduce-scatter starts as soon as backward has accumulated every gradient of the
@@ -448,7 +448,7 @@ class ShardedGradReducer(_Reducer):
             b.zero_grad(set_to_none)
 
     def held_grads(self) -> List[torch.Tensor]:
-        """Gradient storage on the device (a host sink reports its own, see ``state/grad_sink.py``)."""
+        """Gradient storage on the device (a host sink reports its own: ``grad_sink.py``)."""
         return self.sink.held() if self.sink.on_device else []
 
 
@@ -470,14 +470,9 @@ def make_grad_reducer(policy: StagePolicy, units: Sequence[FlatParamUnit], comm:
                       grad_sink: Optional[GradSink] = None) -> GradReducer:
     """The gradient strategy of ``policy``'s stage (``GRAD_REDUCERS``). ``grad_sink``: where
     reduced shards go (the update strategy's, for offload); only the stages that shard
-    gradients take one. A stage that shards parameters reduces over its units' flats with the
-    hooks left to its units (``GatherSchedule`` binds them)."""
-    if policy.stage not in GRAD_REDUCERS:
-        raise ValueError(f"no gradient strategy for stage {policy.stage} (have "
-                         f"{tuple(GRAD_REDUCERS)})")
-    if grad_sink is not None and not policy.shards_grads:
-        raise ValueError(f"{policy.name} keeps full gradients until step(): it takes no "
-                         f"grad_sink (offload needs a stage that shards gradients)")
+    gradients get one (``ZeroConfig`` puts offload at stage 2 or 3). A stage that shards
+    parameters reduces over its units' flats with the hooks left to its units
+    (``GatherSchedule`` binds them)."""
     extra = {} if not policy.shards_grads else {"grad_sink": grad_sink,
                                                 "hooks": not policy.shards_params}
     return GRAD_REDUCERS[policy.stage](policy, units, comm, precision, ops, **extra)

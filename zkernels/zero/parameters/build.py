@@ -21,13 +21,12 @@ from ..planning.unit_plan import plan_units
 from .groups import frozen_params
 from .meta_init import MetaMaterializer
 from .stage3 import GatherUnit, build_units
-from .storage import DeviceStorage
 from .units import FlatParamUnit, build_flat_unit, param_names
 
 
 def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Sequence[dict],
                          param_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int,
-                         rank: int, ops: OpSet, engine, storage=None, units=None,
+                         rank: int, ops: OpSet, engine, storage, units=None,
                          bucket_bytes: Optional[int] = None, device: Optional[torch.device] = None,
                          param_init=None, seed: Optional[int] = None
                          ) -> Tuple[List[FlatParamUnit], List[FlatParamUnit], List[GatherUnit]]:
@@ -36,9 +35,10 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     Args:
         policy: the stage's policy (``shards_params``: stage 3's units, else buckets).
         param_groups: the optimizer's groups (their order numbers the units' groups).
-        engine: the update engine: ``init_state(unit, initial_master)`` per unit.
+        engine: the update engine: ``init_state(unit, initial_master)`` per unit, and its
+            ``block_align``.
         storage: stage 3: where the persistent parameter shards live, injected ([Note: shard
-            storage] in ``storage.py``; None: on the device).
+            storage] in ``storage.py``).
         units: stage 3's unit choice (see [Note: stage-3 units] in ``unit_plan.py``).
         bucket_bytes: stages 1-2's bucket size (None: from the model; see [Note: buckets
             sized from the model] in ``buckets.py``).
@@ -55,7 +55,7 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
     align = align_numel(param_dtype, reduce_dtype, torch.float32)
     # Low-bit int8 state: no quantization block crosses a parameter or a shard ([Note:
     # low-bit state in shards] in state/lowbit_state.py); block sizes are powers of two.
-    align = max(align, getattr(engine, "block_align", 1))
+    align = max(align, engine.block_align)
     materializer = None
     if device is not None:
         trainable = [p for p in model.parameters() if id(p) in group_of]
@@ -66,8 +66,7 @@ def build_parameter_side(policy: StagePolicy, model: nn.Module, param_groups: Se
             p for g in param_groups for p in g["params"]).device)  # sharded with their unit
         # Stage 3: units are blocks (unit_plan.py), not buckets; bucket_bytes is unused.
         flat, gather_units = build_units(model, units, group_of, names, world_size, rank,
-                                         align, param_dtype, ops, engine,
-                                         storage or DeviceStorage(), materializer)
+                                         align, param_dtype, ops, engine, storage, materializer)
         return flat, [f for g in gather_units for f in g.flats if f.frozen], gather_units
     if materializer is not None:  # replicated: the whole model, unit by unit, in module order
         for spec in materializer.specs:

@@ -10,25 +10,23 @@ from ..planning.optimizer_spec import OptimizerSpec, resolve_optimizer
 
 
 def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
-                         defaults: dict,
-                         defaults_of: Optional[Callable[[int, dict], dict]] = None) -> List[dict]:
+                         defaults_of: Callable[[int, dict], dict]) -> List[dict]:
     """Torch-style param groups holding the model's trainable parameters.
 
     Frozen parameters (``requires_grad=False``) are left out: they are neither sharded nor
     updated. Shared (tied) parameters appear once (``model.parameters()`` deduplicates them).
 
     Args:
-        model: the module being trained.
+        model: the module being trained (``meta_init.check_meta_args`` checked its type).
         param_groups: None (one group: every trainable parameter), or a list of dicts
             ``{"params": [...], <hyperparameter>: value, ...}`` like torch optimizers take.
-        defaults: hyperparameters for keys a group does not set.
-        defaults_of: ``(index, user group) -> defaults`` where a group's defaults depend on it
-            (its own ``"optimizer"``); default: ``defaults`` for every group.
+        defaults_of: ``(index, user group) -> hyperparameters`` for the keys the group does
+            not set (they depend on its own ``"optimizer"``).
 
     Returns:
         a list of dicts, one per group given, each with ``"params"`` (the group's trainable
         parameters in the user's order; empty where it has none, as torch keeps an empty
-        group) and every key of ``defaults``.
+        group) and every key of its defaults.
 
     Raises:
         ValueError: no trainable parameters; a group naming a tensor that is not a parameter
@@ -36,8 +34,6 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
             on several devices (dtypes are :func:`resolve_param_dtype`'s).
         TypeError: a malformed ``param_groups``.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     names: Dict[int, str] = {id(p): n for n, p in model.named_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
@@ -59,8 +55,7 @@ def resolve_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]
             seen[id(p)] = gi
         # An empty group (or one of frozen parameters only) stays, as torch.optim keeps it:
         # ``param_groups`` lines up with the user's list (a per-group LambdaLR stays aligned).
-        base = defaults if defaults_of is None else defaults_of(gi, g)
-        out.append({**base, **{k: v for k, v in g.items() if k != "params"},
+        out.append({**defaults_of(gi, g), **{k: v for k, v in g.items() if k != "params"},
                     "params": params})
     missing = [names[id(p)] for p in trainable if id(p) not in seen]
     if missing:
@@ -231,7 +226,7 @@ def build_param_groups(model: nn.Module, param_groups: Optional[Sequence[dict]],
         return defaults if spec.name == top.name else \
             dict(ADAMW_DEFAULTS) if spec.fused else dict(spec.defaults)
 
-    groups = resolve_param_groups(model, param_groups, defaults, defaults_of)
+    groups = resolve_param_groups(model, param_groups, defaults_of)
     specs = []
     for i, g in enumerate(groups):
         spec = top

@@ -81,9 +81,9 @@ def check_meta_args(model: nn.Module, device, param_init) -> Optional[torch.devi
         return None
     if device is None and any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("the model's parameters are on several devices, some on the "
-                         "'meta' device: pass device= (e.g. torch.device('cuda', local_rank) or 'cpu') to "
-                         "build the meta ones there, unit by unit (see [Note: meta-device "
-                         "build]), or materialize them first")
+                         "'meta' device: pass device= (e.g. torch.device('cuda', local_rank) "
+                         "or 'cpu') to build the meta ones there, unit by unit (see [Note: "
+                         "meta-device build]), or materialize them first")
     if device is None:
         raise ValueError("the model has tensors on the 'meta' device: pass device= (e.g. "
                          "torch.device('cuda', local_rank) or 'cpu') to build it there, unit "

@@ -31,15 +31,13 @@ class SecondaryShard:
 
     Args:
         comm: the collectives of this rank's secondary group (R ranks).
-        padded_numel: the unit's padded elements (divisible by R).
+        padded_numel: the unit's padded elements (a multiple of K, so of R: R divides K,
+            ``policy.check_reshard_after_forward``).
         dtype, device: of the compute parameters.
     """
 
     def __init__(self, comm: Comm, padded_numel: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        if padded_numel % comm.world_size:
-            raise ValueError(f"a unit of {padded_numel} padded elements does not split over "
-                             f"{comm.world_size} ranks")
         self.comm = comm
         n = padded_numel // comm.world_size
         self._slice = slice(comm.rank * n, (comm.rank + 1) * n)

@@ -283,15 +283,13 @@ class GatherSchedule:
             shards] in ``secondary.py``; the units' gather policies hold them).
         check_paths: check before each all-gather that every rank gathers the same unit
             (see [Note: divergent paths]).
-        limit_bytes: bound on gathered bytes a prefetch may bring the total to (default: the
-            root plus twice the largest other unit).
         on_end_backward: called at the end of each backward that completed, after the units
             are freed (the gradient strategy's ``end_backward``: [Note: reduce buffers end
             with backward] in ``grad_reducers.py``).
     """
 
     def __init__(self, units: Sequence[GatherUnit], comm: Comm, reshard_after_forward: bool,
-                 limit_bytes: Optional[int] = None, check_paths: bool = True,
+                 check_paths: bool = True,
                  grad_buckets: Sequence = (),
                  on_end_backward: Optional[Callable[[], None]] = None) -> None:
         self.units = list(units)
@@ -304,9 +302,9 @@ class GatherSchedule:
         self.reshard_after_forward = bool(reshard_after_forward)
         self.reshard_to = None if isinstance(reshard_after_forward, bool) \
             else int(reshard_after_forward)
-        others = [u.nbytes for u in self.units[:-1]]
-        self.limit_bytes = int(limit_bytes if limit_bytes is not None
-                               else self.root.nbytes + 2 * max(others, default=0))
+        # The bound on gathered bytes a prefetch may bring the total to.
+        self.limit_bytes = self.root.nbytes + 2 * max((u.nbytes for u in self.units[:-1]),
+                                                      default=0)
         self._fwd = _Order(self.units)  # module order until a forward is seen
         self._bwd = _Order([])
         self.phase = SchedulePhase.IDLE   # [Note: unit states]

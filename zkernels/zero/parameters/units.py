@@ -266,8 +266,8 @@ class FlatParamUnit:
         frozen: stage 3's frozen parameters (``requires_grad=False``): gathered with their
             unit, never reduced or updated; no ShardState, not in ``opt.units`` (see
             [Note: frozen parameters at stage 3]); ``group_index`` is -1.
-        shapes: every parameter's full shape; default their shapes now (stage 3's builders
-            pass the gather policy's: a freed parameter is empty).
+        shapes: every parameter's full shape (the gather policy's where it keeps them: a
+            freed stage-3 parameter is empty).
     """
 
     index: int
@@ -280,11 +280,12 @@ class FlatParamUnit:
     compute_dtype: torch.dtype
     gather: GatherPolicy
     frozen: bool = False
-    shapes: Tuple[torch.Size, ...] = ()
+    shapes: Tuple[torch.Size, ...] = field(init=False)
     device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
-        self.shapes = tuple(self.shapes) or tuple(p.shape for p in self.params)
+        self.shapes = tuple(getattr(self.gather, "shapes", None) or
+                            [p.shape for p in self.params])
         # The compute device (a shard whose bytes live elsewhere names it: storage.py).
         self.device = self.gather.shard.device
 
@@ -367,8 +368,7 @@ def build_flat_unit(index: int, group_index: int, params: Sequence[torch.Tensor]
     Returns:
         ``(unit, initial_master)``: this rank's shard of the original values in fp32 (taken
         before any cast, low-precision ones widened; in pure fp32 the unit's compute shard
-        itself), which the update
-        strategy turns into the unit's ShardState.
+        itself), which the update strategy turns into the unit's ShardState.
     """
     lo, hi = layout.shard_range(rank)
     fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=params[0].device)
@@ -403,8 +403,7 @@ def _flat_unit(index, group_index, params, names, layout, rank, dtype, gather,
                frozen=False) -> FlatParamUnit:
     return FlatParamUnit(index, group_index, tuple(names[id(p)][0] for p in params),
                          tuple(names[id(p)][1] for p in params), list(params), layout, rank,
-                         dtype, gather, frozen=frozen, shapes=tuple(getattr(gather, "shapes",
-                                                                            ())))
+                         dtype, gather, frozen=frozen)
 
 
 # [Note: frozen parameters at stage 3]

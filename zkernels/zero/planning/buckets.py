@@ -46,7 +46,7 @@ DDP_BUCKET_BYTES = 25 * 2 ** 20
 
 def align_numel(*dtypes: torch.dtype) -> int:
     """Element alignment that keeps every offset 16-byte aligned in each of ``dtypes``."""
-    return ALIGN_BYTES // min(torch.empty((), dtype=d).element_size() for d in dtypes)
+    return ALIGN_BYTES // min(d.itemsize for d in dtypes)
 
 
 def auto_bucket_bytes(num_params: int, reduce_dtype: torch.dtype,
@@ -56,8 +56,7 @@ def auto_bucket_bytes(num_params: int, reduce_dtype: torch.dtype,
     model])."""
     if not pooled:
         return DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES
-    elem = torch.empty((), dtype=reduce_dtype).element_size()
-    total = int(num_params) * elem
+    total = int(num_params) * reduce_dtype.itemsize
     size = min(max(total // AUTO_NUM_BUCKETS, AUTO_MIN_BUCKET_BYTES), AUTO_MAX_BUCKET_BYTES)
     return size // AUTO_FIRST_BUCKET_FRACTION, size
 
@@ -69,8 +68,7 @@ def bucket_capacities(bucket_bytes: Optional[int], num_params: int, reduce_dtype
     element per rank)."""
     if bucket_bytes is None:
         first, size = auto_bucket_bytes(num_params, reduce_dtype, pooled)
-        elem = torch.empty((), dtype=reduce_dtype).element_size()
-        minimum = world_size * align * elem
+        minimum = world_size * align * reduce_dtype.itemsize
         return (bucket_capacity(max(first, minimum), reduce_dtype, world_size, align),
                 bucket_capacity(max(size, minimum), reduce_dtype, world_size, align))
     capacity = bucket_capacity(bucket_bytes, reduce_dtype, world_size, align)
@@ -86,7 +84,7 @@ def bucket_capacity(bucket_bytes: int, reduce_dtype: torch.dtype, world_size: in
         ValueError: ``bucket_bytes`` cannot hold one aligned element per rank (each rank's
             shard would be empty).
     """
-    elem = torch.empty((), dtype=reduce_dtype).element_size()
+    elem = reduce_dtype.itemsize
     minimum = world_size * align * elem
     if bucket_bytes < minimum:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small: a bucket must hold at least "

@@ -29,13 +29,12 @@ quantity: with p = r = g = 2 and mixed precision (K = 12) it is 16Ψ, 4Ψ + 12Ψ
 2Ψ + 14Ψ/N and 16Ψ/N. ``buffers`` are the reduce buffers at the step's peak; stages 1-2 hold
 them between steps too, stage 3 only while gradients are in flight (``held_buffers_bytes``:
 0, so after backward and between steps stage 3 holds its formula and nothing else, as FSDP2
-does). They are two
-bucket-sized reduce buffers
-(one filling, one reducing), plus, from stage 2, one per extra param group (its partly filled
-bucket may wait for another group's), never more than there are buckets (a model that fits in
-one bucket per group needs one buffer per group, counted as max(ceil(Ψ/B), G)); stage 1 needs them only when the gradient must be cast or
-pre-divided before reduction (r != p, or fp16), else it reduce-scatters its flat gradient in
-place. ``transient`` memory lives only inside a step: stage 1's reduced gradient shards during
+does). They are two bucket-sized reduce buffers (one filling, one reducing), plus, from stage
+2, one per extra param group (its partly filled bucket may wait for another group's), never
+more than there are buckets (a model that fits in one bucket per group needs one buffer per
+group, counted as max(ceil(Ψ/B), G)); stage 1 needs them only when the gradient must be cast
+or pre-divided before reduction (r != p, or fp16), else it reduce-scatters its flat gradient
+in place. ``transient`` memory lives only inside a step: stage 1's reduced gradient shards during
 ``step()``, stage 3's gathered units (the layer computing and the one prefetched).
 ``device_bytes`` counts both (the peak that must fit: ``stats()["step_peak_bytes"]``
 measures it); ``held_device_bytes`` counts what is held between steps (what
@@ -56,23 +55,22 @@ their unit (the transient and the all-gathers count them, at p per element), and
 ``offload_params`` their shards live in host RAM (or, with NVMe, in files) too.
 
 Offload moves the fp32 work off the device (ZeRO-Offload / ZeRO-Infinity), as
-``ZeroOptimizer``'s update engine places it (``state/engine.py``): with ``"cpu"``
-the master, optimizer states and the gradient shard live in host RAM, plus two compute-dtype
-staging sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master
-live on disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here),
-low-bit moments (``state_dtype``) at their size on disk and in the slots, the gradient shard
-stays on the device, and host RAM holds the slot arena, at most the
-configured budget (``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the
-master when ``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
+``ZeroOptimizer``'s update engine places it (``state/engine.py``): with ``"cpu"`` the master,
+optimizer states and the gradient shard live in host RAM, plus two compute-dtype staging
+sub-groups in mixed precision; with ``"nvme"`` the states and, by default, the master live on
+disk (each swap file adds one 4096-byte header and pads to 4096 bytes, ignored here), low-bit
+moments (``state_dtype``) at their size on disk and in the slots, the gradient shard stays on
+the device, and host RAM holds the slot arena, at most the configured budget
+(``nvme_buffer_bytes``; smaller when the largest unit shard is), plus the master when
+``nvme_master=False``. At stage 3 the parameter shard stays on the device unless
 ``offload_params=True`` moves it beside the state: into host RAM with ``"cpu"``
-(``param_offload.py``: then CPU offload needs no staging, the update writes the host shard,
-and in pure fp32 no master of its own, the shard is the master), into files with ``"nvme"``
+(``param_offload.py``: then CPU offload needs no staging, the update writes the host shard, and
+in pure fp32 no master of its own, the shard is the master), into files with ``"nvme"``
 (``param_nvme.py``: host RAM adds two bounces of the largest unit shard, at most
-``nvme_param_buffer_bytes``, and in pure fp32
-with a host master every slot of the arena stages its output). An element-wise class or the
-fused Lion/SGD on NVMe has no arena: its state (and master, with ``nvme_master``) is in files
-and host ``staging`` holds one unit's state, master and gradient shard ([Note: rule state on
-NVMe] in ``state/rule_swap.py``).
+``nvme_param_buffer_bytes``, and in pure fp32 with a host master every slot of the arena stages
+its output). An element-wise class or the fused Lion/SGD on NVMe has no arena: its state (and
+master, with ``nvme_master``) is in files and host ``staging`` holds one unit's state, master
+and gradient shard ([Note: rule state on NVMe] in ``state/rule_swap.py``).
 
 [Note: traffic model]
 Bytes this rank sends per step, ring convention (a reduce-scatter or all-gather of B bytes sends
@@ -424,10 +422,9 @@ def _states(c: _Counts) -> Dict[str, int]:
     per = c.shard if pol.shards_optimizer else c.n_psi
     # Pure fp32 offload: the device parameter can no longer be the master (the update runs
     # elsewhere), so the host or disk holds an fp32 master shard of its own (with CPU
-    # offload_params the host master is the host parameter shard itself).
-    # A bf16 master ([Note: bf16 master] in state/bf16_master.py) is 2 bytes, and with bf16
-    # parameters it is their shard as fp32's is in pure fp32 (0 where that shard lives beside
-    # the step).
+    # offload_params the host master is the host parameter shard itself). A bf16 master ([Note:
+    # bf16 master] in state/bf16_master.py) is 2 bytes, and with bf16 parameters it is their shard
+    # as fp32's is in pure fp32 (0 where that shard lives beside the step).
     mb = 2 if c.cfg.state.master_dtype == torch.bfloat16 else MASTER_BYTES
     own_master = c.p != mb or c.offload is not None and not (c.offload_params and
                                                              c.offload == "cpu")
@@ -489,11 +486,10 @@ def _offload_split(c: _Counts, kinds: Dict[str, int]):
         host["staging"] = 2 * p * min(opts.sub_group_numel, c.shard) \
             if c.mixed and not c.offload_params else 0
     elif c.offload == "nvme" and c.rule:
-        # A rule's state (and with nvme_master its master) in files, one unit's read into
-        # host RAM for its step with the unit's gradient shard ([Note: rule state on NVMe]
-        # in state/rule_swap.py).
-        # A whole-matrix class's shard master stays in host RAM ([Note: whole matrices on
-        # NVMe] in state/matrix_swap.py; its owners' whole masters count as its state).
+        # A rule's state (and with nvme_master its master) in files, one unit's read into host RAM
+        # for its step with the unit's gradient shard ([Note: rule state on NVMe] in
+        # state/rule_swap.py). A whole-matrix class's shard master stays in host RAM ([Note: whole
+        # matrices on NVMe] in state/matrix_swap.py; its owners' whole masters count as its state).
         disk["optimizer_states"] = device.pop("optimizer_states")
         master_on_disk = opts.nvme_master and not c.matrix
         (disk if master_on_disk else host)["master"] = device.pop("master")
@@ -694,9 +690,8 @@ def _with_groups(c: _Counts, model, param_groups, optimizer, optimizer_kwargs) -
     specs = []
     for i, g in enumerate(groups):
         opt = g.get("optimizer", optimizer)
-        hp = {k: v for k, v in g.items() if k not in ("params", "optimizer")}
-        if "optimizer" not in g:
-            hp = dict(optimizer_kwargs or {})
+        hp = {k: v for k, v in g.items() if k not in ("params", "optimizer")} \
+            if "optimizer" in g else dict(optimizer_kwargs or {})
         specs.append(resolve_optimizer(opt, {} if isinstance(opt, str) and
                                        opt.lower() == "adamw" else hp,
                                        where=f"estimate_memory: param_groups[{i}]: "))

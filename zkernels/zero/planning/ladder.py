@@ -1,10 +1,10 @@
 """The ladder's decision: the lowest rung whose estimate fits a memory budget (pure arithmetic).
 
-``stage="auto"`` (:mod:`zkernels.zero.planning.auto`) and ``python -m zkernels plan`` both decide here.
-Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 2 and 3 with offload to
+``stage="auto"`` (:mod:`zkernels.zero.planning.auto`) and ``python -m zkernels plan`` both decide
+here. Rungs, lowest first (``policy.RUNGS``): stage 1, 2, 3, then stage 2 and 3 with offload to
 host RAM, then to NVMe. A stage-3 offload rung that does not fit is tried again with
-``offload_params`` (the parameter shards in host RAM too: ``param_offload.py``) before the
-next rung: it costs host-to-device copies at each gather, not disk bandwidth.
+``offload_params`` (the parameter shards in host RAM too: ``param_offload.py``) before the next
+rung: it costs host-to-device copies at each gather, not disk bandwidth.
 """
 from __future__ import annotations
 
@@ -125,7 +125,6 @@ def choose_rung(num_params: int, world_size: int, budget_bytes: int, *,
     where = f"{_gb(usable)} usable of {_gb(budget_bytes)} " \
             f"({headroom:.0%} headroom for activations and fragmentation)"
     rejected = []
-    est = None
     tries = ladder_rows(rungs, offload_params)
     if not tries:
         raise ValueError(f"offload_params=True: none of the rungs {rungs} is stage 3 with "

@@ -63,16 +63,14 @@ class OwnerPlan:
         return owners
 
 
-def exchange_chunk(items: Sequence[Tuple[int, Sequence[int]]], world_size: int,
-                   per: int = 1) -> int:
+def exchange_chunk(items: Sequence[Tuple[int, Sequence[int]]], world_size: int) -> int:
     """Elements of one chunk of an exchange: the most one rank sends another, ``items`` as
-    ``(owner, elements in each rank's shard)``; ``per`` values per element (2 when the master
-    pieces go with the gradient's)."""
+    ``(owner, elements in each rank's shard)``."""
     n = world_size
     sizes = [[0] * n for _ in range(n)]
     for owner, pieces in items:
         for r in range(n):
-            sizes[r][owner] += per * pieces[r]
+            sizes[r][owner] += pieces[r]
     return max((sizes[r][q] for r in range(n) for q in range(n) if r != q), default=0)
 
 
@@ -83,12 +81,11 @@ def exchange_bytes(chunk: int, world_size: int) -> int:
 
 
 def _layouts(model, world_size: int, stage: int, group_of: Dict[int, int], align: int,
-             bucket_bytes, reduce_dtype: torch.dtype, pooled: bool, units=None):
+             bucket_bytes, reduce_dtype: torch.dtype, pooled: bool):
     """``(group index, params, FlatLayout)`` of every trainable flat unit, in the order the
     optimizer builds them (``parameters/build.py``, ``parameters/stage3.py``)."""
     if stage == 3:
-        specs = plan_units(model, units, [p for p in model.parameters()
-                                          if id(p) in group_of])
+        specs = plan_units(model, None, [p for p in model.parameters() if id(p) in group_of])
         order = list(range(len(specs)))
         out = []
         for si in order[:-1][::-1] + order[-1:]:
@@ -108,7 +105,7 @@ def _layouts(model, world_size: int, stage: int, group_of: Dict[int, int], align
 def matrix_exchange_bytes(model, world_size: int, stage: int, param_groups: Sequence[dict],
                           specs: Sequence, *, param_dtype: torch.dtype,
                           reduce_dtype: torch.dtype, bucket_bytes: Optional[int],
-                          pooled: bool, units=None) -> int:
+                          pooled: bool) -> int:
     """Bytes one rank sends per steady step in the owners' two exchanges (see [Note: the
     matrix exchanges in the estimate]): ``model``'s trainable parameters in ``param_groups``
     (``specs[gi]``: group gi's ``OptimizerSpec``), over ``world_size`` ranks of a shard
@@ -121,7 +118,7 @@ def matrix_exchange_bytes(model, world_size: int, stage: int, param_groups: Sequ
     owners = OwnerPlan(world_size)
     items: List[Tuple[int, List[int]]] = []
     for gi, ps, lay in _layouts(model, world_size, stage, group_of, align, bucket_bytes,
-                                reduce_dtype, pooled, units):
+                                reduce_dtype, pooled):
         if not specs[gi].matrix:
             continue
         pieces = [[0] * world_size for _ in ps]

@@ -20,6 +20,11 @@ NUM_PARAM_BOUNCES = 2     # read chunk k+1 while chunk k is copied to the device
 ALIGN_NUMEL = IO_ALIGN // 4   # fp32 elements per aligned block
 
 
+def round_up(n: int) -> int:
+    """``n`` bytes rounded up to whole ``IO_ALIGN`` blocks."""
+    return -(-n // IO_ALIGN) * IO_ALIGN
+
+
 def nvme_slot_views(numel: int, num_kinds: int, compute_bytes: int, moment_bytes: int = 4,
                     block_size: int = 0) -> List[Tuple[str, int]]:
     """``(name, bytes)`` of each buffer of one NVMe slot of ``numel`` elements, each but the
@@ -38,7 +43,7 @@ def nvme_slot_views(numel: int, num_kinds: int, compute_bytes: int, moment_bytes
     views.append(("grad", 4 * numel))
     if compute_bytes:
         views.append(("out", compute_bytes * numel))
-    return [(k, b if k == "out" else -(-b // IO_ALIGN) * IO_ALIGN) for k, b in views]
+    return [(k, b if k == "out" else round_up(b)) for k, b in views]
 
 
 def nvme_slot_bytes(numel: int, num_kinds: int, compute_bytes: int, moment_bytes: int = 4,
@@ -111,7 +116,7 @@ def param_bounce_bytes(budget_bytes: int, largest_file_bytes: int) -> int:
         raise ValueError(f"OffloadConfig.nvme_param_buffer_bytes={budget_bytes} is too small: "
                          f"{NUM_PARAM_BOUNCES} bounces of one {IO_ALIGN}-byte block need at "
                          f"least {NUM_PARAM_BOUNCES * 2 * IO_ALIGN} bytes")
-    return min(cap, -(-largest_file_bytes // IO_ALIGN) * IO_ALIGN)
+    return min(cap, round_up(largest_file_bytes))
 
 
 def nvme_arena_bytes(sub_group_numel: int, num_kinds: int, compute_bytes: int,

@@ -12,15 +12,15 @@ A group's optimizer is one of two update rules, chosen at construction:
   (unscaled) gradient shard, and its state lives with the pieces (``state/torch_rule.py``).
 
 Names select a rule too: ``"adamw"``; ``"lion"`` and ``"sgd"``, the fused Lion and SGD ops
-(``zkernels.ops.lion_step`` / ``sgd_step``: reference, Triton, C++; [Note: fused Lion and
-SGD] in ``state/fused_rule.py``); and the lower-case names of the other classes of
-:data:`ELEMENTWISE` and :data:`MATRIX` (``"adagrad"``, ``"muon"``, ...), which run the torch
-class (``torch.optim.SGD`` itself: pass the class). The matrix classes of :data:`MATRIX`
-(``torch.optim.Muon``, ``torch.optim.Adafactor``: Newton-Schulz and the row/column factors
-read the whole matrix) run on whole parameters, each updated by one owner rank ([Note: whole matrices on owners] in
-``state/matrix_rule.py``). A class whose update needs more than one element and is not
-there (LBFGS's closure over the whole model, SparseAdam's sparse gradients) or any class
-neither listed nor declared is refused by name: it is never run silently on pieces.
+(``zkernels.ops.lion_step`` / ``sgd_step``: reference, Triton, C++; [Note: fused Lion and SGD] in
+``state/fused_rule.py``); and the lower-case names of the other classes of :data:`ELEMENTWISE` and
+:data:`MATRIX` (``"adagrad"``, ``"muon"``, ...), which run the torch class (``torch.optim.SGD``
+itself: pass the class). The matrix classes of :data:`MATRIX` (``torch.optim.Muon``,
+``torch.optim.Adafactor``: Newton-Schulz and the row/column factors read the whole matrix) run on
+whole parameters, each updated by one owner rank ([Note: whole matrices on owners] in
+``state/matrix_rule.py``). A class whose update needs more than one element and is not there
+(LBFGS's closure over the whole model, SparseAdam's sparse gradients) or any class neither listed
+nor declared is refused by name: it is never run silently on pieces.
 
 State bytes per trainable element (fp32) follow the class and its hyperparameters
 (:func:`state_bytes`): SGD 4 with momentum and 0 without, Adam 8 (12 with amsgrad),
@@ -108,18 +108,16 @@ class OptimizerSpec:
         """Whether the class updates whole parameters on an owner rank (:data:`MATRIX`)."""
         return self.cls in MATRIX
 
-    def state_bytes(self, hparams: Optional[dict] = None) -> int:
-        """fp32 state bytes per trainable element under ``hparams`` (default: the spec's)."""
+    def state_bytes(self) -> int:
+        """fp32 state bytes per trainable element under the spec's hyperparameters."""
         if self.kernel is not None:   # Lion's exp_avg; SGD's momentum buffer when it has one
-            h = {**self.defaults, **(hparams or {})}
-            return 4 if self.kernel == "lion" or h.get("momentum", 0) else 0
+            return 4 if self.kernel == "lion" or self.defaults.get("momentum", 0) else 0
         if self.cls is None:
             return ADAMW_STATE_BYTES
-        h = {**self.defaults, **(hparams or {})}
         rule = ELEMENTWISE.get(self.cls) or MATRIX.get(self.cls)
         if rule is None:   # a declared class: its state measured after its first step
             return 0
-        return rule(h)
+        return rule(self.defaults)
 
 
 def _class_of(optimizer, where: str):

@@ -52,7 +52,7 @@ import torch
 
 from .buckets import auto_bucket_bytes
 from .config import parse_dtype
-from .estimate import MemoryEstimate, estimate_memory
+from .estimate import MemoryEstimate, estimate_memory, largest_unit_numel
 from .policy import STAGES
 from .unit_plan import plan_units
 
@@ -83,10 +83,6 @@ class PhaseEstimate:
     def build_peak_bytes(self) -> int:
         """The peak while building and loading (the larger of the two)."""
         return max(self.peak_bytes("build"), self.peak_bytes("load"))
-
-    @property
-    def save_peak_bytes(self) -> int:
-        return self.peak_bytes("save")
 
     @property
     def train_peak_bytes(self) -> int:
@@ -194,8 +190,7 @@ def _unit_numel(est: MemoryEstimate, model, kwargs) -> int:
     if kwargs.get("max_unit_numel") is not None:
         return int(kwargs["max_unit_numel"])
     if STAGES[est.stage].shards_params:   # a count without layer sizes: not counted
-        return max((sum(p.numel() for p in s.params) for s in plan_units(model)), default=0) \
-            if isinstance(model, torch.nn.Module) else 0
+        return largest_unit_numel(model) if isinstance(model, torch.nn.Module) else 0
     # Stages 1-2: a bucket of the bytes the estimate was given, else the optimizer's default.
     bb = kwargs.get("bucket_bytes")
     if bb is None:

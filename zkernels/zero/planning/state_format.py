@@ -14,8 +14,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ...ops.quant import check_block_size
-
 _NAMES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "int8": "int8"}
 
@@ -90,12 +88,12 @@ def group_formats(specs: Sequence, keys: Sequence, state_dtype, block_size: int
     Args:
         specs: each group's ``OptimizerSpec`` (a torch class keeps its own fp32 state).
         keys: :func:`split_group_formats`' values (``...``: not set), or empty.
-        state_dtype: the optimizer's (parsed) default; block_size: the int8 block size.
+        state_dtype, block_size: the optimizer's default and the int8 block size (checked by
+            ``StateConfig``).
 
     Raises:
         ValueError: a low-bit format asked of a group that runs a torch class (named).
     """
-    check_block_size(block_size, "state_block_size")
     out = []
     for gi, spec in enumerate(specs):
         key = keys[gi] if gi < len(keys) else ...
@@ -124,8 +122,5 @@ def slot_moments(formats: Sequence[Optional[StateFormat]]) -> Tuple[int, int]:
     """``(moment_bytes, block_size)`` of an NVMe slot that holds any of ``formats``' moments
     (the widest moment; ``block_size`` 0 where no format is blocked): the slot arena's shape
     (``offload_config.nvme_slot_views``)."""
-    if not formats:
-        return 4, 0
-    width = max(moment_bytes(f) for f in formats)
-    return width, max([f.block_size for f in formats if f is not None and f.blocked],
-                      default=0)
+    bs = block_align(formats)
+    return max(map(moment_bytes, formats), default=4), bs if bs > 1 else 0

@@ -1,14 +1,14 @@
 """Which modules stage 3 gathers as one unit, and which parameters each unit holds.
 
 [Note: stage-3 units]
-A unit is a module whose parameters are gathered with one all-gather before it runs
-(FSDP2's ``fully_shard`` granularity), never a leaf module (DeepSpeed's per-leaf gathers are
-its users' top complaint). By default the units are the children of every ``nn.ModuleList`` /
-``nn.Sequential`` whose children are two or more modules of one class that hold
-parameters (transformer blocks; the model itself may be such a list), outermost first; ``units=`` names classes (every outermost
-module of that class) or module instances instead. Everything else (embeddings, final norm,
-a head, parameters registered on the model itself) is the *root* unit: the model, gathered
-for its whole forward and its whole backward.
+A unit is a module whose parameters are gathered with one all-gather before it runs (FSDP2's
+``fully_shard`` granularity), never a leaf module (DeepSpeed's per-leaf gathers are its users' top
+complaint). By default the units are the children of every ``nn.ModuleList`` / ``nn.Sequential``
+whose children are two or more modules of one class that hold parameters (transformer blocks; the
+model itself may be such a list), outermost first; ``units=`` names classes (every outermost module
+of that class) or module instances instead. Everything else (embeddings, final norm, a head,
+parameters registered on the model itself) is the *root* unit: the model, gathered for its whole
+forward and its whole backward.
 
 A parameter belongs to the unit that encloses every module registering it. A parameter that
 two units register (weights tied across blocks, or a head tied to an embedding held in a unit)
@@ -199,11 +199,11 @@ def unit_numel(spec: UnitSpec) -> int:
     return sum(p.numel() for p in spec.params) + sum(p.numel() for p in spec.frozen)
 
 
-def gathered_peak_numel(model: nn.Module, units=None) -> int:
+def gathered_peak_numel(model: nn.Module) -> int:
     """Parameters gathered at once at stage 3 with ``reshard_after_forward=True``: the root
     unit plus two of the largest other unit (the one computing and the one prefetched), the
     prefetch bound ``ZeroOptimizer`` uses (padding aside); frozen parameters included."""
-    specs = plan_units(model, units)
+    specs = plan_units(model)
     root = unit_numel(specs[-1])
     biggest = max((unit_numel(s) for s in specs[:-1]), default=0)
     return root + 2 * biggest

@@ -22,10 +22,10 @@ import torch
 
 from ...ops import OpSet
 from ..planning.optimizer_spec import OptimizerSpec
-from .torch_rule import load_piece
+from .torch_rule import FlatStateRule, load_piece
 
 
-class FusedShardRule:
+class FusedShardRule(FlatStateRule):
     """Lion or SGD over one unit's shard (see [Note: fused Lion and SGD]).
 
     Args:
@@ -105,22 +105,3 @@ class FusedShardRule:
                     load_piece(self.flat, self.master, key, t, s, n)
             self.steps[k] = int(float(st["step"])) if "step" in st else \
                 (1 if st else 0)
-
-    def master_written(self) -> None:
-        """The master was written from outside a step (nothing to do)."""
-
-    def held(self) -> List[torch.Tensor]:
-        return list(self.flat.values())
-
-    def detach(self) -> Dict[str, torch.Tensor]:
-        """Give up the flat buffers (returned; [Note: rule state on NVMe] in rule_swap.py)."""
-        flat, self.flat = self.flat, {}
-        return flat
-
-    def use_master(self, master: torch.Tensor) -> None:
-        """Step ``master`` from now on ([Note: rule state on NVMe] in rule_swap.py)."""
-        self.master = master
-
-    def attach(self, flat: Dict[str, torch.Tensor]) -> None:
-        """Adopt flat buffers (:meth:`detach`'s, read back)."""
-        self.flat = dict(flat)

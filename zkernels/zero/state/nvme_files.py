@@ -158,12 +158,8 @@ class NvmeFiles:
         specs = [self.file_spec(rec, k) for k in kinds]
         fmt = None if rec.fmt is None else [rec.fmt.name, rec.fmt.block_size]
         if not self.resumed:
-            need = sum(round_up(n * dt.itemsize) + IO_ALIGN for n, dt in specs)
-            st = os.statvfs(self.folder)
-            if st.f_bavail * st.f_frsize < need:
-                raise OffloadIOError(f"no space left under offload_dir: this rank's next unit "
-                                     f"needs {need} bytes of swap files in {self.folder}, "
-                                     f"{st.f_bavail * st.f_frsize} are free")
+            self._check_space(sum(round_up(n * dt.itemsize) + IO_ALIGN for n, dt in specs),
+                              "this rank's next unit needs", "of swap files ")
         elif self._kept_formats.get(str(index)) != fmt:
             kept = self._kept_formats.get(str(index)) or "fp32"
             raise OffloadIOError(f"OffloadConfig.resume_dir={self.folder!r} keeps unit "
@@ -173,13 +169,23 @@ class NvmeFiles:
                                  f"save a checkpoint to convert")
         make = SwapFile.open_existing if self.resumed else SwapFile.create
         for k, (n, dt) in zip(kinds, specs):
-            path = os.path.join(self.folder, f"unit{index:05d}.{k}.swap")
             # (scales: buffered I/O, [Note: low-bit state on NVMe])
             direct = self.direct_io and k not in SCALE_KINDS
-            rec.files[k] = make(path, n, k, index, self.rank, self.world_size, direct, dt)
+            rec.files[k] = make(self._path(index, k), n, k, index, self.rank, self.world_size,
+                                direct, dt)
         self._formats[str(index)] = fmt
         self._files.append(rec.files)
         return self._steps[index] if self.resumed else 0
+
+    def _path(self, index: int, kind: str) -> str:
+        return os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
+
+    def _check_space(self, need: int, who: str, what: str = "") -> None:
+        """OffloadIOError unless ``need`` bytes are free under the folder."""
+        st = os.statvfs(self.folder)
+        if st.f_bavail * st.f_frsize < need:
+            raise OffloadIOError(f"no space left under offload_dir: {who} {need} bytes "
+                                 f"{what}in {self.folder}, {st.f_bavail * st.f_frsize} are free")
 
     def create_file(self, index: int, kind: str, numel: int) -> SwapFile:
         """A new fp32 swap file of unit ``index`` beside the AdamW kinds (a rule's state key:
@@ -189,15 +195,9 @@ class NvmeFiles:
         Raises:
             OffloadIOError: no space for it, or it cannot be created.
         """
-        need = round_up(numel * 4) + IO_ALIGN
-        st = os.statvfs(self.folder)
-        if st.f_bavail * st.f_frsize < need:
-            raise OffloadIOError(f"no space left under offload_dir: unit {index}'s {kind} "
-                                 f"needs {need} bytes in {self.folder}, "
-                                 f"{st.f_bavail * st.f_frsize} are free")
-        path = os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
-        f = SwapFile.create(path, numel, kind, index, self.rank, self.world_size,
-                            self.direct_io)
+        self._check_space(round_up(numel * 4) + IO_ALIGN, f"unit {index}'s {kind} needs")
+        f = SwapFile.create(self._path(index, kind), numel, kind, index, self.rank,
+                            self.world_size, self.direct_io)
         self._files.append({kind: f})
         return f
 
@@ -207,9 +207,8 @@ class NvmeFiles:
         Raises:
             OffloadIOError: missing, or of another unit, rank, kind or size.
         """
-        path = os.path.join(self.folder, f"unit{index:05d}.{kind}.swap")
-        f = SwapFile.open_existing(path, numel, kind, index, self.rank, self.world_size,
-                                   self.direct_io)
+        f = SwapFile.open_existing(self._path(index, kind), numel, kind, index, self.rank,
+                                   self.world_size, self.direct_io)
         self._files.append({kind: f})
         return f
 

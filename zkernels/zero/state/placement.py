@@ -106,9 +106,8 @@ def make_engine(offload, *, ops: OpSet, device: torch.device, ops_backend: Optio
             place = HostPlace(ops, host_ops, copier, config, host, params)
         else:
             if offload_params:
-                params = DiskStorage(copier, offload_dir or os.path.dirname(files.folder), rank,
-                                     world_size, config.io_threads, config.direct_io,
-                                     config.nvme_param_buffer_bytes)
+                params = DiskStorage(copier, offload_dir, rank, world_size, config.io_threads,
+                                     config.direct_io, config.nvme_param_buffer_bytes)
             place = NvmePlace(ops, host_ops, copier, config, files, host, params,
                               adamw_slot_moments(specs, formats), master_dtype or torch.float32)
     except BaseException:

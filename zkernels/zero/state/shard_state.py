@@ -14,7 +14,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ...layout import FlatLayout
 from ..parameters.units import FlatParamUnit
 
 
@@ -81,21 +80,8 @@ class ShardState:
         return self.unit.index
 
     @property
-    def names(self) -> Tuple[str, ...]:
-        return self.unit.names
-
-    @property
-    def layout(self) -> FlatLayout:
-        return self.unit.layout
-
-    @property
     def numel(self) -> int:
         return self.unit.layout.shard_numel
-
-    @property
-    def shard_range(self) -> Tuple[int, int]:
-        """``[start, end)`` of the unit's flat buffer this state covers."""
-        return self.unit.layout.shard_range(self.unit.rank)
 
     def tensors(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(master, exp_avg, exp_avg_sq)``."""

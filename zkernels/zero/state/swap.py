@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..planning.offload_config import IO_ALIGN
+from ..planning.offload_config import IO_ALIGN, round_up
 
 log = logging.getLogger("zkernels.offload")
 
@@ -55,10 +55,6 @@ _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.flo
 class OffloadIOError(RuntimeError):
     """A swap file could not be created, written or read as expected (the message names the
     file and the cause)."""
-
-
-def round_up(n: int, align: int = IO_ALIGN) -> int:
-    return -(-n // align) * align
 
 
 def aligned_empty(nbytes: int, pin=None) -> torch.Tensor:

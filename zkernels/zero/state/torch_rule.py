@@ -43,7 +43,36 @@ def load_piece(flat: Dict[str, torch.Tensor], master: torch.Tensor, key: str,
     return view
 
 
-class TorchShardRule:
+class FlatStateRule:
+    """What the piece rules share: their ``master`` and its ``flat`` state buffers (state
+    key -> [shard_numel] fp32), given up and adopted around a swap ([Note: rule state on
+    NVMe] in ``rule_swap.py``)."""
+
+    master: torch.Tensor
+    flat: Dict[str, torch.Tensor]
+
+    def master_written(self) -> None:
+        """The master was written from outside a step (nothing to do: the rule reads it)."""
+
+    def held(self) -> List[torch.Tensor]:
+        """The flat state buffers (for ``stats()``)."""
+        return list(self.flat.values())
+
+    def detach(self) -> Dict[str, torch.Tensor]:
+        """Give up the flat buffers (returned)."""
+        flat, self.flat = self.flat, {}
+        return flat
+
+    def use_master(self, master: torch.Tensor) -> None:
+        """Step ``master`` from now on (read in from its file, or a placeholder)."""
+        self.master = master
+
+    def attach(self, flat: Dict[str, torch.Tensor]) -> None:
+        """Adopt flat buffers (:meth:`detach`'s, read back)."""
+        self.flat = dict(flat)
+
+
+class TorchShardRule(FlatStateRule):
     """A ``torch.optim`` instance over one unit's pieces (see [Note: torch.optim on pieces]).
 
     Args:
@@ -132,17 +161,10 @@ class TorchShardRule:
                     new[k] = t.clone() if isinstance(t, torch.Tensor) else t
             self.inner.state[p] = new
 
-    def master_written(self) -> None:
-        """The master was written from outside a step (nothing to do: pieces read it)."""
-
-    def held(self) -> List[torch.Tensor]:
-        """The flat state buffers (for ``stats()``)."""
-        return list(self.flat.values())
-
     def detach(self) -> Dict[str, torch.Tensor]:
         """Give up the flat buffers (returned): the pieces' entries become meta placeholders
         until :meth:`attach` ([Note: rule state on NVMe] in ``rule_swap.py``)."""
-        flat, self.flat = self.flat, {}
+        flat = super().detach()
         if self.inner is not None:
             for p in self.pieces:
                 st = self.inner.state[p]
@@ -155,7 +177,7 @@ class TorchShardRule:
         """Step ``master`` from now on (a master read in from its file, or a placeholder
         between steps: [Note: rule state on NVMe] in ``rule_swap.py``): the pieces keep their
         identity (the class's state is keyed by them) and view it."""
-        self.master = master
+        super().use_master(master)
         if self.inner is None:
             self.pieces = [master[s:s + n] for s, n in self.slices]
             return
@@ -164,7 +186,7 @@ class TorchShardRule:
 
     def attach(self, flat: Dict[str, torch.Tensor]) -> None:
         """Adopt flat buffers (:meth:`detach`'s, read back): the pieces' entries view them."""
-        self.flat = dict(flat)
+        super().attach(flat)
         if self.inner is not None:
             for p, (s, n) in zip(self.pieces, self.slices):
                 st = self.inner.state[p]
