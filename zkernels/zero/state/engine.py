@@ -170,7 +170,7 @@ class UpdateEngine:
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
             if self.matrix is None:
                 self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs,
-                                           place.files, place.copier)
+                                           place.whole_store())
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
         elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)

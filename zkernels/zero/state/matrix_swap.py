@@ -1,5 +1,8 @@
-"""An owner's whole matrices in swap files (``offload="nvme"`` with Muon or Adafactor): each
-owned parameter's whole fp32 master and its class state in RAM only for its own update.
+"""Where a whole-matrix class's owners keep their whole matrices (Muon, Adafactor: [Note:
+whole matrices on owners] in ``matrix_rule.py``), the state's place's choice
+(``place.whole_store()``): :class:`WholeInMemory` beside the state (the device, or host RAM
+with CPU offload), or :class:`WholeSwap`'s swap files (``offload="nvme"``): each owned
+parameter's whole fp32 master and its class state in RAM only for its own update.
 
 [Note: whole matrices on NVMe]
 With NVMe offload :class:`~zkernels.zero.state.matrix_rule.MatrixUpdate` keeps what an owner
@@ -31,6 +34,7 @@ import torch
 
 from .nvme_files import NvmeFiles
 from .swap import SwapFile, aligned_empty, round_up
+from .transfer import Copier
 
 
 def _buffer(numel: int) -> torch.Tensor:
@@ -39,22 +43,56 @@ def _buffer(numel: int) -> torch.Tensor:
     return buf
 
 
+class WholeInMemory:
+    """An owner's whole matrices in memory, all held across steps: each class steps once
+    over all of them (``streams`` False); nothing is read or written around a use."""
+
+    streams = False
+
+    def new(self, shape, device: torch.device) -> torch.Tensor:
+        """An owned parameter's whole fp32 master (zeros)."""
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def bring_in(self, k: int, w: torch.Tensor, state: dict, master: str = "read") -> None:
+        """Nothing to read: the master and state are in memory."""
+
+    def write_out(self, k: int, unit_index: int, pos: int, w: torch.Tensor, state: dict,
+                  master: bool = True, write: bool = True) -> None:
+        """Nothing to write."""
+
+    def gradients(self, shards, units):
+        """The reduced gradient shards where the owners step: where they are."""
+        return shards
+
+
 class WholeSwap:
-    """The files of an owner's whole matrices (see [Note: whole matrices on NVMe]).
+    """The files of an owner's whole matrices, one in RAM at a time (``streams``: each steps
+    on its own; see [Note: whole matrices on NVMe]).
 
     Args:
         files: the run's :class:`NvmeFiles`.
+        copier: the offload's :class:`Copier`, which brings the gradient shards (on the
+            device with NVMe) to the host, counted as a rule's are.
     """
 
-    def __init__(self, files: NvmeFiles) -> None:
-        self.files = files
+    streams = True
+
+    def __init__(self, files: NvmeFiles, copier: Copier) -> None:
+        self.files, self.copier = files, copier
         self.swaps: Dict[Tuple[int, str], SwapFile] = {}   # (item, key) -> its file
         self._bufs: Dict[Tuple[int, str], torch.Tensor] = {}
 
-    @staticmethod
-    def placeholder(shape) -> torch.Tensor:
+    def new(self, shape, device: torch.device) -> torch.Tensor:
         """What the class steps between steps (4 bytes)."""
         return torch.zeros(1).expand(tuple(shape))
+
+    def gradients(self, shards, units):
+        """Each unit's gradient shard copied to host RAM (counted)."""
+        out = {}
+        for u in units:
+            out[u] = torch.empty(shards[u].shape, dtype=shards[u].dtype)
+            self.copier.to_host(out[u], shards[u]).wait()
+        return out
 
     def _read(self, k: int, key: str) -> torch.Tensor:
         f = self.swaps[(k, key)]
@@ -105,5 +143,5 @@ class WholeSwap:
                 if key != "master":
                     state[key] = torch.empty(t.shape, dtype=t.dtype, device="meta")
             if master or (k, "master") in self._bufs:
-                w.data = self.placeholder(w.shape)
+                w.data = self.new(w.shape, w.device)
             self._bufs = {}
