@@ -3,22 +3,19 @@
 [Note: the declared checkpoint view]
 Two readers save and restore an optimizer's state: ``zero/state/state_dict.py`` (torch's
 ``state_dict()``, same world size) and the ``zkernels.checkpoint`` package (any world size,
-any stage). Both go through :class:`CheckpointSource`, which ``ZeroOptimizer`` implements, and
-through :class:`CheckpointUnit`, which every flat unit implements, and
-:class:`CheckpointUnitState`, which every trainable unit's ``ZeroUnit`` implements; neither
+any stage). Both go through :class:`CheckpointSource`, which ``ZeroOptimizer`` implements,
+:class:`CheckpointUnit`, which every flat unit implements, and :class:`CheckpointUnitState`,
+which every trainable unit's ``ZeroUnit`` implements (``opt.zero_units[u.index]``); none
 reaches for a private attribute, a strategy's internals or a member found with ``getattr``.
 ``tests/zero/test_layout_seams.py`` reads both readers' source and fails on any attribute of
-the optimizer (``opt``), of a unit (``u``, ``unit``) or of a unit's state (``z``) that these
-protocols do not declare.
+the optimizer (``opt``), a unit (``u``, ``unit``) or its state (``z``) not declared here.
 
-A trainable unit's state is read and written through its
-:class:`~zkernels.zero.unit.ZeroUnit` (``opt.zero_units[u.index]``), as
-:class:`CheckpointUnitState` declares it: :meth:`~CheckpointUnitState.read_state` gives its step
-and its fp32 ``master, exp_avg, exp_avg_sq`` shard tensors (live tensors on the device or in
-host RAM; with NVMe offload copies read from its files, which ``write_state`` writes back) and
-``write_state`` also rebuilds the unit's compute shard from the master in the compute dtype.
-:meth:`~CheckpointSource.publish` then makes every rank's copy of the parameters follow the
-shards (stages 1-2: all-gather; stage 3: drop a stale gathered copy). The counters (steps,
+A unit's state is read with ``z.read_state()`` (its step and its fp32 ``master, exp_avg,
+exp_avg_sq`` shard tensors: live tensors on the device or in host RAM; with NVMe offload
+copies read from its files, which ``write_state`` writes back) and written with
+``write_state``, which also rebuilds the unit's compute shard from the master in the compute
+dtype. :meth:`~CheckpointSource.publish` then makes every rank's copy of the parameters follow
+the shards (stages 1-2: all-gather; stage 3: drop a stale gathered copy). The counters (steps,
 skipped steps, the loss scaler) travel as one dict. A unit with low-bit moments
 (``state_dtype``) also offers them as trained (``read_lowbit_state``, ``write_lowbit_state``),
 so a checkpoint resumes bit for bit.
@@ -79,9 +76,8 @@ class CheckpointUnitState(Protocol):
 
     @property
     def state_format(self) -> Optional[Dict[str, Any]]:
-        """``{"dtype": "bf16" | "int8", "block_size": int}`` (int8: and ``"code"``, the map's
-        name) where the unit's moments are low-bit (``state_dtype``), else None;
-        ``read_state`` gives them dequantized to fp32."""
+        """``{"dtype": "bf16" | "int8", "block_size": int}`` (int8: and ``"code"``) where its
+        moments are low-bit (``state_dtype``), else None (``read_state``: dequantized)."""
 
     def read_state(self) -> Tuple[int, StateTensors]:
         """``(step, (master, exp_avg, exp_avg_sq))`` of the unit's shard, fp32."""
@@ -101,10 +97,8 @@ class CheckpointUnitState(Protocol):
         ``write_state`` restored its master and counts."""
 
     def read_rule_state(self) -> Tuple[int, torch.Tensor, List[dict]]:
-        """``(step, master, [state per piece])``: each piece's state keys as its class keeps
-        them (the fused AdamW's: ``exp_avg``, ``exp_avg_sq``), in
-        ``param_slices_in_shard()`` order ([Note: optimizer rules] in
-        ``planning/optimizer_spec.py``)."""
+        """``(step, master, [state per piece])`` in ``param_slices_in_shard()`` order, keyed as
+        its class keeps them (the fused AdamW's: ``exp_avg``, ``exp_avg_sq``)."""
 
     def write_rule_state(self, step: int, master: torch.Tensor, states: List[dict]) -> None:
         """Restore :meth:`read_rule_state`'s state and rebuild the unit's compute shard."""
@@ -113,8 +107,7 @@ class CheckpointUnitState(Protocol):
         """A whole-matrix class's unit ([Note: whole matrices on owners]): the class's own
         state of each of its parameters this rank owns, by name; empty for other units."""
 
-    def write_owned_state(self, step: int, master: torch.Tensor,
-                          states: Dict[str, dict]) -> None:
+    def write_owned_state(self, step: int, master: torch.Tensor, states: Dict[str, dict]) -> None:
         """Restore :meth:`read_owned_state` (same world size: same owners) and the master
         shard, and rebuild the unit's compute shard."""
 

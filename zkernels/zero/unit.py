@@ -118,12 +118,7 @@ class ZeroUnit:
             the handle of its all-gather (stages 1-2; stage 3 sends nothing).
         """
         self._engine.update(self.flat, grad, self.group, grad_scale, live)
-        return self.publish(comm)
-
-    def publish(self, comm: Comm) -> Handle:
-        """Make every rank's copy of its parameters follow its updated shard."""
-        return self.flat.gather.publish(comm)
-
+        return self.flat.gather.publish(comm)   # every rank's copy follows the new shard
 
     # -- its state in and out ([Note: the declared checkpoint view]) --------------------
 
@@ -139,15 +134,12 @@ class ZeroUnit:
 
     @property
     def state_format(self) -> Optional[dict]:
-        """``{"dtype": "bf16" | "int8", "block_size": int}`` (int8: and the ``"code"`` of its
-        map) where its moments are low-bit (``state_dtype``), or None (fp32 moments)."""
+        """Its low-bit moments' format as a checkpoint names it, or None (fp32 moments)."""
         return describe_format(self.state.fmt)
 
     def read_state(self):
-        """``(step, (master, exp_avg, exp_avg_sq))`` of its shard: the live tensors where they
-        are in memory, new CPU tensors read from the files where they are on disk (fp32
-        values: a bf16 master's exact ones, low-bit moments dequantized; NVMe: written back
-        by :meth:`write_state`)."""
+        """``(step, (master, exp_avg, exp_avg_sq))``, fp32: live tensors, or new ones read
+        from the files where on disk (a bf16 master exact, low-bit moments dequantized)."""
         place, rec = self._place, self.state
         place.settle()
         if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
@@ -193,20 +185,17 @@ class ZeroUnit:
                             else rec.master)
 
     def read_lowbit_state(self) -> Optional[Dict[str, torch.Tensor]]:
-        """Its low-bit moments as trained (``exp_avg``, ``exp_avg_sq`` and, int8,
-        ``exp_avg_scales``, ``exp_avg_sq_scales``: live tensors, or new ones read from the
-        files on NVMe), or None (fp32 moments: :meth:`read_state` has them)."""
-        rec = self.state
-        live = _lowbit_live(rec)
-        return None if live is None else {k: self._place.materialize(rec, k, t)
-                                          for k, t in live.items()}
+        """Its low-bit moments as trained (live tensors, or new ones read from the files on
+        NVMe), or None (fp32 moments: :meth:`read_state` has them)."""
+        live = _lowbit_live(self.state)
+        return None if live is None else {
+            k: self._place.materialize(self.state, k, t) for k, t in live.items()}
 
     def write_lowbit_state(self, tensors: Dict[str, torch.Tensor]) -> None:
         """Restore its low-bit moments, bit for bit, from tensors of its own format (after
         :meth:`write_state` restored its master and counts)."""
         self._place.settle()
-        rec = self.state
-        live = _lowbit_live(rec)
+        rec, live = self.state, _lowbit_live(self.state)
         if live is None or set(live) != set(tensors):
             raise ValueError(f"unit {self.index}: expected low-bit moments "
                              f"{sorted(live or ())}, got {sorted(tensors)}")
@@ -256,8 +245,7 @@ class ZeroUnit:
         """A whole-matrix class's unit: the class's own state of each of its parameters this
         rank owns ([Note: whole matrices on owners]), by name; empty for other units."""
         rule = self.state.rule
-        return rule.matrix.owned_states(self.index) if isinstance(rule, MatrixUnitRule) \
-            else {}
+        return rule.matrix.owned_states(self.index) if isinstance(rule, MatrixUnitRule) else {}
 
     def write_owned_state(self, step: int, master: torch.Tensor, states) -> None:
         """Restore :meth:`read_owned_state` (same world size and layout: same owners) and
@@ -271,9 +259,6 @@ class ZeroUnit:
 
 def _lowbit_live(rec) -> Optional[Dict[str, torch.Tensor]]:
     """A low-bit record's moment tensors (meta tensors where they live in files)."""
-    if rec.fmt is None:
-        return None
-    out = {"exp_avg": rec.exp_avg, "exp_avg_sq": rec.exp_avg_sq}
-    if rec.fmt.blocked:
-        out.update(exp_avg_scales=rec.exp_avg_scales, exp_avg_sq_scales=rec.exp_avg_sq_scales)
-    return out
+    scales = dict(exp_avg_scales=rec.exp_avg_scales, exp_avg_sq_scales=rec.exp_avg_sq_scales)
+    return None if rec.fmt is None else dict(exp_avg=rec.exp_avg, exp_avg_sq=rec.exp_avg_sq,
+                                             **(scales if rec.fmt.blocked else {}))

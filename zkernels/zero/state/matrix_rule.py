@@ -297,8 +297,7 @@ class MatrixUpdate:
 
     def _publish(self, comm, meter, sent: Dict[int, Dict[int, torch.Tensor]]) -> None:
         """Every rank's master pieces from the owners' whole masters (the Note's step 3);
-        ``sent``: each owned item's pieces by rank where copied out at its step (a store
-        that ``streams``), else empty."""
+        ``sent``: owned items' pieces by rank, copied out at their step (a store that streams)."""
         n, me = self.world_size, self.rank
 
         def piece(k: int, r: int) -> torch.Tensor:

@@ -1,8 +1,6 @@
-"""Where a whole-matrix class's owners keep their whole matrices (Muon, Adafactor: [Note:
-whole matrices on owners] in ``matrix_rule.py``), the state's place's choice
-(``place.whole_store()``): :class:`WholeInMemory` beside the state (the device, or host RAM
-with CPU offload), or :class:`WholeSwap`'s swap files (``offload="nvme"``): each owned
-parameter's whole fp32 master and its class state in RAM only for its own update.
+"""Where an owner keeps its whole matrices (``place.whole_store()``): in memory, or in swap
+files (``offload="nvme"`` with Muon or Adafactor): each owned parameter's whole fp32 master and
+its class state in RAM only for its own update.
 
 [Note: whole matrices on NVMe]
 With NVMe offload :class:`~zkernels.zero.state.matrix_rule.MatrixUpdate` keeps what an owner
@@ -44,24 +42,23 @@ def _buffer(numel: int) -> torch.Tensor:
 
 
 class WholeInMemory:
-    """An owner's whole matrices in memory, all held across steps: each class steps once
-    over all of them (``streams`` False); nothing is read or written around a use."""
+    """An owner's whole matrices in memory beside the state (device, or host RAM with CPU
+    offload), held across steps (``streams`` False: each class steps once over all of them);
+    nothing to read or write around a use, the gradient shards used where they are."""
 
     streams = False
 
     def new(self, shape, device: torch.device) -> torch.Tensor:
-        """An owned parameter's whole fp32 master (zeros)."""
         return torch.zeros(shape, dtype=torch.float32, device=device)
 
     def bring_in(self, k: int, w: torch.Tensor, state: dict, master: str = "read") -> None:
-        """Nothing to read: the master and state are in memory."""
+        pass
 
     def write_out(self, k: int, unit_index: int, pos: int, w: torch.Tensor, state: dict,
                   master: bool = True, write: bool = True) -> None:
-        """Nothing to write."""
+        pass
 
     def gradients(self, shards, units):
-        """The reduced gradient shards where the owners step: where they are."""
         return shards
 
 
@@ -88,9 +85,8 @@ class WholeSwap:
 
     def gradients(self, shards, units):
         """Each unit's gradient shard copied to host RAM (counted)."""
-        out = {}
+        out = {u: torch.empty(shards[u].shape, dtype=shards[u].dtype) for u in units}
         for u in units:
-            out[u] = torch.empty(shards[u].shape, dtype=shards[u].dtype)
             self.copier.to_host(out[u], shards[u]).wait()
         return out
 

@@ -192,8 +192,7 @@ class DevicePlace:
         return t
 
     def whole_store(self) -> WholeInMemory:
-        """Where a whole-matrix class's owners keep their whole matrices ([Note: whole
-        matrices on owners]): in memory beside the state."""
+        """Where a whole-matrix class's owners keep their whole matrices (matrix_swap.py)."""
         return WholeInMemory()
 
     def update_order(self, units: Sequence) -> list:
