@@ -107,7 +107,7 @@ def snapshot(model, opt):
     with opt.gathered():  # stage 3: the full parameters (a no-op at stages 1-2)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"params": params,
-            "masters": [opt.read_state(u)[1][0].detach().clone() for u in opt.units]}
+            "masters": [z.read_state()[1][0].detach().clone() for z in opt.zero_units]}
 
 
 @functools.lru_cache(maxsize=1)

@@ -97,7 +97,7 @@ def load_cases(rank, ws, cases):
         before = dict(counts)
         counts["largest"] = 0
         result = zk.checkpoint.load_pretrained(opt, folder)
-        state = [opt.read_state(u) for u in opt.units]
+        state = [z.read_state() for z in opt.zero_units]
         out[(kind, dtype, stage, offload)] = plain({
             "params": params_of(model, opt), "expected": expected(kind, folder),
             "missing": result.missing_keys, "unexpected": result.unexpected_keys,

@@ -36,7 +36,7 @@ def test_fp16_loss_scaler_and_counters(tmp_path):
     for p, q in zip(model.parameters(), model2.parameters()):
         assert q.dtype == torch.float16 and torch.equal(p, q)
     # The fp32 masters came back too, not a rounding of the fp16 copy.
-    ours = torch.cat([opt.read_state(u)[1][0] for u in opt.units])
+    ours = torch.cat([z.read_state()[1][0] for z in opt.zero_units])
     theirs = zk.checkpoint.consolidate(tmp_path / "ck")
     assert not torch.equal(ours, ours.half().float())
     assert torch.equal(theirs["wte.weight"].half(), model2.wte.weight)

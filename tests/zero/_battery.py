@@ -443,7 +443,7 @@ class Reference:
         2**-7). Then the oracle's moments continue from every rank's."""
         worst, pieces, bs = 0.0, [], STATE_BLOCK
         for u in opt.units:
-            low = opt.read_lowbit_state(u)
+            low = opt.zero_units[u.index].read_lowbit_state()
             for name, a, s, n in u.param_slices_in_shard():
                 st = self.opt.state[self.index[name]]
                 mine = {k: low[k][s:s + n].clone() for k in ("exp_avg", "exp_avg_sq")}

@@ -119,7 +119,7 @@ def parity(rank: int, world_size: int, *, stage, pattern: str, mode: str = "skip
                 worst = max(worst, ratio(p.detach(), refp[n].detach(), **tol(torch.float32)))
                 refp[n].copy_(p)   # [Note: one step from the same point]
         for u in opt.units:
-            for name, s in zip(u.names, opt.param_steps(u)):
+            for name, s in zip(u.names, opt.zero_units[u.index].param_steps):
                 st = ropt.state.get(refp[name], {}).get("step", 0)
                 steps_ok &= s == int(st)
     return {"worst": worst, "steps_ok": steps_ok}
@@ -176,7 +176,7 @@ def untouched_mixed(rank: int, world_size: int, *, stage, offload) -> dict:
                            param_dtype=torch.bfloat16, offload=offload)
     with opt.gathered():
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    states0 = [tuple(t.clone() for t in opt.read_state(u)[1]) for u in opt.units]
+    states0 = [tuple(t.clone() for t in z.read_state()[1]) for z in opt.zero_units]
     for step in range(3):
         x, y = _batches(world_size, step)[rank]
         F.mse_loss(model(x.bfloat16(), (0, 1)).float(), y).backward()
@@ -190,13 +190,13 @@ def untouched_mixed(rank: int, world_size: int, *, stage, offload) -> dict:
             else:
                 used_changed &= not torch.equal(p.detach(), before[n])
     steps = {}
-    for u, s0 in zip(opt.units, states0):
-        _, now = opt.read_state(u)
+    for u, z, s0 in zip(opt.units, opt.zero_units, states0):
+        _, now = z.read_state()
         for name, a, s, n in u.param_slices_in_shard():
             if name.startswith("blocks.2."):
                 unused_same &= all(torch.equal(t[s:s + n], t0[s:s + n])
                                    for t, t0 in zip(now, s0))
-        steps.update(zip(u.names, opt.param_steps(u)))
+        steps.update(zip(u.names, z.param_steps))
     return {"unused_same": unused_same, "used_changed": used_changed, "steps": steps}
 
 
@@ -220,7 +220,7 @@ def state_round_trip(rank: int, world_size: int, *, stage) -> dict:
         opt.step()
         opt.zero_grad()
     saved = opt.state_dict()
-    kept = [opt.param_steps(u) for u in opt.units]
+    kept = [z.param_steps for z in opt.zero_units]
     folder = [tempfile.mkdtemp(prefix="zk-grad-semantics-") if rank == 0 else None]
     if world_size > 1:
         dist.broadcast_object_list(folder, src=0)
@@ -229,7 +229,7 @@ def state_round_trip(rank: int, world_size: int, *, stage) -> dict:
         zk.checkpoint.save(opt, path)
         opt3 = _fresh(stage)
         zk.checkpoint.load(opt3, path)
-        same_ckpt = [opt3.param_steps(u) for u in opt3.units] == kept
+        same_ckpt = [z.param_steps for z in opt3.zero_units] == kept
     finally:
         if world_size > 1:
             dist.barrier()
@@ -237,12 +237,12 @@ def state_round_trip(rank: int, world_size: int, *, stage) -> dict:
             shutil.rmtree(folder[0], ignore_errors=True)
     opt2 = _fresh(stage)
     opt2.load_state_dict(saved)
-    same = [opt2.param_steps(u) for u in opt2.units] == kept
+    same = [z.param_steps for z in opt2.zero_units] == kept
     for s in saved["state"].values():
         del s["param_steps"]
     opt2.load_state_dict(saved)
-    old = all(opt2.param_steps(u) == [saved["state"][u.index]["step"]] * len(u.params)
-              for u in opt2.units)
+    old = all(z.param_steps == [saved["state"][z.index]["step"]] * len(z.flat.params)
+              for z in opt2.zero_units)
     return {"same": same, "same_ckpt": same_ckpt, "old": old, "kept": kept}
 
 
@@ -302,7 +302,7 @@ def load_mid_run_mixed(rank: int, world_size: int, *, stage, offload=None) -> di
     model.load_state_dict(other)
     master_exact, params_rounded = True, True
     for u in opt.units:
-        _, (master, _, _) = opt.read_state(u)
+        _, (master, _, _) = opt.zero_units[u.index].read_state()
         for name, a, s, n in u.param_slices_in_shard():
             master_exact &= torch.equal(master[s:s + n].cpu(), other[name].reshape(-1)[a:a + n])
     with opt.gathered():

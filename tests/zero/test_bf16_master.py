@@ -99,7 +99,7 @@ def test_an_update_under_half_an_ulp_is_lost():
             opt.backward(model(x).float().pow(2).mean())
             opt.step()
             opt.zero_grad()
-        moved[master] = float((opt.read_state(opt.units[0])[1][0] - 1.0).abs().max())
+        moved[master] = float((opt.zero_units[0].read_state()[1][0] - 1.0).abs().max())
     assert moved[BF16] == 0.0
     assert moved[None] == pytest.approx(1e-2, rel=0.1)   # ten updates of lr each
 
@@ -116,8 +116,8 @@ def test_state_dict_resumes_bit_for_bit_and_loads_into_an_fp32_master():
     opt2.load_state_dict(sd)
     fp32 = ZeroOptimizer(wide, **kw)   # an fp32 master takes the bf16 values exactly
     fp32.load_state_dict(sd)
-    assert all(torch.equal(fp32.read_state(u)[1][0], opt.read_state(u)[1][0])
-               for u in opt.units)
+    assert all(torch.equal(a.read_state()[1][0], b.read_state()[1][0])
+               for a, b in zip(fp32.zero_units, opt.zero_units))
     _train(model, opt, 2, seed=2)
     _train(twin, opt2, 2, seed=2)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))

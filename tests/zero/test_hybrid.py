@@ -41,8 +41,7 @@ def _train(model, opt, rank, ws, batches):
 
 
 def _states(opt):
-    return [t.clone() for st in opt.shard_update.states
-            for t in opt.shard_update.state_tensors(st.unit_index)]
+    return [t.clone() for z in opt.zero_units for t in z.read_state()[1]]
 
 
 def checkpoint_across_shapes(rank, ws) -> dict:

@@ -105,31 +105,33 @@ def _introspections_of(path: Path, receivers) -> list:
 
 def test_checkpoints_read_the_optimizer_through_the_declared_view():
     """[Note: the declared checkpoint view]: the checkpoint package and state_dict.py touch
-    the optimizer (``opt``) and its units (``u``, ``unit``) only through what
-    ``CheckpointSource`` and ``CheckpointUnit`` declare, and the optimizer and its units
-    implement both."""
-    from zkernels.zero.checkpoint_view import CheckpointSource, CheckpointUnit
-    opt_members, unit_members = _declared(CheckpointSource), _declared(CheckpointUnit)
+    the optimizer (``opt``), its units (``u``, ``unit``) and their state (``z``) only through
+    what ``CheckpointSource``, ``CheckpointUnit`` and ``CheckpointUnitState`` declare, and the
+    optimizer and its units implement them."""
+    from zkernels.zero.checkpoint_view import (CheckpointSource, CheckpointUnit,
+                                               CheckpointUnitState)
+    allowed = {"opt": _declared(CheckpointSource), "u": _declared(CheckpointUnit),
+               "unit": _declared(CheckpointUnit), "z": _declared(CheckpointUnitState)}
     # Every module of the checkpoint package (save/load hand ``opt`` to the view only).
     readers = sorted((ZERO.parent / "checkpoint").glob("*.py")) + [
         ZERO / "state" / "state_dict.py"]
     bad = []
     for path in readers:
-        for line, call in _introspections_of(path, {"opt", "u", "unit"}):
+        for line, call in _introspections_of(path, set(allowed)):
             bad.append(f"{path.name}:{line} {call}")
-        for line, who, attr in _reads_of(path, {"opt", "u", "unit"}):
-            allowed = opt_members if who == "opt" else unit_members
-            if attr not in allowed:
+        for line, who, attr in _reads_of(path, set(allowed)):
+            if attr not in allowed[who]:
                 bad.append(f"{path.name}:{line} {who}.{attr}")
     assert not bad, f"undeclared members read: {bad}"
-    for member in ("read_state", "write_state", "counters", "checkpoint_comm"):
-        assert member in opt_members
+    assert {"counters", "checkpoint_comm", "zero_units"} <= allowed["opt"]
+    assert {"read_state", "write_state"} <= allowed["z"]
 
 
 def test_the_optimizer_implements_the_checkpoint_view():
     import torch
     from zkernels import ZeroOptimizer
-    from zkernels.zero.checkpoint_view import CheckpointSource, CheckpointUnit
+    from zkernels.zero.checkpoint_view import (CheckpointSource, CheckpointUnit,
+                                               CheckpointUnitState)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     for stage in (1, 3):
         opt = ZeroOptimizer(model if stage == 1 else
@@ -137,9 +139,10 @@ def test_the_optimizer_implements_the_checkpoint_view():
                             stage=stage)
         assert isinstance(opt, CheckpointSource)
         assert all(isinstance(u, CheckpointUnit) for u in opt.units)
+        assert all(isinstance(z, CheckpointUnitState) for z in opt.zero_units)
         # Stage 3's parameters are empty between uses: the units still know their shapes.
         assert sorted(tuple(s) for u in opt.units for s in u.shapes) == \
             [(2,), (2, 4), (4,), (4, 4)]
-        step, tensors = opt.read_state(opt.units[0])
+        step, tensors = opt.zero_units[0].read_state()
         assert step == 0 and len(tensors) == 3
         assert opt.counters() == {"num_steps": 0, "overflow_skips": 0, "loss_scaler": None}

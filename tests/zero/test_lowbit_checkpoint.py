@@ -127,7 +127,7 @@ def _requantized_move(opt, saved):
     ``2**-14`` of it; the sqrt domain for ``exp_avg_sq``)."""
     worst = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
     for u in opt.units:
-        low = opt.read_lowbit_state(u)
+        low = opt.zero_units[u.index].read_lowbit_state()
         for name, a, s, n in u.param_slices_in_shard():
             _, (m, v, _) = saved[name]
             bs = 16
@@ -175,7 +175,7 @@ def test_linear_codes_of_earlier_versions_convert_and_unknown_codes_are_refused(
     assert ("int8 (blocks of 32, linear codes of an earlier zkernels), this optimizer keeps "
             "int8 (blocks of 32)") in caplog.text
     for u in opt.units:   # requantized from the linear values, in the float codes
-        low = opt.read_lowbit_state(u)
+        low = opt.zero_units[u.index].read_lowbit_state()
         for pname, a, s, n in u.param_slices_in_shard():
             want_q, want_s = quantize_exp_avg(old[pname][1][0][a:a + n], BLOCK)
             assert torch.equal(low["exp_avg"][s:s + n], want_q), pname
@@ -191,7 +191,7 @@ def test_consolidate_moments_exports_fp32(tmp_path):
     _, opt = _run("bf16", BLOCK, 2, 2, path=path)
     exported = checkpoint.consolidate_moments(path)
     u = opt.units[0]
-    _, (_, m, v) = opt.read_state(u)
+    _, (_, m, v) = opt.zero_units[u.index].read_state()
     for name, a, s, n in u.param_slices_in_shard():
         assert exported[name]["exp_avg"].dtype == torch.float32
         assert torch.equal(exported[name]["exp_avg"].reshape(-1)[a:a + n], m[s:s + n])

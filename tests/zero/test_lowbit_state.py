@@ -139,14 +139,14 @@ def test_state_dict_converts_between_formats_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="zkernels.zero"):
         fp32.load_state_dict(sd)
     assert "bf16 -> fp32" in caplog.text
-    m = fp32.read_state(fp32.units[0])[1][1]
+    m = fp32.zero_units[0].read_state()[1][1]
     assert torch.equal(m, sd["state"][0]["exp_avg"].float())
     caplog.clear()
     back = ZeroOptimizer(_gpt(2), stage=1, state_dtype="bf16")
     with caplog.at_level(logging.WARNING, logger="zkernels.zero"):
         back.load_state_dict(fp32.state_dict())
     assert "fp32 -> bf16" in caplog.text
-    assert torch.equal(back.read_lowbit_state(back.units[0])["exp_avg"],
+    assert torch.equal(back.zero_units[0].read_lowbit_state()["exp_avg"],
                        sd["state"][0]["exp_avg"])
     int8 = ZeroOptimizer(_gpt(3), stage=1, state_dtype="int8")
     with pytest.raises(ValueError, match="convert through zkernels.checkpoint"):

@@ -321,7 +321,7 @@ def test_matrix_nvme_holds_one_matrix_and_catches_a_lost_file(lost):
                 return _step(*a, **k)
             inner.step = spy
             if lost is not None:
-                f = mat.swap.swaps[(0, lost)]
+                f = mat.store.swaps[(0, lost)]
                 fd = os.open(f.path, os.O_WRONLY)   # (not the engine's fd: maybe O_DIRECT)
                 os.pwrite(fd, bytes(f.numel * 4), 4096)
                 os.close(fd)

@@ -27,7 +27,7 @@ def test_a_unit_step_touches_only_its_own_state_and_parameters(stage, row):
     model(*batch).backward()
     ref(*batch).backward()
     before = _params(opt, model)
-    states = [tuple(t.clone() for t in opt.read_state(u)[1]) for u in opt.units]
+    states = [tuple(t.clone() for t in z.read_state()[1]) for z in opt.zero_units]
     shards, _ = opt.reducer.finish()
     k = len(opt.zero_units) // 2
     unit = opt.zero_units[k]
@@ -54,8 +54,8 @@ def test_a_unit_step_touches_only_its_own_state_and_parameters(stage, row):
         with pytest.raises(AssertionError):
             for n in names:
                 torch.testing.assert_close(after[n], mine[n].detach(), **tol(torch.float32))
-    for i, u in enumerate(opt.units):
-        step, now = opt.read_state(u)
+    for i, z in enumerate(opt.zero_units):
+        step, now = z.read_state()
         assert step == (1 if i == k else 0)
         if i != k:
             assert all(torch.equal(a, b) for a, b in zip(now, states[i])), f"unit {i} state"

@@ -18,11 +18,12 @@ This body reads the optimizer only through the declared view, ``CheckpointSource
 ``CheckpointUnit`` in ``zkernels/zero/checkpoint_view.py`` ([Note: the declared checkpoint
 view]): the flat parameter units (``opt.units``), each mapping every element of this rank's
 shard to ``(name, start in the parameter)`` (``param_slices_in_shard``), and each unit's
-state (``read_state``: its step and [shard_numel] fp32 master and moments). Loading writes
-into those tensors, then hands each unit's back (``write_state``: the optimizer rewrites the
-compute shard from the master, in the compute dtype; its own tensors are passed, so nothing
-is copied twice) and ``publish``es the units (stages 1-2: all-gather the full buffer; stage
-3: drop a stale gathered copy, the next gather reads the new shards).
+state (``opt.zero_units[u.index]``, its ``ZeroUnit``: ``read_state`` gives its step and
+[shard_numel] fp32 master and moments). Loading writes into those tensors, then hands each
+unit's back (``write_state``: the unit rewrites its compute shard from the master, in the
+compute dtype; its own tensors are passed, so nothing is copied twice) and ``publish``es the
+units (stages 1-2: all-gather the full buffer; stage 3: drop a stale gathered copy, the next
+gather reads the new shards).
 Buffers, and frozen parameters at stages 1-2 (whole on every rank), come from
 ``opt.module``'s ``state_dict()``.
 
@@ -219,7 +220,7 @@ class OptimizerView:
         # parameter's format here, the saved tensors of the pieces loaded in the same format
         # ((name, start) -> raw), and the conversions a load made (saved, here).
         self.formats: Dict[str, Optional[dict]] = {
-            name: opt.state_format(u) for u in opt.units for name in u.names}
+            name: opt.zero_units[u.index].state_format for u in opt.units for name in u.names}
         self._raw: Dict[Tuple[str, int], Dict[str, torch.Tensor]] = {}
         self.converted: set = set()
 
@@ -235,7 +236,7 @@ class OptimizerView:
         out = []
         for u in self.opt.units:
             fields = FIELDS if self._fused(u) else ("master",) + tuple(self._rule_of(u)[2])
-            if self._fused(u) and self.opt.state_format(u) is not None:
+            if self._fused(u) and self.opt.zero_units[u.index].state_format is not None:
                 fields = None   # low-bit: by piece (the scales' count follows its range)
             steps = self._param_steps(u)
             out += [(name, a, a + n, steps[name], fields or tuple(
@@ -264,9 +265,10 @@ class OptimizerView:
         """Each parameter's step count ([Note: unused parameters]): as :meth:`set_steps` gave
         it, else the optimizer's (a torch class's unit: its unit count, the class keeps each
         piece's own ``step`` among the piece's scalars)."""
+        z = self.opt.zero_units[u.index]
         if self._fused(u):
-            return dict(zip(u.names, self._steps.get(u.index) or self.opt.param_steps(u)))
-        return {n: self._rule_step(u, self.opt.state_step(u)) for n in u.names}
+            return dict(zip(u.names, self._steps.get(u.index) or z.param_steps))
+        return {n: self._rule_step(u, z.state_step) for n in u.names}
 
     def _rule_step(self, u, step: int) -> int:
         given = self._steps.get(u.index)
@@ -280,7 +282,7 @@ class OptimizerView:
         piece scalars])`` (see [Note: a torch class's pieces]); loading (``fields``: each
         parameter's saved fields) flat buffers of zeros for the saved keys."""
         if unit.index not in self._rule:
-            step, master, states = self.opt.read_rule_state(unit)
+            step, master, states = self.opt.zero_units[unit.index].read_rule_state()
             flat: Dict[str, torch.Tensor] = {}
             scalars = []
             slices = list(unit.param_slices_in_shard())
@@ -322,8 +324,9 @@ class OptimizerView:
             # (``own``, not ``fields``: the argument is read again by the next rule unit's
             # pieces; rebinding it lost their saved keys after a fused unit)
             own = dict(zip(FIELDS, tensors))
-            desc = self.opt.state_format(u) if as_trained else None
-            low = self.opt.read_lowbit_state(u) if desc is not None else None
+            z = self.opt.zero_units[u.index]
+            desc = z.state_format if as_trained else None
+            low = z.read_lowbit_state() if desc is not None else None
             for name, a, s, n in u.param_slices_in_shard():
                 if low is None:
                     yield ShardPiece(name, a, a + n, steps[name],
@@ -353,7 +356,7 @@ class OptimizerView:
     def _state(self, unit):
         """``(step, tensors)`` of ``unit``: the step :meth:`set_steps` gave it, if any."""
         if unit.index not in self._staged:
-            self._staged[unit.index] = self.opt.read_state(unit)
+            self._staged[unit.index] = self.opt.zero_units[unit.index].read_state()
         step, tensors = self._staged[unit.index]
         given = self._steps.get(unit.index)
         return (max(given, default=0) if given else step), tensors
@@ -403,15 +406,16 @@ class OptimizerView:
         unit's compute shard from its master (rounded to param_dtype; its own tensors are
         passed, so nothing is copied twice), then the gather policy publish it (collective)."""
         for u in self.opt.units:
+            z = self.opt.zero_units[u.index]
             if not self._fused(u):
                 step, master, flat, scalars = self._rule_of(u)
                 states = [{**{k: t[s:s + n] for k, t in flat.items()},
                            **{k: torch.tensor(v) for k, v in sc.items()}}
                           for (_, _, s, n), sc in zip(u.param_slices_in_shard(), scalars)]
-                self.opt.write_rule_state(u, self._rule_step(u, step), master, states)
+                z.write_rule_state(self._rule_step(u, step), master, states)
                 continue
             step, tensors = self._state(u)
-            self.opt.write_state(u, step, *tensors, param_steps=self._steps.get(u.index))
+            z.write_state(step, *tensors, param_steps=self._steps.get(u.index))
             self._restore_lowbit(u)
         self._staged.clear()
         self._raw.clear()
@@ -423,11 +427,12 @@ class OptimizerView:
     def _restore_lowbit(self, u) -> None:
         """A low-bit unit whose every piece was saved in its format: its codes and scales (or
         bf16 moments) as saved, over what ``write_state`` quantized from their fp32 values."""
-        desc = self.opt.state_format(u)
+        z = self.opt.zero_units[u.index]
+        desc = z.state_format
         slices = list(u.param_slices_in_shard())
         if desc is None or not all((name, a) in self._raw for name, a, _, _ in slices):
             return
-        live = self.opt.read_lowbit_state(u)
+        live = z.read_lowbit_state()
         out = {k: t.detach().clone() for k, t in live.items()}
         bs = desc["block_size"]
         for name, a, s, n in slices:
@@ -437,7 +442,7 @@ class OptimizerView:
                     out[k][s // bs:s // bs + t.numel()] = t
                 else:
                     out[k][s:s + n] = t
-        self.opt.write_lowbit_state(u, out)
+        z.write_lowbit_state(out)
 
     # -- Pretrained weights (``pretrained.py``): values only, one unit at a time. --
 
@@ -451,12 +456,13 @@ class OptimizerView:
         one unit is in host RAM at a time). Call :meth:`finish_fresh` after."""
         self._staged.clear()
         for u in self.opt.units:
-            _, (master, exp_avg, exp_avg_sq) = self.opt.read_state(u)
+            z = self.opt.zero_units[u.index]
+            _, (master, exp_avg, exp_avg_sq) = z.read_state()
             for name, a, s, n in u.param_slices_in_shard():
                 fill(name, a, a + n, master[s:s + n])
             exp_avg.zero_()
             exp_avg_sq.zero_()
-            self.opt.write_state(u, 0, master, exp_avg, exp_avg_sq)
+            z.write_state(0, master, exp_avg, exp_avg_sq)
         for fp in self.frozen_pieces(write=True):
             fill(fp.name, fp.start, fp.end, fp.tensor)
 
@@ -475,7 +481,7 @@ class OptimizerView:
         units = [(u, True) for u in self.opt.units] + [(u, False) for u in self.frozen_units]
         for u, trainable in units:
             if trainable:
-                shard = self.opt.read_state(u)[1][0]
+                shard = self.opt.zero_units[u.index].read_state()[1][0]
                 full = self._gather(u, shard)
             else:
                 with u.shard_values() as shard:

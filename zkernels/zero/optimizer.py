@@ -38,7 +38,6 @@ from .parameters.stage3 import GatherSchedule
 from .planning.offload_config import OffloadConfig
 from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
 from .planning.state_format import group_formats, split_group_formats
-from .state.lowbit_state import describe_format
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .unit import ZeroUnit
@@ -157,7 +156,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the stage's :class:`~zkernels.zero.planning.policy.StagePolicy`.
         ops: the :class:`~zkernels.ops.OpSet` every op goes through.
         units: the :class:`~zkernels.zero.parameters.units.FlatParamUnit` list, in launch order.
-        zero_units: each unit's :class:`~zkernels.zero.unit.ZeroUnit` (its step), by index.
+        zero_units: each unit's :class:`~zkernels.zero.unit.ZeroUnit` (its step, its state in
+            and out), by index.
         frozen_units: stage 3: the frozen parameters' flat units (gathered with their unit,
             no state; see [Note: frozen parameters at stage 3] in ``units.py``); else empty.
         shard_update: the update engine (``state/engine.py``), placed by ``placement.py``;
@@ -515,79 +515,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def param_dtype(self) -> torch.dtype:
         return self.precision.param_dtype
 
-    def state_step(self, unit) -> int:
-        """AdamW steps applied to ``unit``'s shard."""
-        return self.shard_update.states[unit.index].step
-
-    def param_steps(self, unit) -> list:
-        """Each of ``unit``'s parameters' AdamW step counts ([Note: unused parameters])."""
-        return list(self.shard_update.states[unit.index].param_steps)
-
-    def read_state(self, unit):
-        """``(step, (master, exp_avg, exp_avg_sq))`` of ``unit``'s shard (NVMe: read from its
-        files, written back by :meth:`write_state`)."""
-        return self.state_step(unit), tuple(self.shard_update.state_tensors(unit.index))
-
-    def write_state(self, unit, step: int, master: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, param_steps=None) -> None:
-        """Restore ``unit``'s state and rebuild its compute shard from ``master``
-        (``param_steps`` None: every parameter's count is ``step``)."""
-        self.shard_update.load_state(unit, step, master, exp_avg, exp_avg_sq, param_steps)
-
-    def state_format(self, unit):
-        """``{"dtype": "bf16" | "int8", "block_size": int}`` (int8: and the ``"code"`` of its
-        map) of a unit whose moments are low-bit (``state_dtype``), or None (fp32 moments)."""
-        return describe_format(self.state_formats[unit.group_index])
-
-    def read_lowbit_state(self, unit):
-        """A low-bit unit's moments as trained (live tensors: bf16, or int8/uint8 codes and
-        fp32 block scales), or None (fp32 moments: :meth:`read_state` has them)."""
-        return self.shard_update.lowbit_tensors(unit.index)
-
-    def write_lowbit_state(self, unit, tensors) -> None:
-        """Restore a low-bit unit's moments, bit for bit, from tensors of its own format
-        (after :meth:`write_state` restored its master and counts)."""
-        self.shard_update.load_lowbit(unit.index, tensors)
-
     @property
     def optimizer_names(self):
         """Each param group's optimizer: "adamw" (the fused AdamW) or the torch class name."""
         return [s.name for s in self.optimizer_specs]
-
-    def read_rule_state(self, unit):
-        """A torch class's unit: ``(step, master, [state dict per piece])``, the pieces in
-        ``unit.param_slices_in_shard()`` order; the fused AdamW's: its moments as pieces."""
-        if self.optimizer_specs[unit.group_index].fused:
-            step, (master, m, v) = self.read_state(unit)
-            return step, master, [{"exp_avg": m[s:s + n], "exp_avg_sq": v[s:s + n]}
-                                  for _, _, s, n in unit.param_slices_in_shard()]
-        return self.shard_update.rule_state(unit.index)
-
-    def write_rule_state(self, unit, step: int, master: torch.Tensor, states) -> None:
-        """Restore what :meth:`read_rule_state` gave and rebuild the compute shard."""
-        if self.optimizer_specs[unit.group_index].fused:
-            _, (_, m, v) = self.read_state(unit)
-            m, v = m.clone(), v.clone()
-            for (_, _, s, n), st in zip(unit.param_slices_in_shard(), states):
-                m[s:s + n] = st["exp_avg"]
-                v[s:s + n] = st["exp_avg_sq"]
-            self.write_state(unit, step, master, m, v)
-            return
-        self.shard_update.load_rule_state(unit, step, master, states,
-                                          self.param_groups[unit.group_index])
-
-    def read_owned_state(self, unit):
-        """The torch format state of ``unit``'s parameters this rank owns (whole-matrix
-        classes: [Note: whole matrices on owners]), by name; empty for other units."""
-        m = self.shard_update.matrix
-        if m is None or unit.index not in m.records:
-            return {}
-        return m.owned_states(unit.index)
-
-    def write_owned_state(self, unit, step: int, master: torch.Tensor, states) -> None:
-        """Restore :meth:`read_owned_state` and the master shard; rebuild the compute shard."""
-        self.shard_update.load_owned_state(unit, step, master, states,
-                                           self.param_groups[unit.group_index])
 
     def publish(self, units) -> None:
         """Every rank's parameters follow these units' shards (collective, unmetered)."""

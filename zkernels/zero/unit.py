@@ -42,6 +42,10 @@ shard all carry the same index k):
   into its file where it is on disk, else by a copy); then k publishes: stages 1-2 all-gather
   every rank's new shard into the full buffer while the next unit updates, stage 3 frees a full
   copy that is now stale (the next forward gathers the new shards).
+- Save and load. ``state_dict()``, ``zkernels.checkpoint`` and ``model.load_state_dict`` read
+  and write k's state through :class:`ZeroUnit` (``read_state`` / ``write_state`` and their
+  low-bit, torch-class and whole-matrix forms, through the engine's place: NVMe reads and
+  writes the files), then publish as the step does ([Note: the declared checkpoint view]).
 
 [Note: a ZeroUnit per flat]
 A stage-3 ``GatherUnit`` may hold several flats: one per param group of its module and its
@@ -55,12 +59,16 @@ flat does not gather alone outside that schedule.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ..comm.base import Comm, Handle
 from .parameters.units import FlatParamUnit
+from .state.lowbit_state import dequantized, describe_format, quantized
+from .state.matrix_rule import MatrixUnitRule
+from .state.places import KINDS
+from .state.rule_swap import SwappedRule
 
 
 class ZeroUnit:
@@ -82,7 +90,7 @@ class ZeroUnit:
 
     def __init__(self, flat: FlatParamUnit, bucket, engine, group: dict) -> None:
         self.flat, self.bucket, self.group = flat, bucket, group
-        self._engine = engine
+        self._engine, self._place = engine, engine.place
         if bucket.unit is not flat or engine.states[flat.index].unit is not flat:
             raise ValueError(f"unit {flat.index}: its gradient bucket and state record must "
                              f"be the flat's own (built in the same index order)")
@@ -110,9 +118,147 @@ class ZeroUnit:
             the handle of its all-gather (stages 1-2; stage 3 sends nothing).
         """
         self._engine.update(self.flat, grad, self.group, grad_scale, live)
-        return self.publish(comm)
+        return self.flat.gather.publish(comm)   # every rank's copy follows the new shard
 
-    def publish(self, comm: Comm) -> Handle:
-        """Make every rank's copy of its parameters follow its updated shard."""
-        return self.flat.gather.publish(comm)
+    # -- its state in and out ([Note: the declared checkpoint view]) --------------------
 
+    @property
+    def state_step(self) -> int:
+        """Steps applied to its shard (no tensor is read)."""
+        return self.state.step
+
+    @property
+    def param_steps(self) -> List[int]:
+        """Each of its parameters' step counts ([Note: unused parameters])."""
+        return list(self.state.param_steps)
+
+    @property
+    def state_format(self) -> Optional[dict]:
+        """Its low-bit moments' format as a checkpoint names it, or None (fp32 moments)."""
+        return describe_format(self.state.fmt)
+
+    def read_state(self):
+        """``(step, (master, exp_avg, exp_avg_sq))``, fp32: live tensors, or new ones read
+        from the files where on disk (a bf16 master exact, low-bit moments dequantized)."""
+        place, rec = self._place, self.state
+        place.settle()
+        if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
+            return rec.step, (rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq)
+        master = place.materialize(rec, "master", rec.master)
+        if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
+            low = self.read_lowbit_state()
+            moments = dequantized(rec.fmt, low["exp_avg"], low["exp_avg_sq"],
+                                  low.get("exp_avg_scales"), low.get("exp_avg_sq_scales"))
+        else:
+            moments = tuple(place.materialize(rec, k, t) for k, t in
+                            zip(KINDS[1:], rec.tensors()[1:]))
+        return rec.step, (master.float() if master.dtype == torch.bfloat16 else master,
+                          ) + moments
+
+    def write_state(self, step: int, master: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, param_steps: Optional[Sequence[int]] = None
+                    ) -> None:
+        """Overwrite its state (tensors, files) and rebuild its compute shard from ``master``
+        (``param_steps`` None: every parameter's count is ``step``)."""
+        place, rec = self._place, self.state
+        place.settle()
+        rec.set_step(step, param_steps)
+        if rec.rule is not None:   # a whole-matrix owner re-reads its master at the next step
+            rec.rule.master_written()
+        src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
+        if rec.fmt is not None:   # fp32 moments into low-bit state: requantized
+            at = "cpu" if rec.exp_avg.is_meta else rec.exp_avg.device   # (NVMe: in files)
+            src.update(quantized(rec.fmt, exp_avg.to(at), exp_avg_sq.to(at)))
+            for k, t in (("exp_avg_scales", rec.exp_avg_scales),
+                         ("exp_avg_sq_scales", rec.exp_avg_sq_scales)):
+                if t is not None and not t.is_meta:
+                    t.copy_(src[k])
+        for k, t in zip(KINDS, rec.tensors()):
+            if not t.is_meta:
+                t.copy_(src[k])
+        if isinstance(rec.rule, SwappedRule):   # (a model.load_state_dict: the master only)
+            if rec.master.is_meta:
+                rec.rule.write_master(master.to("cpu", torch.float32))
+        elif rec.rule is None:   # (NVMe: into its files)
+            place.fill(rec, src)
+        place.write_compute(self.flat, master.to("cpu", torch.float32) if rec.master.is_meta
+                            else rec.master)
+
+    def read_lowbit_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Its low-bit moments as trained (live tensors, or new ones read from the files on
+        NVMe), or None (fp32 moments: :meth:`read_state` has them)."""
+        live = _lowbit_live(self.state)
+        return None if live is None else {
+            k: self._place.materialize(self.state, k, t) for k, t in live.items()}
+
+    def write_lowbit_state(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Restore its low-bit moments, bit for bit, from tensors of its own format (after
+        :meth:`write_state` restored its master and counts)."""
+        self._place.settle()
+        rec, live = self.state, _lowbit_live(self.state)
+        if live is None or set(live) != set(tensors):
+            raise ValueError(f"unit {self.index}: expected low-bit moments "
+                             f"{sorted(live or ())}, got {sorted(tensors)}")
+        for k, t in live.items():
+            if tensors[k].shape != t.shape or tensors[k].dtype != t.dtype:
+                raise ValueError(f"unit {self.index}: {k} must be {t.dtype} of shape "
+                                 f"{tuple(t.shape)}, got {tensors[k].dtype} of shape "
+                                 f"{tuple(tensors[k].shape)}")
+        if rec.exp_avg.is_meta:   # NVMe: into the files
+            self._place.fill(rec, tensors, kinds=list(tensors))
+            return
+        for k, t in live.items():
+            t.copy_(tensors[k])
+
+    def read_rule_state(self):
+        """A torch class's unit: ``(step, master, [state dict per piece])``, the pieces in
+        ``flat.param_slices_in_shard()`` order; the fused AdamW's: its moments as pieces."""
+        rec = self.state
+        if rec.rule is None:
+            step, (master, m, v) = self.read_state()
+            return step, master, [{"exp_avg": m[s:s + n], "exp_avg_sq": v[s:s + n]}
+                                  for _, _, s, n in self.flat.param_slices_in_shard()]
+        master = rec.rule.master_copy() if rec.master.is_meta else rec.master
+        return rec.step, master, rec.rule.piece_states()
+
+    def write_rule_state(self, step: int, master: torch.Tensor, states) -> None:
+        """Restore what :meth:`read_rule_state` gave and rebuild the compute shard."""
+        rec = self.state
+        if rec.rule is None:
+            _, (_, m, v) = self.read_state()
+            m, v = m.clone(), v.clone()
+            for (_, _, s, n), st in zip(self.flat.param_slices_in_shard(), states):
+                m[s:s + n] = st["exp_avg"]
+                v[s:s + n] = st["exp_avg_sq"]
+            self.write_state(step, master, m, v)
+            return
+        rec.step = int(step)
+        if rec.master.is_meta:   # the master in a file ([Note: rule state on NVMe])
+            rec.rule.load(states, self.group, master=master)
+            self._place.write_compute(self.flat, master.to("cpu", torch.float32))
+            return
+        rec.master.copy_(master)
+        rec.rule.load(states, self.group)
+        self._place.write_compute(self.flat, rec.master)
+
+    def read_owned_state(self) -> Dict[str, dict]:
+        """A whole-matrix class's unit: the class's own state of each of its parameters this
+        rank owns ([Note: whole matrices on owners]), by name; empty for other units."""
+        rule = self.state.rule
+        return rule.matrix.owned_states(self.index) if isinstance(rule, MatrixUnitRule) else {}
+
+    def write_owned_state(self, step: int, master: torch.Tensor, states) -> None:
+        """Restore :meth:`read_owned_state` (same world size and layout: same owners) and
+        its master shard (``MatrixUpdate.load_owned``); rebuild its compute shard."""
+        rec = self.state
+        rec.step = int(step)
+        rec.master.copy_(master)
+        rec.rule.matrix.load_owned(self.index, states, self.group)
+        self._place.write_compute(self.flat, rec.master)
+
+
+def _lowbit_live(rec) -> Optional[Dict[str, torch.Tensor]]:
+    """A low-bit record's moment tensors (meta tensors where they live in files)."""
+    scales = dict(exp_avg_scales=rec.exp_avg_scales, exp_avg_sq_scales=rec.exp_avg_sq_scales)
+    return None if rec.fmt is None else dict(exp_avg=rec.exp_avg, exp_avg_sq=rec.exp_avg_sq,
+                                             **(scales if rec.fmt.blocked else {}))

@@ -72,10 +72,11 @@ def _write_back(opt, state_dict, prefix) -> None:
         pieces = list(_pieces(u, state_dict, prefix))
         if not pieces:
             continue
-        step, (master, exp_avg, exp_avg_sq) = opt.read_state(u)
+        z = opt.zero_units[u.index]
+        step, (master, exp_avg, exp_avg_sq) = z.read_state()
         for value, s, n in pieces:
             master[s:s + n].copy_(value)
-        opt.write_state(u, step, master, exp_avg, exp_avg_sq, opt.param_steps(u))
+        z.write_state(step, master, exp_avg, exp_avg_sq, z.param_steps)
         touched.append(u)
     for u in opt.frozen_units:   # stage 3: the frozen shards
         pieces = list(_pieces(u, state_dict, prefix))

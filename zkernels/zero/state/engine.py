@@ -23,8 +23,8 @@ from ..planning.state_format import block_align, slot_moments
 from ..parameters.units import FlatParamUnit
 from .bf16_master import on_bf16_master
 from .live_ranges import clip, live_segments
-from .lowbit_state import alloc_moments, dequantized, quantized, step_range
-from .places import KINDS, DevicePlace, Piece
+from .lowbit_state import alloc_moments, step_range
+from .places import DevicePlace, Piece
 from .shard_state import ShardState
 from .fused_rule import FusedShardRule
 from .matrix_rule import MatrixUnitRule, MatrixUpdate
@@ -170,7 +170,7 @@ class UpdateEngine:
         if spec is not None and spec.matrix:   # whole matrices on owners (matrix_rule.py)
             if self.matrix is None:
                 self.matrix = MatrixUpdate(unit.rank, unit.layout.world_size, self.specs,
-                                           place.files, place.copier)
+                                           place.whole_store())
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
         elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)
@@ -287,123 +287,6 @@ class UpdateEngine:
         transfer figures go into :attr:`last_step`."""
         self.place.finish_step(self._update_s)
         self._update_s = 0.0
-
-    # -- state in and out ---------------------------------------------------------------
-
-    def state_tensors(self, unit_index: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(master, exp_avg, exp_avg_sq)`` of a unit: the live tensors where they are in
-        memory, new CPU tensors read from the files where they are on disk (fp32 values: a
-        bf16 master's exact ones, low-bit moments dequantized)."""
-        self.place.settle()
-        rec = self.states[unit_index]
-        if isinstance(rec.rule, SwappedRule):   # (its master in RAM or in its own file)
-            return rec.rule.master_copy(), rec.exp_avg, rec.exp_avg_sq
-        master = self.place.materialize(rec, "master", rec.master)
-        if rec.fmt is not None:   # low-bit moments: their fp32 values (new tensors)
-            low = self.lowbit_tensors(unit_index)
-            moments = dequantized(rec.fmt, low["exp_avg"], low["exp_avg_sq"],
-                                  low.get("exp_avg_scales"), low.get("exp_avg_sq_scales"))
-        else:
-            moments = tuple(self.place.materialize(rec, k, t) for k, t in
-                            zip(KINDS[1:], rec.tensors()[1:]))
-        return (master.float() if master.dtype == torch.bfloat16 else master,) + moments
-
-    def load_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
-                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                   param_steps: Optional[Sequence[int]] = None) -> None:
-        """Overwrite ``unit``'s state (tensors, files) and rebuild its compute shard
-        (``param_steps`` None: every parameter's count is ``step``)."""
-        self.place.settle()
-        rec = self.states[unit.index]
-        rec.set_step(step, param_steps)
-        if rec.rule is not None:   # a whole-matrix owner re-reads its master at the next step
-            rec.rule.master_written()
-        src = dict(zip(KINDS, (master, exp_avg, exp_avg_sq)))
-        if rec.fmt is not None:   # fp32 moments into low-bit state: requantized
-            at = "cpu" if rec.exp_avg.is_meta else rec.exp_avg.device   # (NVMe: in files)
-            src.update(quantized(rec.fmt, exp_avg.to(at), exp_avg_sq.to(at)))
-            for k, t in (("exp_avg_scales", rec.exp_avg_scales),
-                         ("exp_avg_sq_scales", rec.exp_avg_sq_scales)):
-                if t is not None and not t.is_meta:
-                    t.copy_(src[k])
-        for k, t in zip(KINDS, rec.tensors()):
-            if not t.is_meta:
-                t.copy_(src[k])
-        if isinstance(rec.rule, SwappedRule):   # (a model.load_state_dict: the master only)
-            if rec.master.is_meta:
-                rec.rule.write_master(master.to("cpu", torch.float32))
-        elif rec.rule is None:   # (NVMe: into its files)
-            self.place.fill(rec, src)
-        self.place.write_compute(unit, master.to("cpu", torch.float32) if rec.master.is_meta
-                                 else rec.master)
-
-    def lowbit_tensors(self, unit_index: int) -> Optional[Dict[str, torch.Tensor]]:
-        """A low-bit unit's live moments as trained (``exp_avg``, ``exp_avg_sq`` and, int8,
-        ``exp_avg_scales``, ``exp_avg_sq_scales``), or None where its moments are fp32."""
-        rec = self.states[unit_index]
-        out = self._lowbit_live(rec)
-        if out is not None:   # (NVMe: new tensors read from the files)
-            out = {k: self.place.materialize(rec, k, t) for k, t in out.items()}
-        return out
-
-    @staticmethod
-    def _lowbit_live(rec: ShardState) -> Optional[Dict[str, torch.Tensor]]:
-        """A low-bit record's moment tensors (meta tensors where they live in files)."""
-        if rec.fmt is None:
-            return None
-        out = {"exp_avg": rec.exp_avg, "exp_avg_sq": rec.exp_avg_sq}
-        if rec.fmt.blocked:
-            out.update(exp_avg_scales=rec.exp_avg_scales,
-                       exp_avg_sq_scales=rec.exp_avg_sq_scales)
-        return out
-
-    def load_lowbit(self, unit_index: int, tensors: Dict[str, torch.Tensor]) -> None:
-        """Overwrite a low-bit unit's moments with tensors of its own format (bit for bit)."""
-        self.place.settle()
-        rec = self.states[unit_index]
-        live = self._lowbit_live(rec)
-        if live is None or set(live) != set(tensors):
-            raise ValueError(f"unit {unit_index}: expected low-bit moments "
-                             f"{sorted(live or ())}, got {sorted(tensors)}")
-        for k, t in live.items():
-            if tensors[k].shape != t.shape or tensors[k].dtype != t.dtype:
-                raise ValueError(f"unit {unit_index}: {k} must be {t.dtype} of shape "
-                                 f"{tuple(t.shape)}, got {tensors[k].dtype} of shape "
-                                 f"{tuple(tensors[k].shape)}")
-        if rec.exp_avg.is_meta:   # NVMe: into the files
-            self.place.fill(rec, tensors, kinds=list(tensors))
-            return
-        for k, t in live.items():
-            t.copy_(tensors[k])
-
-    def rule_state(self, unit_index: int):
-        """``(step, master, per-piece states)`` of a torch class's unit (live tensors)."""
-        rec = self.states[unit_index]
-        master = rec.rule.master_copy() if rec.master.is_meta else rec.master
-        return rec.step, master, rec.rule.piece_states()
-
-    def load_rule_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
-                        states, group: dict) -> None:
-        """Overwrite a torch class's unit state and rebuild its compute shard."""
-        rec = self.states[unit.index]
-        rec.step = int(step)
-        if rec.master.is_meta:   # the master in a file ([Note: rule state on NVMe])
-            rec.rule.load(states, group, master=master)
-            self.place.write_compute(unit, master.to("cpu", torch.float32))
-            return
-        rec.master.copy_(master)
-        rec.rule.load(states, group)
-        self.place.write_compute(unit, rec.master)
-
-    def load_owned_state(self, unit: FlatParamUnit, step: int, master: torch.Tensor,
-                         states, group: dict) -> None:
-        """A whole-matrix class's unit: its master shard and the owned parameters' state in
-        the class's format (``MatrixUpdate.load_owned``); rebuild its compute shard."""
-        rec = self.states[unit.index]
-        rec.step = int(step)
-        rec.master.copy_(master)
-        self.matrix.load_owned(unit.index, states, group)
-        self.place.write_compute(unit, rec.master)
 
     # -- accounting and lifetime --------------------------------------------------------
 

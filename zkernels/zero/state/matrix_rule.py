@@ -58,7 +58,6 @@ import torch
 
 from ..planning.matrix_plan import OwnerPlan, matrix_cost
 from ..planning.optimizer_spec import OptimizerSpec
-from .matrix_swap import WholeSwap
 
 # Each class's state tensors (their keys) and 0-dim state for a parameter of ``ndim`` dims.
 _KEYS = {
@@ -98,17 +97,16 @@ class MatrixUpdate:
     Args:
         rank, world_size: this rank in the shard group.
         specs: each param group's :class:`OptimizerSpec`.
-        files: NVMe offload: the run's ``NvmeFiles``; the owned whole masters and state then
-            live in files ([Note: whole matrices on NVMe] in ``matrix_swap.py``).
-        copier: with ``files``: the engine's copier, which brings the gradient shards (on
-            the device with NVMe) to the host, counted as a rule's are.
+        store: where the owned whole masters and state live, the state's place's
+            (``place.whole_store()``, ``matrix_swap.py``): in memory beside the state, or
+            in files with NVMe offload, one matrix in RAM at a time ([Note: whole matrices
+            on NVMe]; it ``streams``).
     """
 
     def __init__(self, rank: int, world_size: int, specs: Sequence[OptimizerSpec],
-                 files=None, copier=None) -> None:
+                 store) -> None:
         self.rank, self.world_size, self.specs = rank, world_size, list(specs)
-        self.swap = WholeSwap(files) if files is not None else None
-        self.copier = copier
+        self.store = store
         self.items: List[_Item] = []
         self.records: Dict[int, object] = {}          # unit index -> ShardState
         self.owners = OwnerPlan(world_size)   # (planning/matrix_plan.py: the estimate's too)
@@ -152,8 +150,7 @@ class MatrixUpdate:
             k = len(self.items)
             self.items.append(it)
             if it.owner == self.rank:
-                self.whole[k] = WholeSwap.placeholder(it.shape) if self.swap is not None \
-                    else torch.zeros(it.shape, dtype=torch.float32, device=rec.master.device)
+                self.whole[k] = self.store.new(it.shape, rec.master.device)
 
     def owned(self, unit_index: Optional[int] = None) -> List[int]:
         return [k for k, it in enumerate(self.items) if it.owner == self.rank and
@@ -182,16 +179,13 @@ class MatrixUpdate:
     def _held(self, k: int, master: str = "read", write: bool = True):
         """Owned item ``k``'s whole master and state in RAM for the block (with files: read
         in, then written back if ``write``; [Note: whole matrices on NVMe])."""
-        if self.swap is None:
-            yield
-            return
         it = self.items[k]
-        self.swap.bring_in(k, self.whole[k], self._state(k), master)
+        self.store.bring_in(k, self.whole[k], self._state(k), master)
         try:
             yield
         finally:
-            self.swap.write_out(k, it.unit_index, it.pos, self.whole[k], self._state(k),
-                                master != "none", write)
+            self.store.write_out(k, it.unit_index, it.pos, self.whole[k], self._state(k),
+                                 master != "none", write)
 
     def _pieces_of(self, k: int) -> Dict[int, torch.Tensor]:
         flat, it = self.whole[k].view(-1), self.items[k]
@@ -229,8 +223,7 @@ class MatrixUpdate:
         gradient shard; ``live[u]``: its per-parameter gradient flags (None: all)."""
         if not self.items:
             return
-        if self.swap is not None:   # (NVMe: the shards to the host, counted)
-            shards = {u: self._host(shards[u]) for u in self.records}
+        shards = self.store.gradients(shards, self.records)   # (NVMe: to the host, counted)
         n, me, stale = self.world_size, self.rank, self.stale
         per = 2 if stale else 1
         sizes = [[0] * n for _ in range(n)]
@@ -253,12 +246,12 @@ class MatrixUpdate:
             w = self.whole[kk]
             with self._held(kk, "fresh" if stale else "read"):
                 self._gather_one(it, w, shards, got, cursor, stale, per, grad_scale, live)
-                if self.swap is not None:   # one matrix at a time (its own class step)
+                if self.store.streams:   # one matrix at a time (its own class step)
                     self._step_one(kk, groups[it.group_index])
                     sent[kk] = self._pieces_of(kk)
             stepped.add(it.group_index)
         self.stale = False
-        if self.swap is None:
+        if not self.store.streams:
             for gi in sorted(stepped):
                 opt = self._class(gi, groups[gi])
                 opt.param_groups[0].update(self._hparams(gi, groups[gi]))
@@ -267,12 +260,7 @@ class MatrixUpdate:
                 finally:
                     for p in opt.param_groups[0]["params"]:
                         p.grad = None
-        self._publish(comm, meter, sent if self.swap is not None else None)
-
-    def _host(self, shard: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(shard.shape, dtype=shard.dtype)
-        self.copier.to_host(host, shard).wait()
-        return host
+        self._publish(comm, meter, sent)
 
     def _step_one(self, k: int, group: dict) -> None:
         gi = self.items[k].group_index
@@ -307,13 +295,13 @@ class MatrixUpdate:
         w.grad = _scaled(g, grad_scale).view(it.shape) \
             if flags is None or flags[it.pos] else None
 
-    def _publish(self, comm, meter, sent=None) -> None:
+    def _publish(self, comm, meter, sent: Dict[int, Dict[int, torch.Tensor]]) -> None:
         """Every rank's master pieces from the owners' whole masters (the Note's step 3);
-        ``sent``: each owned item's pieces by rank (with files: copied out at its step)."""
+        ``sent``: owned items' pieces by rank, copied out at their step (a store that streams)."""
         n, me = self.world_size, self.rank
 
         def piece(k: int, r: int) -> torch.Tensor:
-            if sent is not None:
+            if k in sent:
                 return sent[k][r]
             a, _, m = self.items[k].pieces[r]
             return self.whole[k].view(-1)[a:a + m]
@@ -507,7 +495,7 @@ class MatrixUpdate:
         """The owner's tensors of the unit's parameters (whole masters, state; in files with
         NVMe: none held between steps)."""
         out = []
-        if self.swap is not None:
+        if self.store.streams:
             return out
         for k in self.owned(unit_index):
             out.append(self.whole[k])

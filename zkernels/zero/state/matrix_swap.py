@@ -1,5 +1,6 @@
-"""An owner's whole matrices in swap files (``offload="nvme"`` with Muon or Adafactor): each
-owned parameter's whole fp32 master and its class state in RAM only for its own update.
+"""Where an owner keeps its whole matrices (``place.whole_store()``): in memory, or in swap
+files (``offload="nvme"`` with Muon or Adafactor): each owned parameter's whole fp32 master and
+its class state in RAM only for its own update.
 
 [Note: whole matrices on NVMe]
 With NVMe offload :class:`~zkernels.zero.state.matrix_rule.MatrixUpdate` keeps what an owner
@@ -31,6 +32,7 @@ import torch
 
 from .nvme_files import NvmeFiles
 from .swap import SwapFile, aligned_empty, round_up
+from .transfer import Copier
 
 
 def _buffer(numel: int) -> torch.Tensor:
@@ -39,22 +41,54 @@ def _buffer(numel: int) -> torch.Tensor:
     return buf
 
 
+class WholeInMemory:
+    """An owner's whole matrices in memory beside the state (device, or host RAM with CPU
+    offload), held across steps (``streams`` False: each class steps once over all of them);
+    nothing to read or write around a use, the gradient shards used where they are."""
+
+    streams = False
+
+    def new(self, shape, device: torch.device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def bring_in(self, k: int, w: torch.Tensor, state: dict, master: str = "read") -> None:
+        pass
+
+    def write_out(self, k: int, unit_index: int, pos: int, w: torch.Tensor, state: dict,
+                  master: bool = True, write: bool = True) -> None:
+        pass
+
+    def gradients(self, shards, units):
+        return shards
+
+
 class WholeSwap:
-    """The files of an owner's whole matrices (see [Note: whole matrices on NVMe]).
+    """The files of an owner's whole matrices, one in RAM at a time (``streams``: each steps
+    on its own; see [Note: whole matrices on NVMe]).
 
     Args:
         files: the run's :class:`NvmeFiles`.
+        copier: the offload's :class:`Copier`, which brings the gradient shards (on the
+            device with NVMe) to the host, counted as a rule's are.
     """
 
-    def __init__(self, files: NvmeFiles) -> None:
-        self.files = files
+    streams = True
+
+    def __init__(self, files: NvmeFiles, copier: Copier) -> None:
+        self.files, self.copier = files, copier
         self.swaps: Dict[Tuple[int, str], SwapFile] = {}   # (item, key) -> its file
         self._bufs: Dict[Tuple[int, str], torch.Tensor] = {}
 
-    @staticmethod
-    def placeholder(shape) -> torch.Tensor:
+    def new(self, shape, device: torch.device) -> torch.Tensor:
         """What the class steps between steps (4 bytes)."""
         return torch.zeros(1).expand(tuple(shape))
+
+    def gradients(self, shards, units):
+        """Each unit's gradient shard copied to host RAM (counted)."""
+        out = {u: torch.empty(shards[u].shape, dtype=shards[u].dtype) for u in units}
+        for u in units:
+            self.copier.to_host(out[u], shards[u]).wait()
+        return out
 
     def _read(self, k: int, key: str) -> torch.Tensor:
         f = self.swaps[(k, key)]
@@ -105,5 +139,5 @@ class WholeSwap:
                 if key != "master":
                     state[key] = torch.empty(t.shape, dtype=t.dtype, device="meta")
             if master or (k, "master") in self._bufs:
-                w.data = self.placeholder(w.shape)
+                w.data = self.new(w.shape, w.device)
             self._bufs = {}

@@ -29,6 +29,7 @@ from ...ops import OpSet
 from ..planning.offload_config import (NUM_NVME_BUFFERS, nvme_slot_views,
                                        nvme_sub_group_align, nvme_sub_group_numel)
 from .matrix_rule import MatrixUnitRule
+from .matrix_swap import WholeSwap
 from .nvme_files import SCALE_KINDS, NvmeFiles
 from .places import OffloadPlace, Piece, Slot
 from .rule_swap import SwappedRule
@@ -147,6 +148,10 @@ class NvmePlace(OffloadPlace):
     def settle(self) -> None:
         super().settle()
         self._prefetched = None
+
+    def whole_store(self) -> WholeSwap:
+        """The owners' whole matrices in files ([Note: whole matrices on NVMe])."""
+        return WholeSwap(self.files, self.copier)
 
     def update_order(self, units: Sequence) -> list:
         """Index order: unit i+1's first sub-group is read while unit i updates."""

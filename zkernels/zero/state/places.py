@@ -10,7 +10,8 @@ NVMe offload step]). A place owns what differs by where the bytes live: each sta
 allocation (``where``, ``alloc``), a new unit's record (``add``: its host gradient shard, the
 slots, its files or a rule's swap), the sub-groups and their tensors (``pieces``), the step's
 start and finish (one read of the scale, the copies and I/O still running, the figures), the
-update order, adopting a kept run, what it holds, and ``close``. The same object carries the
+update order, where a whole-matrix class's owners keep their matrices (``whole_store``),
+adopting a kept run, what it holds, and ``close``. The same object carries the
 parameter shards' storage as ``params`` ([Note: shard storage] in ``parameters/storage.py``),
 which ``make_engine`` injects into the parameter side's builders; its in-memory state kinds
 come from ``storage`` (the device's ``DeviceStorage`` or the host's ``HostStorage``). With
@@ -54,6 +55,7 @@ import torch
 from ...ops import OpSet
 from ..parameters.storage import DeviceStorage
 from .grad_sink import GradShards
+from .matrix_swap import WholeInMemory
 from .shard_state import ShardState
 from .transfer import Copier, Fence
 
@@ -108,7 +110,6 @@ class DevicePlace:
         where: each state kind's location ("device", "host" or "disk"), for ``stats()``.
         grad_sink: CPU offload's host gradient shards (the gradient strategy fills them), or
             None (the strategy keeps its own); ``grad_ops``: the OpSet of the shards.
-        files, copier: NVMe's files and the offload's copier, for the whole-matrix update.
         sub_group_numel: elements per AdamW call (0: a shard whole).
         resumed: a kept run was adopted; ``closed``: ``close()`` ran; ``last_step``: the
             last step's transfer figures.
@@ -116,7 +117,6 @@ class DevicePlace:
 
     name, step_at = "device", "device"
     grad_sink: Optional[GradShards] = None
-    files = copier = None
     sub_group_numel = 0
     resumed = closed = False
 
@@ -190,6 +190,10 @@ class DevicePlace:
     def materialize(self, rec: ShardState, kind: str, t: torch.Tensor) -> torch.Tensor:
         """State ``kind`` of ``rec`` (its tensor ``t``) as a tensor in memory."""
         return t
+
+    def whole_store(self) -> WholeInMemory:
+        """Where a whole-matrix class's owners keep their whole matrices (matrix_swap.py)."""
+        return WholeInMemory()
 
     def update_order(self, units: Sequence) -> list:
         """Forward order (units are in backward order), so the gathers land as the next

@@ -25,7 +25,7 @@ class ShardState:
         unit: the unit (its index, layout, names and shard are read through it).
         master: [shard_numel] fp32; in pure fp32 on the device a view of the unit's compute
             shard; a meta tensor where the master lives in files (read with
-            ``engine.state_tensors``).
+            ``ZeroUnit.read_state``).
         exp_avg, exp_avg_sq: [shard_numel] fp32 AdamW moments (meta tensors on NVMe).
         step: AdamW steps applied to the unit (``update`` calls).
         param_steps: each parameter's AdamW step count (it advances only on a step where

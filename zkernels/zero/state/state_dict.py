@@ -5,10 +5,10 @@ this rank's slice of the parameters), so loading restores the parameters exactly
 mixed precision, where the model's own state_dict holds only the rounded compute copy. It
 reads and writes the optimizer through the declared view (``CheckpointSource`` in
 ``zkernels/zero/checkpoint_view.py``): the units (``opt.units``: layout and index) and each
-unit's state (``read_state`` / ``write_state``); the key "buckets" of the fingerprint is kept
-for format stability. At stage 3 the frozen parameters exist only as shards
-(``opt.frozen_units``, see [Note: frozen parameters at stage 3] in ``units.py``), so their
-shards are saved too (``"frozen"``), in the dtype they are kept in.
+unit's state (``opt.zero_units[u.index]``: ``read_state`` / ``write_state``); the key
+"buckets" of the fingerprint is kept for format stability. At stage 3 the frozen parameters
+exist only as shards (``opt.frozen_units``, see [Note: frozen parameters at stage 3] in
+``units.py``), so their shards are saved too (``"frozen"``), in the dtype they are kept in.
 """
 from __future__ import annotations
 
@@ -75,15 +75,16 @@ def _param_index(opt) -> Dict[str, int]:
 def _pieces_state(opt) -> Dict[str, Any]:
     index, state, pieces, masters, owned = _param_index(opt), {}, {}, {}, []
     for u in opt.units:
+        z = opt.zero_units[u.index]
         if _matrix(opt, u):
-            whole = opt.read_owned_state(u)
-            masters[u.index] = opt.read_state(u)[1][0].detach().clone()
+            whole = z.read_owned_state()
+            masters[u.index] = z.read_state()[1][0].detach().clone()
             for name, st in whole.items():
                 k = index[name]
                 state[k], pieces[k] = st, [0, int(u.layout.numels[u.names.index(name)])]
                 owned.append(k)
             continue
-        step, master, states = opt.read_rule_state(u)
+        step, master, states = z.read_rule_state()
         masters[u.index] = master.detach().clone()
         for (name, a, _, n), st in zip(u.param_slices_in_shard(), states):
             k = index[name]
@@ -123,22 +124,24 @@ def state_dict(opt) -> Dict[str, Any]:
                 "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
                 "optimizers": _optimizers(opt), "pieces": got["pieces"],
                 "masters": got["masters"], "owned": got["owned"],
-                "steps": {u.index: opt.state_step(u) for u in opt.units}, **opt.counters()}
+                "steps": {u.index: opt.zero_units[u.index].state_step for u in opt.units},
+                **opt.counters()}
         out = {"state": got["state"], "param_groups": groups, "zero": zero}
         _add_frozen(opt, out)
         return out
     state = {}
     for u in opt.units:
+        z = opt.zero_units[u.index]
         # NVMe offload reads its moments (and master) from disk.
-        step, (master, exp_avg, exp_avg_sq) = opt.read_state(u)
-        state[u.index] = {"step": step, "param_steps": opt.param_steps(u),
+        step, (master, exp_avg, exp_avg_sq) = z.read_state()
+        state[u.index] = {"step": step, "param_steps": z.param_steps,
                           "master": master.detach().clone(),
                           "exp_avg": exp_avg.detach().clone(),
                           "exp_avg_sq": exp_avg_sq.detach().clone()}
-        low = opt.read_lowbit_state(u)
+        low = z.read_lowbit_state()
         if low is not None:   # [Note: low-bit state in a state_dict]
             state[u.index].update({k: v.detach().clone() for k, v in low.items()},
-                                  state_format=opt.state_format(u))
+                                  state_format=z.state_format)
     comm = opt.checkpoint_comm
     zero = {"world_size": comm.world_size, "rank": comm.rank, "stage": opt.stage,
             "param_dtype": str(opt.param_dtype), "buckets": _fingerprint(opt),
@@ -210,26 +213,25 @@ def load_state_dict(opt, sd: Dict[str, Any]) -> None:
         if "optimizers" in zero:   # [Note: the state_dict of a torch class]
             index = _param_index(opt)
             for u in opt.units:
+                z = opt.zero_units[u.index]
                 if _matrix(opt, u):
-                    opt.write_owned_state(u, zero["steps"][u.index], zero["masters"][u.index],
-                                          {n: sd["state"][index[n]] for n in u.names
-                                           if index[n] in sd["state"]})
+                    z.write_owned_state(zero["steps"][u.index], zero["masters"][u.index],
+                                        {n: sd["state"][index[n]] for n in u.names
+                                         if index[n] in sd["state"]})
                     continue
                 states = [{k: v for k, v in sd["state"][index[name]].items()
                            if not (k == "step" and opt.optimizer_names[u.group_index]
                                    == "adamw")}
                           for name, _, _, _ in u.param_slices_in_shard()]
-                opt.write_rule_state(u, zero["steps"][u.index], zero["masters"][u.index],
-                                     states)
+                z.write_rule_state(zero["steps"][u.index], zero["masters"][u.index], states)
         for u in opt.units if "optimizers" not in zero else ():
-            s = sd["state"][u.index]
-            saved, here = s.get("state_format"), opt.state_format(u)
+            s, z = sd["state"][u.index], opt.zero_units[u.index]
+            saved, here = s.get("state_format"), z.state_format
             exp_avg, exp_avg_sq = fp32_moments(saved, s)
             # (a state saved before per-parameter counts has one "step" for the unit)
-            opt.write_state(u, s["step"], s["master"], exp_avg, exp_avg_sq,
-                            s.get("param_steps"))
+            z.write_state(s["step"], s["master"], exp_avg, exp_avg_sq, s.get("param_steps"))
             if here is not None and saved == here:
-                opt.write_lowbit_state(u, {k: s[k] for k in LOWBIT_KEYS if k in s})
+                z.write_lowbit_state({k: s[k] for k in LOWBIT_KEYS if k in s})
             elif saved != here:
                 converted.append((u.index, saved, here))
         for u in frozen_units if frozen else ():  # stage 3: the frozen shards
