@@ -673,6 +673,9 @@ ROWS = [
     (R(2, shard_size=1, steps=3), ("parity",), HYBRID),
     (R(3, shard_size=2, steps=3, micro=2), ("parity",), HYBRID),
     (R(2, offload="cpu", shard_size=2, steps=3), ("parity",), HYBRID),
+    # a bf16 master ([Note: bf16 master]): bf16 gathers, no master apart from the bf16 shard
+    *[(R(s, "bf16", shard_size=2, steps=3, master="bf16"), ("parity",), HYBRID)
+      for s in (2, 3)],
     # reshard_after_forward=R: the backward gathers within groups of 2 of the 4 ranks
     (R(3, reshard=2, steps=3), ("parity",), HYBRID),
     # element-wise torch.optim classes on the shards (issue 26), against the class itself

@@ -130,7 +130,8 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None, row=None):
     comm = opt.stats()["comm_bytes"]
     rs = padded * 4 * (K - 1) // K                   # fp32 reduce-scatter within the group
     gathers = 2 if stage == 3 else 1                 # stage 3 gathers in forward and backward
-    ag = gathers * padded * 4 * (K - 1) // K
+    pb = opt.param_dtype.itemsize                    # gathered in the compute dtype
+    ag = gathers * padded * pb * (K - 1) // K
     # The cross-group all-reduce of each reduced shard (ring: 2 x bytes x (G-1)/G, per bucket).
     across = sum(2 * u.layout.shard_numel * 4 * (g - 1) // g for u in opt.units)
     # Within the group: the 4-byte norm/flag all-reduce and, at stage 3, the 16-byte path
@@ -151,16 +152,20 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None, row=None):
     assert mem["optimizer_states"] == sum(state_bytes(u.layout.shard_numel, fmt)
                                           for u in opt.units), mem
     assert (fmt is None) == (state is None)
-    assert mem["params"] == (4 * shard if stage == 3 else 4 * padded), mem
+    assert mem["params"] == pb * (shard if stage == 3 else padded), mem
     assert mem["grads"] == (4 * padded if stage == 1 else 4 * shard), mem
-    assert mem["master"] == (4 * shard if offload else 0), mem
+    # The master apart from the parameter shard unless it is that shard ([Note: bf16 master]).
+    mdt = opt.shard_update.master_dtype
+    assert mem["master"] == (0 if mdt == opt.param_dtype and not offload
+                             else mdt.itemsize * shard), mem
     if stage == 3:  # between steps: the formula with N -> K and nothing else (no reduce buffer)
         assert mem["buffers"] == 0, mem
         assert mem["total"] == sum(mem[k] for k in ("params", "grads", "master",
                                                      "optimizer_states")), mem
-    est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, offload=offload,
-                             state_dtype=state)
-    plain = zk.estimate_memory(make_model(), K, stage, offload=offload, state_dtype=state)
+    kw = dict(offload=offload, state_dtype=state, param_dtype=opt.param_dtype,
+              master_dtype=mdt)
+    est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, **kw)
+    plain = zk.estimate_memory(make_model(), K, stage, **kw)
     for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):
         assert getattr(est, kind) == getattr(plain, kind), kind
     assert abs(est.comm_across_groups_bytes - across) <= 0.02 * across + 8, (est, across)
