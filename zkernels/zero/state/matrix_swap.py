@@ -52,11 +52,11 @@ class WholeInMemory:
         return torch.zeros(shape, dtype=torch.float32, device=device)
 
     def bring_in(self, k: int, w: torch.Tensor, state: dict, master: str = "read") -> None:
-        pass
+        """Nothing to read: matrix ``k`` and its state stay in memory across steps."""
 
     def write_out(self, k: int, unit_index: int, pos: int, w: torch.Tensor, state: dict,
                   master: bool = True, write: bool = True) -> None:
-        pass
+        """Nothing to write back: the step updated matrix ``k`` where it lives."""
 
     def gradients(self, shards, units):
         return shards
