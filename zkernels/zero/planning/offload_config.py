@@ -133,8 +133,10 @@ class OffloadConfig:
 
     Attributes:
         pin_memory: None (pin host buffers when a GPU is present: page-locked memory is what
-            makes device<->host copies asynchronous), True (always: fails without a GPU) or
-            False (never: for hosts where pinning fails or is capped).
+            makes device<->host copies asynchronous), True (always where a GPU is present;
+            without one a warning and pageable memory, as DeepSpeed: [Note: pinning is a
+            hint] in zkernels/zero/state/transfer.py) or False (never: for hosts where
+            pinning fails or is capped).
         sub_group_numel: elements per CPU AdamW call (cpu offload): the updated compute
             params of one sub-group go back to the device while the next one updates.
         nvme_buffer_bytes: the most host RAM the NVMe placement holds (its aligned slots:

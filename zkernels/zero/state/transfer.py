@@ -21,24 +21,41 @@ shard, or before a host staging buffer is overwritten.
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional, Tuple
 
 import torch
 
 
+class PinMemoryIgnored(UserWarning):
+    """``pin_memory=True`` where no GPU is present: host memory stays pageable."""
+
+
+PIN_MEMORY_IGNORED = ("OffloadConfig.pin_memory=True (DeepSpeed's offload pin_memory: true) "
+                      "but no GPU is present: the offloaded host memory is not pinned "
+                      "(page-locked memory is the CUDA driver's; DeepSpeed ignores the hint "
+                      "the same way)")
+
+
 def resolve_pin_memory(pin_memory: Optional[bool], device: torch.device) -> bool:
     """Whether host buffers are pinned: None -> when a GPU is present.
 
-    Raises:
-        ValueError: ``pin_memory=True`` where no GPU is present (``pin_memory()`` needs one).
+    [Note: pinning is a hint]
+    ``pin_memory=True`` where no GPU is present warns (:class:`PinMemoryIgnored`) and pins
+    nothing, as DeepSpeed does (its CPU accelerator's ``pin_memory`` returns the tensor as it
+    is): transformers' own ZeRO-2/3 example configs say ``"pin_memory": true``, and a config
+    that trains on a GPU host must train on a CPU-only one too. ``Tensor.pin_memory()`` fails
+    on CPU-only torch, so nothing pins then. Called once per optimizer (its :class:`Copier`);
+    the warning's text and category are fixed and it is raised from this one line, so
+    Python's default filter shows it once per process, with no state kept here.
     """
     gpu = torch.cuda.is_available()
     if pin_memory is None:
         return gpu and device.type == "cuda"
     if pin_memory and not gpu:
-        raise ValueError("OffloadConfig.pin_memory=True needs a GPU (page-locked memory is "
-                         "allocated through the CUDA driver): pass None or False here")
+        warnings.warn(PIN_MEMORY_IGNORED, PinMemoryIgnored)
+        return False
     return bool(pin_memory)
 
 
