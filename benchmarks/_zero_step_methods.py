@@ -304,6 +304,19 @@ class FSDP2Method(_TorchMethod):
         return _count({"buffers": kinds.pop("buffers")}, host=kinds)
 
 
+def zero_keywords() -> frozenset:
+    """The keywords this tree's ``ZeroOptimizer`` takes by name: since the config-first
+    constructor, those it routes through ``**overrides`` too (``config_keywords.KEYWORDS``);
+    before it, its signature's (a before/after run imports an older tree)."""
+    import zkernels
+
+    try:
+        from zkernels.zero.config_keywords import KEYWORDS
+    except ImportError:   # a tree from before the config-first constructor
+        return frozenset(inspect.signature(zkernels.ZeroOptimizer).parameters)
+    return KEYWORDS
+
+
 class ZkMethod(_Method):
     """``zkernels.ZeroOptimizer(model, lr=..., **kw)``: its own backward, step and stats; with
     ``offload``, an ``OffloadConfig`` whose NVMe slots take ``--nvme-budget`` bytes."""
@@ -335,7 +348,7 @@ class ZkMethod(_Method):
         """
         import zkernels
 
-        accepted = inspect.signature(zkernels.ZeroOptimizer).parameters
+        accepted = zero_keywords()
         missing = [k for k in kw if k not in accepted]
         if missing:
             raise MethodUnavailable(f"needs {', '.join(missing)} (not in this tree: "

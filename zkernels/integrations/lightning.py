@@ -72,6 +72,7 @@ except ImportError as exc:   # lightning is an extra: say which one
 
 from .. import checkpoint as zk_checkpoint
 from ..zero import ZeroOptimizer
+from ..zero.config_keywords import KEYWORDS as ZERO_KEYWORDS
 from ..zero.planning.config import CONFIG_KWARGS, ZeroConfig
 from ..zero.planning.optimizer_spec import resolve_optimizer
 
@@ -87,8 +88,7 @@ _OWNED = {"model": "the LightningModule", "lr": "configure_optimizers",
           "max_grad_norm": "Trainer(gradient_clip_val=...)",
           "param_dtype": "Trainer(precision=...)", "process_group": "the strategy's world",
           "config": "ZeroStrategy's keywords"}
-_ZERO_KWARGS = [n for n in inspect.signature(ZeroOptimizer.__init__).parameters
-                if n not in ("self", "stage")]
+_ZERO_KWARGS = sorted(ZERO_KEYWORDS - {"stage"})
 # torch.optim.Adam(W) group keys and the values ZeroOptimizer's update matches.
 _MUST_BE = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _IGNORED = ("foreach", "fused", "params", "decoupled_weight_decay")   # no effect on the math

@@ -12,7 +12,7 @@ parameters. Every op goes through one :class:`~zkernels.ops.OpSet` (``ops_backen
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ from .gradients.clip import StepScale, check_max_grad_norm
 from .gradients.grad_reducers import make_grad_reducer
 from .gradients.nonfinite import NonFiniteGradientError, check_policy
 from .gradients.presence import check_unused_grads
-from .gradients.precision import LossScaleConfig, MixedPrecision, make_loss_scaler
+from .gradients.precision import MixedPrecision, make_loss_scaler
 from .parameters.build import build_parameter_side
 from .parameters.groups import FrozenAtBuild, build_param_groups, resolve_param_dtype
 from .parameters.load_hooks import ModelLoadHooks
@@ -35,32 +35,13 @@ from .parameters.meta_init import agree_seed, check_meta_args
 from .parameters.param_wait import ParamGatherWaiter
 from .parameters.secondary import attach_secondary_shards
 from .parameters.stage3 import GatherSchedule
-from .planning.offload_config import OffloadConfig
-from .planning.config import CONFIG_KWARGS, ZeroConfig, resolve_stage
+from .planning.config import ZeroConfig, resolve_stage
 from .planning.state_format import group_formats, split_group_formats
 from .planning.policy import STAGES, check_parameter_schedule
 from .stats import memory_by_location
 from .unit import ZeroUnit
+from .config_keywords import FROM_CONFIG, read_keywords
 from .state.placement import check_offload_dir, make_engine
-
-
-def _config_of(config: Optional[ZeroConfig], kwargs: dict) -> ZeroConfig:
-    """``config``, or the one the constructor's keywords build; not both.
-
-    Raises:
-        TypeError: ``config`` is not a ZeroConfig, or comes with a keyword it holds.
-    """
-    if config is None:
-        return ZeroConfig.from_kwargs(**kwargs)
-    if not isinstance(config, ZeroConfig):
-        raise TypeError(f"config must be a zkernels.ZeroConfig or None, got "
-                        f"{type(config).__name__}")
-    given = [k for k, v in kwargs.items() if v is not CONFIG_KWARGS[k] and
-             not (type(v) is type(CONFIG_KWARGS[k]) and v == CONFIG_KWARGS[k])]
-    if given:
-        raise TypeError(f"pass config= or the keywords it holds, not both (got config= and "
-                        f"{', '.join(given)})")
-    return config
 
 
 def _ops_for(device: torch.device, ops_backend: Optional[str]):
@@ -82,18 +63,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             2-3 install gradient hooks on them; stage 3 also installs forward hooks on its
             units, and between uses a parameter has no storage (read it inside
             ``opt.gathered()``).
-        stage, param_dtype, reduce_dtype, offload, offload_dir, offload_config,
-        offload_params, bucket_bytes, shard_size, reshard_after_forward, quantize_weights,
-        quantize_grads, quantize_block, state_dtype, state_block_size, master_dtype: the run's
-            :class:`~zkernels.ZeroConfig`
-            (``ZeroConfig.from_kwargs`` builds it from these; each is documented on its part,
-            ``zkernels/zero/planning/config.py``). Default: stage 1, pure fp32, no offload.
+        config: None or the run's :class:`~zkernels.ZeroConfig`, the base the keywords
+            below override (a keyword naming one of its fields wins; the result is checked
+            as a whole): see [Note: config-first constructor] in ``config_keywords.py``.
+        stage, param_dtype, and through ``**overrides`` reduce_dtype, offload, offload_dir,
+        offload_config, offload_params, bucket_bytes, shard_size, reshard_after_forward,
+        quantize_weights, quantize_grads, quantize_block, state_dtype, state_block_size,
+        master_dtype: the ZeroConfig's fields by their flat names (``planning/config.py``'s
+            ``KEYWORDS``; each is documented on its part there). ``stage`` and
+            ``param_dtype`` left out (``FROM_CONFIG``) take the config's value. Default:
+            stage 1, pure fp32, no offload.
             A model whose trainable parameters are all bf16 (or all fp16) computes in that
             dtype when ``param_dtype`` is None, with fp32 master shards widened unit by unit
             (see [Note: low-precision models] in ``parameters/groups.py``).
-        config: a ZeroConfig instead of those keywords (not both).
-        lr, betas, eps, weight_decay: AdamW hyperparameters (defaults for every group;
-            None: 1e-3, (0.9, 0.999), 1e-8, 0.0); with a torch class, those given go to it.
+        **overrides: those fields, the run options below (``config_keywords.RUN_OPTIONS``)
+            and the optimizer's hyperparameters; a name that is none of these raises
+            ``TypeError`` naming the closest one.
+        lr, weight_decay, and through ``**overrides`` betas, eps: AdamW hyperparameters
+            (defaults for every group; None: 1e-3, (0.9, 0.999), 1e-8, 0.0); with a torch
+            class, those given go to it.
+
+        Through ``**overrides`` (run options, then hyperparameters):
         param_groups: optional torch-style groups, e.g. ``[{"params": [...],
             "weight_decay": 0.0}, ...]``; every trainable parameter must be in one. A group's
             ``"optimizer"`` key gives it its own optimizer (its class's defaults apply), a
@@ -103,13 +93,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             name (``"sgd"``), run on this rank's shard; see [Note: optimizer rules] in
             ``planning/optimizer_spec.py`` for what is refused and why.
         elementwise: declare a class not in ``optimizer_spec.ELEMENTWISE`` element-wise.
-        **optimizer_kwargs: the torch class's hyperparameters (``momentum=0.9``, ...).
-        max_grad_norm: clip the global gradient norm (across all shards) to this.
+        other hyperparameters: the optimizer's own (``momentum=0.9``, ...; a definition's,
+            such as AdEMAMix's ``alpha``), checked by it.
+        max_grad_norm (named): clip the global gradient norm (across all shards) to this.
         process_group: the data-parallel group (default: the world; none initialized: one
             rank), or a ``DeviceMesh`` (1-D: its group; 2-D: as ``mesh``).
         mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` (dim 0 replicate, dim 1
             shard), as ``fully_shard(mesh=...)`` takes it: hybrid sharding over its groups.
-        loss_scale: :class:`LossScaleConfig` for fp16's dynamic loss scaling (default one).
+        loss_scale: a :class:`~zkernels.zero.gradients.precision.LossScaleConfig` for fp16's
+            dynamic loss scaling (default one).
         memory_budget_bytes: with ``stage="auto"``, the bytes per rank to fit in (default:
             measured free device memory less 10% headroom).
         comm_backend: ``"auto"`` or ``"torch"`` (torch.distributed, CUDA included), or
@@ -168,36 +160,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         schedule: stage 3's :class:`~zkernels.zero.parameters.stage3.GatherSchedule` (None below).
     """
 
-    def __init__(self, model: nn.Module, stage=1, lr: Optional[float] = None,
-                 betas: Optional[Sequence[float]] = None, eps: Optional[float] = None,
+    def __init__(self, model: nn.Module, config: Optional[ZeroConfig] = None, *,
+                 stage: Union[int, str] = FROM_CONFIG, lr: Optional[float] = None,
                  weight_decay: Optional[float] = None,
-                 param_groups: Optional[Sequence[dict]] = None,
-                 param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, offload=None, offload_dir=None,
-                 bucket_bytes: Optional[int] = None, max_grad_norm: Optional[float] = None,
-                 process_group=None, loss_scale: Optional[LossScaleConfig] = None,
-                 memory_budget_bytes: Optional[int] = None, comm_backend: str = "auto",
-                 ops_backend: Optional[str] = None, timeout=None,
-                 nonfinite: str = "skip", unused_grads: str = "skip", units=None,
-                 reshard_after_forward: Union[bool, int] = True, check_paths: bool = True,
-                 offload_config: Optional[OffloadConfig] = None,
-                 offload_params: bool = False,
-                 overlap_param_gather: bool = False, shard_size: Optional[int] = None,
-                 mesh=None, quantize_weights: Optional[str] = None,
-                 quantize_grads: Optional[str] = None, quantize_block: int = 256,
-                 state_dtype=None, state_block_size: int = 256, master_dtype=None,
-                 config: Optional[ZeroConfig] = None, device=None,
-                 param_init: Optional[Callable[[nn.Module], None]] = None,
-                 optimizer="adamw", elementwise: bool = False, **optimizer_kwargs) -> None:
+                 param_dtype: Optional[torch.dtype] = FROM_CONFIG,
+                 max_grad_norm: Optional[float] = None, **overrides) -> None:
         # Each line is one decision, made by the module that owns it.
-        cfg = _config_of(config, dict(                                   # planning/config.py
-            stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
-            offload_dir=offload_dir, offload_config=offload_config,
-            offload_params=offload_params, bucket_bytes=bucket_bytes, shard_size=shard_size,
-            reshard_after_forward=reshard_after_forward, quantize_weights=quantize_weights,
-            quantize_grads=quantize_grads, quantize_block=quantize_block,
-            state_dtype=state_dtype, state_block_size=state_block_size,
-            master_dtype=master_dtype))
+        kw = read_keywords(config, overrides, stage=stage,
+                           param_dtype=param_dtype)                     # config_keywords.py
+        cfg, optimizer_kwargs, o = kw.config, kw.optimizer_kwargs, kw.options
+        betas, eps, param_groups = o["betas"], o["eps"], o["param_groups"]
+        optimizer, elementwise, loss_scale = o["optimizer"], o["elementwise"], o["loss_scale"]
+        process_group, mesh, timeout = o["process_group"], o["mesh"], o["timeout"]
+        comm_backend, ops_backend = o["comm_backend"], o["ops_backend"]
+        memory_budget_bytes, nonfinite = o["memory_budget_bytes"], o["nonfinite"]
+        unused_grads, units, check_paths = o["unused_grads"], o["units"], o["check_paths"]
+        overlap_param_gather, device, param_init = (o["overlap_param_gather"], o["device"],
+                                                    o["param_init"])
         if resolve_stage(cfg.stage) in (1, 2) and units is not None:
             raise ValueError(f"units= and reshard_after_forward= apply only to stage=3 (the "
                              f"stages that shard parameters), got stage={cfg.stage}")

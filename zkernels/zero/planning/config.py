@@ -18,10 +18,10 @@ the one path from names to parts.
 """
 from __future__ import annotations
 
-import inspect
+import difflib
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional, Union
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -316,22 +316,41 @@ class ZeroConfig:
         return self.sharding.stage
 
     @classmethod
-    def from_kwargs(cls, *, stage=1, param_dtype=None, reduce_dtype=None, offload=None,
-                    offload_dir=None, offload_config=None, offload_params=False,
-                    bucket_bytes=None, shard_size=None, reshard_after_forward=True,
-                    quantize_weights=None, quantize_grads=None,
-                    quantize_block=256, state_dtype=None, state_block_size=256,
-                    master_dtype=None) -> "ZeroConfig":
+    def from_kwargs(cls, **kwargs) -> "ZeroConfig":
         """The config of ``ZeroOptimizer``'s keyword arguments of the same names (the one
-        path from flat names to parts: the constructor, a JSON ``zero_config``, a DeepSpeed
-        ``zero_optimization`` reader)."""
-        return cls(sharding=ShardingConfig(stage, shard_size, reshard_after_forward),
-                   precision=PrecisionConfig(param_dtype, reduce_dtype),
-                   offload=OffloadSpec(offload, offload_dir, offload_params, offload_config),
-                   quantization=QuantizeConfig(quantize_weights, quantize_grads,
-                                               quantize_block),
-                   buckets=BucketConfig(bucket_bytes),
-                   state=StateConfig(state_dtype, state_block_size, master_dtype))
+        path from flat names to parts, :data:`KEYWORDS`: the constructor, a JSON
+        ``zero_config``, a DeepSpeed ``zero_optimization`` reader); ``ZeroConfig()`` with
+        :meth:`with_keywords`.
+
+        Raises:
+            TypeError: a name that is not in :data:`KEYWORDS` (the closest one suggested).
+        """
+        return cls().with_keywords("ZeroConfig.from_kwargs()", **kwargs)
+
+    def with_keywords(self, where: str = "ZeroConfig.with_keywords()", **kwargs
+                      ) -> "ZeroConfig":
+        """This config with the fields the flat keywords name replaced (the keyword wins over
+        the field), every part and the combination checked again.
+
+        Args:
+            where: the caller named in an error (``"ZeroOptimizer()"``).
+            **kwargs: names of :data:`KEYWORDS` (``stage=3``, ``offload="cpu"``, ...).
+
+        Raises:
+            TypeError: a name that is not in :data:`KEYWORDS` (the closest one suggested).
+            ValueError: a value or combination the parts refuse (naming the keyword).
+        """
+        unknown = [k for k in kwargs if k not in KEYWORDS]
+        if unknown:
+            raise unexpected_keywords(where, unknown, KEYWORDS)
+        parts = {}
+        for name, value in kwargs.items():
+            part, attr = KEYWORDS[name]
+            parts.setdefault(part, {})[attr] = value
+        if not parts:
+            return self
+        return replace(self, **{f.name: replace(getattr(self, f.name), **parts[f.name])
+                                for f in fields(self) if f.name in parts})   # parts in order
 
     def at_rung(self, stage: int, offload: Optional[str], offload_params: bool) -> "ZeroConfig":
         """This config on one rung of the ladder (``stage="auto"``'s choice, a ``plan`` row):
@@ -349,9 +368,56 @@ class ZeroConfig:
         return replace(self, precision=replace(self.precision, param_dtype=param_dtype))
 
 
-# The constructor's keywords that build a ZeroConfig, with their defaults.
-CONFIG_KWARGS = {name: p.default for name, p in
-                 inspect.signature(ZeroConfig.from_kwargs).parameters.items()}
+# [Note: one keyword per field]
+# Every field of every part of a ZeroConfig has one flat keyword, its name as
+# ``ZeroOptimizer(...)``, ``estimate_memory``, the JSON ``zero_config`` and the readers spell
+# it; this table is the only place that maps one to the other (``from_kwargs``,
+# ``with_keywords``, ``zkernels/zero/config_keywords.py``). A new field needs its row here:
+# tests/zero/test_constructor.py walks ``dataclasses.fields`` and fails on a field with none.
+KEYWORDS: Dict[str, Tuple[str, str]] = {
+    "stage": ("sharding", "stage"),
+    "shard_size": ("sharding", "shard_size"),
+    "reshard_after_forward": ("sharding", "reshard_after_forward"),
+    "param_dtype": ("precision", "param_dtype"),
+    "reduce_dtype": ("precision", "reduce_dtype"),
+    "offload": ("offload", "kind"),
+    "offload_dir": ("offload", "dir"),
+    "offload_params": ("offload", "params"),
+    "offload_config": ("offload", "config"),
+    "quantize_weights": ("quantization", "weights"),
+    "quantize_grads": ("quantization", "grads"),
+    "quantize_block": ("quantization", "block"),
+    "bucket_bytes": ("buckets", "bucket_bytes"),
+    "state_dtype": ("state", "state_dtype"),
+    "state_block_size": ("state", "block_size"),
+    "master_dtype": ("state", "master_dtype"),
+}
+
+
+def _field_default(part: str, attr: str):
+    """The declared default of field ``attr`` of ZeroConfig's part ``part``."""
+    cls = next(f.default_factory for f in fields(ZeroConfig) if f.name == part)
+    return next(f.default for f in fields(cls) if f.name == attr)
+
+
+# The keywords that build a ZeroConfig, with their defaults (the parts' field defaults).
+CONFIG_KWARGS = {name: _field_default(*where) for name, where in KEYWORDS.items()}
+
+
+def unexpected_keywords(where: str, names: Sequence[str], known: Iterable[str]) -> TypeError:
+    """The TypeError for keywords ``where`` does not take, each with the closest known name
+    (``difflib.get_close_matches``), e.g. ``ZeroOptimizer() got an unexpected keyword 'stag';
+    did you mean 'stage'?``."""
+    known = sorted(set(known))
+
+    def hint(name: str) -> str:
+        close = difflib.get_close_matches(name, known, n=1)
+        return f"did you mean {close[0]!r}?" if close else "no keyword of that name is close"
+
+    if len(names) == 1:
+        return TypeError(f"{where} got an unexpected keyword {names[0]!r}; {hint(names[0])}")
+    return TypeError(f"{where} got unexpected keywords "
+                     f"{', '.join(f'{n!r} ({hint(n)})' for n in names)}")
 
 
 def resolve_stage(stage) -> Optional[int]:
