@@ -19,16 +19,10 @@ foreach(isa IN ITEMS 0 1 2)  # scalar, avx2, avx512
   list(APPEND ZK_PATH_OBJECTS $<TARGET_OBJECTS:zk_cpu_path${isa}>)
 endforeach()
 
-add_library(zk_cpu STATIC ${ZK_CSRC}/simd/isa.cpp
-  ${ZK_CSRC}/cpu_adam/cpu_adam.cpp ${ZK_CSRC}/cpu_adam/path_avx2.cpp
-  ${ZK_CSRC}/cpu_adam/path_avx512.cpp
-  ${ZK_CSRC}/cpu_ops/cpu_ops.cpp ${ZK_CSRC}/cpu_ops/path_avx2.cpp
-  ${ZK_CSRC}/cpu_ops/path_avx512.cpp
-  ${ZK_CSRC}/cpu_quant/cpu_quant.cpp ${ZK_CSRC}/cpu_quant/path_avx2.cpp
-  ${ZK_CSRC}/cpu_quant/path_avx512.cpp
-  ${ZK_CSRC}/cpu_adam_lowbit/cpu_adam_lowbit.cpp ${ZK_CSRC}/cpu_adam_lowbit/path_avx2.cpp
-  ${ZK_CSRC}/cpu_adam_lowbit/path_avx512.cpp
-  ${ZK_CSRC}/optim/optimizer.cpp ${ZK_PATH_OBJECTS})
+add_library(zk_cpu STATIC ${ZK_CSRC}/simd/isa.cpp ${ZK_CSRC}/cpu_adam/cpu_adam.cpp
+  ${ZK_CSRC}/cpu_ops/cpu_ops.cpp ${ZK_CSRC}/cpu_quant/cpu_quant.cpp
+  ${ZK_CSRC}/cpu_adam_lowbit/cpu_adam_lowbit.cpp ${ZK_CSRC}/optim/optimizer.cpp
+  ${ZK_PATH_OBJECTS})
 target_include_directories(zk_cpu PUBLIC ${ZK_CSRC})
 target_compile_options(zk_cpu PRIVATE ${ZK_CPU_FLAGS})
 target_link_libraries(zk_cpu PUBLIC OpenMP::OpenMP_CXX)

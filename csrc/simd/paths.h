@@ -3,6 +3,12 @@
 // there). An op picks its path with paths(resolve_isa(isa)).
 #pragma once
 
+#include <cstdint>
+
+#include "cpu_adam/kernel.h"
+#include "cpu_adam_lowbit/kernel.h"
+#include "cpu_ops/kernel.h"
+#include "cpu_quant/kernel.h"
 #include "optim/kernel.h"
 #include "simd/isa.h"
 
@@ -10,6 +16,11 @@ namespace zk::cpu {
 
 struct Paths {
   const optim::RangeFn* optim;  // csrc/optim: one per kind, in ZK_OPTIMIZERS order
+  void (*adam)(const detail::Kernel&, int64_t begin, int64_t end);         // csrc/cpu_adam
+  void (*adam_lowbit)(const lowbit::Kernel&, int64_t begin, int64_t end);  // cpu_adam_lowbit
+  detail::Path ops;                                                         // csrc/cpu_ops
+  void (*quantize)(const QuantizeArgs&, int64_t b0, int64_t b1);           // csrc/cpu_quant
+  void (*dequantize)(const DequantizeArgs&, int64_t b0, int64_t b1);
 };
 
 extern const Paths kScalarPaths;
