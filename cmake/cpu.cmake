@@ -1,34 +1,37 @@
-# The CPU core: zk_cpu_isa (run-time ISA detection) and, through zk_cpu_library, one static
-# library per csrc/<name>/ folder, each with its C++ test tests/native/cpp/test_<name>.cpp.
+# The CPU core: one static library, zk_cpu, from the csrc/ folders' entry points plus one object
+# of csrc/simd/path.cpp per ISA ([Note: one instantiation per ISA] there), and (with
+# ZKERNELS_BUILD_TESTS) one CTest per kernel family, tests/native/cpp/test_<name>.cpp.
 #
 # -fno-math-errno: sqrt compiles to the instruction (no errno branch); -ffp-contract=off: no
 # silent FMA contraction, so the scalar, AVX2 and AVX-512 paths round identically. The SIMD
-# paths carry their own target attributes (csrc/simd/); the libraries stay baseline x86-64.
+# paths carry their own target attributes (csrc/simd/); the objects stay baseline x86-64.
 set(ZK_CPU_FLAGS -O3 -fno-math-errno -ffp-contract=off -Wall -Wextra
     -Wno-maybe-uninitialized)  # GCC 12 intrinsic headers: `__m512 __Y = __Y` idiom
+set(ZK_CSRC ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
 
-add_library(zk_cpu_isa STATIC csrc/simd/isa.cpp)
-target_include_directories(zk_cpu_isa PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
-target_compile_options(zk_cpu_isa PRIVATE ${ZK_CPU_FLAGS})
+set(ZK_PATH_OBJECTS)
+foreach(isa IN ITEMS 0 1 2)  # scalar, avx2, avx512
+  add_library(zk_cpu_path${isa} OBJECT ${ZK_CSRC}/simd/path.cpp)
+  target_include_directories(zk_cpu_path${isa} PRIVATE ${ZK_CSRC})
+  target_compile_definitions(zk_cpu_path${isa} PRIVATE ZK_PATH_ISA=${isa})
+  target_compile_options(zk_cpu_path${isa} PRIVATE ${ZK_CPU_FLAGS})
+  target_link_libraries(zk_cpu_path${isa} PRIVATE OpenMP::OpenMP_CXX)
+  list(APPEND ZK_PATH_OBJECTS $<TARGET_OBJECTS:zk_cpu_path${isa}>)
+endforeach()
 
-# zk_cpu_library(<name>): zk_<name> from csrc/<name>/{<name>,path_avx2,path_avx512}.cpp, and
-# (ZKERNELS_BUILD_TESTS) the CTest `<name>` running test_<name>, which links only that library.
-function(zk_cpu_library name)
-  set(dir ${CMAKE_CURRENT_SOURCE_DIR}/csrc/${name})
-  add_library(zk_${name} STATIC ${dir}/${name}.cpp ${dir}/path_avx2.cpp ${dir}/path_avx512.cpp)
-  target_include_directories(zk_${name} PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc PRIVATE ${dir})
-  target_compile_options(zk_${name} PRIVATE ${ZK_CPU_FLAGS})
-  target_link_libraries(zk_${name} PUBLIC zk_cpu_isa OpenMP::OpenMP_CXX)
-  if(ZKERNELS_BUILD_TESTS)
+add_library(zk_cpu STATIC ${ZK_CSRC}/simd/isa.cpp ${ZK_CSRC}/cpu_adam/cpu_adam.cpp
+  ${ZK_CSRC}/cpu_ops/cpu_ops.cpp ${ZK_CSRC}/cpu_quant/cpu_quant.cpp
+  ${ZK_CSRC}/cpu_adam_lowbit/cpu_adam_lowbit.cpp ${ZK_CSRC}/optim/optimizer.cpp
+  ${ZK_PATH_OBJECTS})
+target_include_directories(zk_cpu PUBLIC ${ZK_CSRC})
+target_compile_options(zk_cpu PRIVATE ${ZK_CPU_FLAGS})
+target_link_libraries(zk_cpu PUBLIC OpenMP::OpenMP_CXX)
+
+if(ZKERNELS_BUILD_TESTS)
+  foreach(name IN ITEMS cpu_adam cpu_ops cpu_quant optim cpu_adam_lowbit)
     add_executable(test_${name} ${CMAKE_CURRENT_SOURCE_DIR}/tests/native/cpp/test_${name}.cpp)
     target_compile_options(test_${name} PRIVATE -O2 -ffp-contract=off -fno-math-errno -Wall)
-    target_link_libraries(test_${name} PRIVATE zk_${name})
+    target_link_libraries(test_${name} PRIVATE zk_cpu)
     add_test(NAME ${name} COMMAND test_${name})
-  endif()
-endfunction()
-
-zk_cpu_library(cpu_adam)
-zk_cpu_library(cpu_ops)
-zk_cpu_library(cpu_quant)
-zk_cpu_library(cpu_optim)
-zk_cpu_library(cpu_adam_lowbit)
+  endforeach()
+endif()

@@ -42,8 +42,9 @@ a composition of torch calls, which is all the reference can be while it stays t
   fp32 temporaries. It fuses where torch's CPU kernels fuse and takes the correctly rounded
   sqrt the reference takes, so it is bit-exact with the reference ([Note: lowbit arithmetic
   is torch's] in csrc/cpu_adam_lowbit/kernel.h).
-- lion_step / sgd_step: native (csrc/cpu_optim), one pass; the reference is several torch ops
-  each with its fp32 temporary. Bit-exact with the reference for power-of-two (or no)
+- the element-wise optimizers (lion, sgd, ademamix: ``optimizer_step``): native (csrc/optim, one
+  tile body per definition), one pass; the reference is several torch ops each with its fp32
+  temporary. Bit-exact with the reference for power-of-two (or no)
   ``grad_scale``: the native paths multiply by ``1/grad_scale`` as cpu_adam does.
 - quantize / dequantize / dequantize_sum: the reference is a chain of torch ops over whole
   buffers (pad, bit views, amax, divide, round, where, pack; or unpack, repeat_interleave,
@@ -61,6 +62,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .optimizers import LION, SGD
+
 try:
     from . import _C
 except ImportError as _exc:  # no extension built: the reference backend runs instead
@@ -76,6 +79,10 @@ AVAILABLE = _C is not None
 # [Note: checked fast path of the copy ops] in python/src/cpu_ops.cpp).
 CHECKED_COPY = _C.cpu_copy_checked if _C is not None else None
 CHECKED_UNSCALE = _C.cpu_unscale_checked if _C is not None else None
+
+# The definitions (zkernels.optimizers names) whose tile body csrc/optim implements: the ops
+# dispatcher picks this backend's optimizer_step for a definition only when it is in here.
+OPTIMIZER_KINDS = frozenset(_C.cpu_optimizer_kinds()) if _C is not None else frozenset()
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -149,20 +156,51 @@ def adamw_step_lowbit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     return param
 
 
+def optimizer_step(defn, param: torch.Tensor, grad: torch.Tensor,
+                   states: Sequence[Optional[torch.Tensor]], coeffs: Sequence[float], *,
+                   grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One step of an element-wise optimizer in place, natively, in one pass (csrc/optim: the
+    definition's C++ tile body, every path bit for bit the same).
+
+    Args:
+        defn: the definition (``zkernels.optimizers`` entry; its ``name`` is the C++ kind) or
+            that name.
+        param: contiguous fp32 CPU buffer of n elements.
+        grad: contiguous fp32/bf16/fp16 CPU buffer of n elements.
+        states: the definition's state buffers in its order (fp32, n elements; None where
+            the state is absent).
+        coeffs: ``defn.coefficients(h, step)``.
+        grad_scale: number or 1-element CPU tensor (read on the host); the gradient is
+            multiplied by fp32(1 / grad_scale).
+        found_inf: optional fp32 1-element CPU tensor; nonzero skips the step entirely.
+        out: optional contiguous CPU buffer of n elements (fp32/bf16/fp16) receiving the
+            updated params, rounded to nearest even.
+
+    Returns:
+        ``param``.
+
+    Raises:
+        ValueError: an unknown kind, a wrong number of states or coefficients, a missing
+            state or a bad argument (named), from the binding.
+    """
+    _need_ext()
+    _C.cpu_optimizer_step(
+        getattr(defn, "name", defn), param, grad, list(states), [float(c) for c in coeffs],
+        grad_scale=1.0 if grad_scale is None else _value(grad_scale), found_inf=found_inf,
+        out=out, isa=_isa(), num_threads=torch.get_num_threads())
+    return param
+
+
 def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
               beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
               grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One Lion update in place, natively, in one pass (csrc/cpu_optim). Arguments and result
-    as :func:`zkernels.reference.lion_step`; CPU tensors only, ``grad_scale`` a number or a
-    1-element CPU tensor (read on the host)."""
-    _need_ext()
-    _C.cpu_lion_step(
-        param, grad, exp_avg, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-        weight_decay=float(weight_decay),
-        grad_scale=1.0 if grad_scale is None else _value(grad_scale),
-        found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
-    return param
+    """:func:`zkernels.reference.lion_step` through :func:`optimizer_step` and the definition
+    (kept for the callers of the per-optimizer name)."""
+    h = LION.resolve(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
+    return optimizer_step(LION, param, grad, (exp_avg,), LION.coefficients(h),
+                          grad_scale=grad_scale, found_inf=found_inf, out=out)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
@@ -170,17 +208,13 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[
              weight_decay: float = 0.0, nesterov: bool = False, step: Scalar,
              grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One SGD update in place, natively, in one pass (csrc/cpu_optim). Arguments and result
-    as :func:`zkernels.reference.sgd_step`; CPU tensors only, ``step`` and ``grad_scale``
-    numbers or 1-element CPU tensors (read on the host)."""
-    _need_ext()
-    _C.cpu_sgd_step(
-        param, grad, momentum_buffer, lr=float(lr), momentum=float(momentum),
-        dampening=float(dampening), weight_decay=float(weight_decay), nesterov=bool(nesterov),
-        first_step=_value(step) == 1,
-        grad_scale=1.0 if grad_scale is None else _value(grad_scale),
-        found_inf=found_inf, out=out, isa=_isa(), num_threads=torch.get_num_threads())
-    return param
+    """:func:`zkernels.reference.sgd_step` through :func:`optimizer_step` and the definition
+    (kept for the callers of the per-optimizer name)."""
+    h = SGD.resolve(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                    nesterov=bool(nesterov))
+    return optimizer_step(SGD, param, grad, (momentum_buffer,),
+                          SGD.coefficients(h, int(_value(step))), grad_scale=grad_scale,
+                          found_inf=found_inf, out=out)
 
 
 def _threads() -> int:

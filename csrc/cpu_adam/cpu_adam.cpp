@@ -1,22 +1,16 @@
 // CPU AdamW: argument checks, coefficients, run-time path choice and OpenMP tiling.
 #include "cpu_adam.h"
 
-#include <omp.h>
-
-#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include "kernel.h"
+#include "parallel.h"
+#include "simd/paths.h"
 
 namespace zk::cpu {
 namespace {
-
-// Elements per OpenMP work item: 64 KiB of each fp32 stream, a multiple of every vector width
-// so that only the last tile has a ragged end. Below two tiles the call stays on one thread:
-// waking the pool costs more than the update.
-constexpr int64_t kTileNumel = 16384;
 
 void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
@@ -60,38 +54,18 @@ void check(const AdamWBuffers& b, const AdamWConfig& cfg) {
           "grad_scale must be finite and > 0, got " + std::to_string(cfg.grad_scale));
 }
 
-using TileFn = void (*)(const detail::Kernel&, int64_t, int64_t);
-
-TileFn tile_function(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return detail::run_avx512;
-    case Isa::kAvx2: return detail::run_avx2;
-    default: return detail::run_scalar_range;
-  }
-}
-
 }  // namespace
 
 Isa adamw_step(const AdamWBuffers& b, const AdamWConfig& cfg, Isa isa, int num_threads) {
   check(b, cfg);
   isa = resolve_isa(isa);
-  require(num_threads >= 0, "num_threads must be >= 0, got " + std::to_string(num_threads));
+  const int threads = tile_threads(num_threads, b.numel);
   if (b.numel == 0 || (b.found_inf != nullptr && *b.found_inf != 0.0f)) return isa;
 
   const detail::Kernel k{coefficients(cfg), b.param,      b.grad, b.grad_dtype,
                          b.exp_avg,         b.exp_avg_sq, b.out,  b.out_dtype};
-  const TileFn fn = tile_function(isa);
-  const int64_t num_tiles = (b.numel + kTileNumel - 1) / kTileNumel;
-  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min(wanted, num_tiles)));
-  if (threads == 1) {
-    fn(k, 0, b.numel);
-    return isa;
-  }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    fn(k, t * kTileNumel, std::min(b.numel, (t + 1) * kTileNumel));
-  }
+  const auto fn = paths(isa).adam;
+  for_ranges(b.numel, kTileNumel, threads, [&](int64_t b0, int64_t b1) { fn(k, b0, b1); });
   return isa;
 }
 

@@ -79,8 +79,4 @@ inline void run_scalar_range(const Kernel& k, int64_t begin, int64_t end) {
   }
 }
 
-// Tile functions, one per path: update elements [begin, end).
-void run_avx2(const Kernel& k, int64_t begin, int64_t end);
-void run_avx512(const Kernel& k, int64_t begin, int64_t end);
-
 }  // namespace zk::cpu::detail

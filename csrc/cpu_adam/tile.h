@@ -1,5 +1,5 @@
 // The vector tile of csrc/cpu_adam, written once over the vector traits V of the including
-// path (path_avx2.cpp, path_avx512.cpp): the operations of detail::update, in its order, on
+// path (csrc/simd/path.cpp): the operations of detail::update, in its order, on
 // kWidth elements at a time, so every path gives the scalar path's bits.
 #pragma once
 

@@ -1,5 +1,5 @@
 // The vector tiles of csrc/cpu_adam_lowbit, written once over the vector traits V of the
-// including path (path_avx2.cpp, path_avx512.cpp): the operations of lowbit::update and of
+// including path (csrc/simd/path.cpp): the operations of lowbit::update and of
 // the block requantization in kernel.h, in their order, on kWidth elements at a time, so every
 // path gives the scalar path's bits. A block's ragged end loads code 0 (and grad, param 0)
 // in its missing lanes: their m and sqrt(v) are 0 (NaN only where the block's scale is

@@ -1,22 +1,19 @@
-// CPU copy / unscale / sum-of-squares: run-time path choice, the scalar path and OpenMP tiling.
+// CPU copy / unscale / sum-of-squares: run-time path choice and OpenMP tiling.
 #include "cpu_ops.h"
 
-#include <omp.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "kernel.h"
+#include "parallel.h"
+#include "simd/paths.h"
 
 namespace zk::cpu {
 namespace {
-
-// Elements per OpenMP work item (64 KiB of fp32): below two of them a call stays on the
-// calling thread, where waking the pool would cost more than the copy.
-constexpr int64_t kTileNumel = 16384;
 
 // [Note: when the list ops go parallel]
 // One tensor (a cast, the unscale, a list of one) takes a second thread from two tiles, like
@@ -42,14 +39,6 @@ int64_t work_items(int64_t total, int64_t count, int64_t single_items) {
   return count > 1 ? total / kListParallelNumel : single_items;
 }
 
-int thread_count(int num_threads, int64_t work_items) {
-  if (num_threads < 0) {
-    throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
-  }
-  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
-  return static_cast<int>(std::max<int64_t>(1, std::min(wanted, work_items)));
-}
-
 using CopyFn = void (*)(const CopySpec&, const void*, void*, int64_t, int64_t);
 
 void copy_bytes(const CopySpec& s, const void* src, void* dst, int64_t begin, int64_t end) {
@@ -58,13 +47,7 @@ void copy_bytes(const CopySpec& s, const void* src, void* dst, int64_t begin, in
               static_cast<size_t>((end - begin) * e));
 }
 
-const detail::Path& path_of(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return detail::kAvx512Path;
-    case Isa::kAvx2: return detail::kAvx2Path;
-    default: return detail::kScalarPath;
-  }
-}
+const detail::Path& path_of(Isa isa) { return paths(isa).ops; }
 
 CopyFn copy_function(const CopySpec& s, Isa isa) {
   // a bit copy is libc's memcpy on the scalar path
@@ -106,12 +89,10 @@ Isa copy_segments(const Segment* segments, int64_t count, const CopySpec& spec, 
   }
   const std::vector<Tile> work =
       tiles(count, kTileNumel, [&](int64_t i) { return segments[i].numel; });
-  const int64_t num_tiles = static_cast<int64_t>(work.size());
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) {
+  for_items(static_cast<int64_t>(work.size()), threads, [&](int64_t t) {
     const Segment& s = segments[work[t].item];
     fn(spec, s.src, s.dst, work[t].begin, work[t].end);
-  }
+  });
   return isa;
 }
 
@@ -120,15 +101,12 @@ bool unscale_and_check(void* x, DType dtype, int64_t numel, float inv_scale, Isa
   isa = resolve_isa(isa);
   if (ran) *ran = isa;
   const auto fn = path_of(isa).unscale;
-  const int64_t num_tiles = (numel + kTileNumel - 1) / kTileNumel;
   const int threads = thread_count(num_threads, numel / kTileNumel);
-  if (threads == 1) return fn(x, dtype, 0, numel, inv_scale);
-  int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    bad |= fn(x, dtype, t * kTileNumel, std::min(numel, (t + 1) * kTileNumel), inv_scale) ? 1 : 0;
-  }
-  return bad != 0;
+  std::atomic<bool> bad{false};
+  for_ranges(numel, kTileNumel, threads, [&](int64_t b0, int64_t b1) {
+    if (fn(x, dtype, b0, b1, inv_scale)) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load(std::memory_order_relaxed);
 }
 
 double sum_squares(const Span* spans, int64_t count, Isa isa, int num_threads, Isa* ran) {
@@ -152,8 +130,7 @@ double sum_squares(const Span* spans, int64_t count, Isa isa, int num_threads, I
     return total;
   }
   std::vector<double> partial(static_cast<size_t>(num_chunks));
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t c = 0; c < num_chunks; ++c) partial[c] = chunk(work[c]);
+  for_items(num_chunks, threads, [&](int64_t c) { partial[c] = chunk(work[c]); });
   for (double p : partial) total += p;  // (tensor, chunk) order, whatever the thread count
   return total;
 }

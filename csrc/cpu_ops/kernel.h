@@ -129,14 +129,12 @@ inline double sumsq_chunk_scalar(const void* data, DType dt, int64_t n) {
   }
 }
 
-// One path's range functions; path_avx2.cpp and path_avx512.cpp define theirs.
+// One path's range functions (a member of each csrc/simd/paths.h table).
 struct Path {
   void (*copy)(const CopySpec& s, const void* src, void* dst, int64_t begin, int64_t end);
   bool (*unscale)(void* x, DType dt, int64_t begin, int64_t end, float inv);
   double (*sumsq)(const void* data, DType dt, int64_t n);
 };
 inline constexpr Path kScalarPath = {copy_range_scalar, unscale_range_scalar, sumsq_chunk_scalar};
-extern const Path kAvx2Path;
-extern const Path kAvx512Path;
 
 }  // namespace zk::cpu::detail

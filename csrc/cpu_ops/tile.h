@@ -1,5 +1,5 @@
 // The vector tiles of csrc/cpu_ops, written once over the vector traits V of the including
-// path (path_avx2.cpp, path_avx512.cpp): the element operations of kernel.h's scalar path on
+// path (csrc/simd/path.cpp): the element operations of kernel.h's scalar path on
 // kWidth elements at a time, so every path gives the scalar path's bits.
 #pragma once
 

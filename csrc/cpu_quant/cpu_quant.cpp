@@ -1,23 +1,22 @@
 // CPU blockwise quantize / dequantize / dequantize-and-sum: argument checks, run-time path
-// choice, the scalar path and OpenMP tiling over whole blocks.
+// choice and OpenMP tiling over whole blocks.
 #include "cpu_quant.h"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernel.h"
+#include "parallel.h"
+#include "simd/paths.h"
 
 namespace zk::cpu {
 namespace {
 
-// Elements per OpenMP work item, as csrc/cpu_ops: one tensor takes a second thread from two
-// of them ([Note: when the list ops go parallel] in csrc/cpu_ops/cpu_ops.cpp). A
-// dequantize-and-sum counts every chunk's elements. Results never depend on the thread
+// Work items of kTileNumel elements (parallel.h), as csrc/cpu_ops: one tensor takes a second
+// thread from two of them ([Note: when the list ops go parallel] in csrc/cpu_ops/cpu_ops.cpp).
+// A dequantize-and-sum counts every chunk's elements. Results never depend on the thread
 // count: blocks are independent and each element's sum runs in chunk order.
-constexpr int64_t kTileNumel = 16384;
 
 void check(int bits, int64_t block, int64_t numel) {
   if (!quant_bits_ok(bits)) {
@@ -32,35 +31,15 @@ void check(int bits, int64_t block, int64_t numel) {
   if (numel < 0) throw std::invalid_argument("numel must be >= 0");
 }
 
-// Runs fn(b0, b1) over all `num_blocks` blocks, in work items of about kTileNumel elements
-// (times `weight`: the chunks a dequantize-and-sum reads per element).
+// Runs fn(b0, b1) over all `num_blocks` blocks through the tile driver, in work items of
+// about kTileNumel elements (times `weight`: the chunks a dequantize-and-sum reads per element).
 template <typename Fn>
 void over_blocks(int64_t num_blocks, int64_t block, int64_t numel, int64_t weight,
                  int num_threads, Fn fn) {
-  if (num_threads < 0) {
-    throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
-  }
   const int64_t per_item = std::max<int64_t>(1, kTileNumel / block);
   const int64_t items = (num_blocks + per_item - 1) / per_item;
-  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min({wanted, items, numel * weight / kTileNumel})));
-  if (threads == 1) {
-    fn(int64_t{0}, num_blocks);
-    return;
-  }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < items; ++t) {
-    fn(t * per_item, std::min(num_blocks, (t + 1) * per_item));
-  }
-}
-
-void quantize_scalar(const QuantizeArgs& a, int64_t b0, int64_t b1) {
-  quant::quantize_blocks<quant::Scalar>(a, b0, b1);
-}
-
-void dequantize_scalar(const DequantizeArgs& a, int64_t b0, int64_t b1) {
-  quant::dequantize_blocks<quant::Scalar>(a, b0, b1);
+  const int threads = thread_count(num_threads, std::min(items, numel * weight / kTileNumel));
+  for_ranges(num_blocks, per_item, threads, fn);
 }
 
 }  // namespace
@@ -68,10 +47,7 @@ void dequantize_scalar(const DequantizeArgs& a, int64_t b0, int64_t b1) {
 Isa quantize(const QuantizeArgs& a, Isa isa, int num_threads) {
   check(a.bits, a.block, a.numel);
   isa = resolve_isa(isa);
-  using Fn = void (*)(const QuantizeArgs&, int64_t, int64_t);
-  const Fn fn = isa == Isa::kAvx512 ? quant::quantize_avx512
-                : isa == Isa::kAvx2 ? quant::quantize_avx2
-                                    : quantize_scalar;
+  const auto fn = paths(isa).quantize;
   const int64_t nb = (a.numel + a.block - 1) / a.block;
   over_blocks(nb, a.block, a.numel, 1, num_threads,
               [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
@@ -85,10 +61,7 @@ Isa dequantize(const DequantizeArgs& a, Isa isa, int num_threads) {
                                 std::to_string(a.chunks));
   }
   isa = resolve_isa(isa);
-  using Fn = void (*)(const DequantizeArgs&, int64_t, int64_t);
-  const Fn fn = isa == Isa::kAvx512 ? quant::dequantize_avx512
-                : isa == Isa::kAvx2 ? quant::dequantize_avx2
-                                    : dequantize_scalar;
+  const auto fn = paths(isa).dequantize;
   const int64_t nb = (a.numel + a.block - 1) / a.block;
   over_blocks(nb, a.block, a.numel, a.chunks, num_threads,
               [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });

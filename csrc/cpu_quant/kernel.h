@@ -170,10 +170,4 @@ __attribute__((always_inline)) inline void dequantize_blocks(const DequantizeArg
   }
 }
 
-// Per-path block-range functions (path_avx2.cpp, path_avx512.cpp).
-void quantize_avx2(const QuantizeArgs& a, int64_t b0, int64_t b1);
-void quantize_avx512(const QuantizeArgs& a, int64_t b0, int64_t b1);
-void dequantize_avx2(const DequantizeArgs& a, int64_t b0, int64_t b1);
-void dequantize_avx512(const DequantizeArgs& a, int64_t b0, int64_t b1);
-
 }  // namespace zk::cpu::quant

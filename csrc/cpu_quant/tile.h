@@ -1,6 +1,5 @@
 // The vector element operations of csrc/cpu_quant (the `P` of kernel.h's block skeletons),
-// written once over the vector traits V of the including path (path_avx2.cpp,
-// path_avx512.cpp): the scalar operations of quant::Scalar on kWidth elements at a time (IEEE
+// written once over the vector traits V of the including path (csrc/simd/path.cpp): the scalar operations of quant::Scalar on kWidth elements at a time (IEEE
 // division and product, round half to even), so every path gives the scalar path's bits. A
 // block's ragged end loads +0 in its missing lanes, which changes no max and no stored lane.
 #pragma once

@@ -17,14 +17,14 @@ namespace py = pybind11;
 void init_cpu_adam(py::module_& m);
 void init_cpu_ops(py::module_& m);
 void init_cpu_quant(py::module_& m);
-void init_cpu_optim(py::module_& m);
+void init_optimizer(py::module_& m);
 void init_cpu_adam_lowbit(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "zkernels native core: CPU AdamW (fp32, bf16 and int8 moments), Lion and SGD, and the CPU copy/cast/unscale/sum-of-squares and quantization ops (SIMD + OpenMP)";
+  m.doc() = "zkernels native core: CPU AdamW (fp32, bf16 and int8 moments), the element-wise optimizers (Lion, SGD, AdEMAMix), and the CPU copy/cast/unscale/sum-of-squares and quantization ops (SIMD + OpenMP)";
   init_cpu_adam(m);
   init_cpu_ops(m);
   init_cpu_quant(m);
-  init_cpu_optim(m);
+  init_optimizer(m);
   init_cpu_adam_lowbit(m);
 }

@@ -1,7 +1,7 @@
 """Runs the C++ tests (CTest) from pytest: configures the root CMakeLists.txt into
 build/native-ctest-<generator> (gitignored, kept between runs so a rerun only rebuilds what changed) with
 only the CPU libraries and their tests, builds, and runs ctest. Each C++ test (cpu_adam, cpu_ops,
-cpu_quant, cpu_optim, cpu_adam_lowbit) forces every SIMD path the CPU supports in turn,
+cpu_quant, optim, cpu_adam_lowbit) forces every SIMD path the CPU supports in turn,
 bit-exact against the scalar path or an independent reference written in the test."""
 import os
 import shutil
@@ -33,7 +33,7 @@ def test_ctest_cpu_libraries():
          ROOT, 300)
     _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 1)], ROOT, 600)
     ctest = os.path.join(os.path.dirname(cmake), "ctest")
-    tests = ("cpu_adam", "cpu_ops", "cpu_quant", "cpu_optim", "cpu_adam_lowbit")
+    tests = ("cpu_adam", "cpu_ops", "cpu_quant", "optim", "cpu_adam_lowbit")
     for name in tests:  # one ctest run per library: each output read on its own
         out = _run([ctest if os.path.exists(ctest) else "ctest", "--test-dir", str(build),
                     "--output-on-failure", "-V", "-R", f"^{name}$"], ROOT, 300)

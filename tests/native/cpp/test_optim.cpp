@@ -1,6 +1,7 @@
-// C++ tests of csrc/cpu_optim (Lion, SGD): every SIMD path the CPU supports, forced in turn,
-// against an independent scalar recipe written here (bit for bit: all paths do the same IEEE
-// ops), a double-precision recipe (tolerance), found_inf and the argument checks.
+// C++ tests of csrc/optim (Lion, SGD, AdEMAMix through optimizer_step): every SIMD path the CPU
+// supports, forced in turn, against an independent scalar recipe written here (bit for bit: all
+// paths do the same IEEE ops), a double-precision recipe (tolerance), found_inf and the
+// argument checks.
 // Exit status 0 iff every check passed; each path prints "PATH <name> ok" when it ran.
 #include <cmath>
 #include <cstdint>
@@ -12,11 +13,61 @@
 #include <vector>
 
 #include "check.h"
-#include "cpu_optim/cpu_optim.h"
+#include "optim/optimizer.h"
 
 using zk::DType;
 using namespace zk::cpu;
 using namespace zk_test;
+
+// The hyperparameters of the recipes; the coefficient tuples are zkernels/optimizers' (by
+// position: lion.py, sgd.py, ademamix.py).
+struct LionConfig {
+  double lr = 1e-4, beta1 = 0.9, beta2 = 0.99, weight_decay = 0.0, grad_scale = 1.0;
+  std::vector<double> coeffs() const {
+    return {beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay, -lr};
+  }
+};
+
+struct SgdConfig {
+  double lr = 1e-2, momentum = 0.0, dampening = 0.0, weight_decay = 0.0;
+  bool nesterov = false, first_step = false;
+  double grad_scale = 1.0;
+  std::vector<double> coeffs() const {
+    return {weight_decay, momentum, 1.0 - dampening, -lr, first_step ? 1.0 : 0.0,
+            nesterov ? 1.0 : 0.0};
+  }
+};
+
+struct OptimBuffers {  // one state buffer (Lion's exp_avg, SGD's momentum_buffer)
+  float* param = nullptr;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kFloat32;
+  float* state = nullptr;
+  int64_t numel = 0;
+  const float* found_inf = nullptr;
+  void* out = nullptr;
+  DType out_dtype = DType::kFloat32;
+  StepBuffers step() const {
+    StepBuffers b;
+    b.param = param; b.grad = grad; b.grad_dtype = grad_dtype; b.states[0] = state;
+    b.numel = numel; b.found_inf = found_inf; b.out = out; b.out_dtype = out_dtype;
+    return b;
+  }
+};
+
+static Isa lion_step(const OptimBuffers& b, const LionConfig& c, Isa isa = Isa::kAuto,
+                     int threads = 0) {
+  const std::vector<double> k = c.coeffs();
+  return optimizer_step("lion", b.step(), k.data(), static_cast<int>(k.size()), c.grad_scale,
+                        isa, threads);
+}
+
+static Isa sgd_step(const OptimBuffers& b, const SgdConfig& c, Isa isa = Isa::kAuto,
+                    int threads = 0) {
+  const std::vector<double> k = c.coeffs();
+  return optimizer_step("sgd", b.step(), k.data(), static_cast<int>(k.size()), c.grad_scale,
+                        isa, threads);
+}
 
 static bool same(float a, float b) {
   return bits(a) == bits(b) || (std::isnan(a) && std::isnan(b));
@@ -198,6 +249,61 @@ static void test_sgd(Isa isa, int64_t n, DType gdt, DType odt, bool nesterov, do
   CHECK(ok, "%s sgd momentum=0 n=%lld", isa_name(isa), static_cast<long long>(n));
 }
 
+// AdEMAMix (SEAM 3): its coefficients at step t, then its element math one float op at a time.
+static std::vector<double> ademamix_coeffs(int t) {
+  const double b1 = 0.9, b2 = 0.999, b3 = 0.9999, alpha = 5.0;
+  return {b1, 1.0 - b1, b2, 1.0 - b2, b3, 1.0 - b3, alpha, 1.0 - std::pow(b1, t),
+          std::sqrt(1.0 - std::pow(b2, t)), 1e-8, 0.1, 1e-3};
+}
+
+static void ademamix_recipe(const std::vector<double>& cd, float inv_scale, std::vector<float>& p,
+                            const std::vector<float>& g, std::vector<float>& m1,
+                            std::vector<float>& m2, std::vector<float>& v) {
+  float c[12];
+  for (int j = 0; j < 12; ++j) c[j] = static_cast<float>(cd[j]);
+  for (size_t i = 0; i < p.size(); ++i) {
+    const float gi = g[i] * inv_scale;
+    m1[i] = m1[i] * c[0] + gi * c[1];
+    m2[i] = m2[i] * c[4] + gi * c[5];
+    const float gg = gi * gi;
+    v[i] = v[i] * c[2] + gg * c[3];
+    const float d = std::sqrt(v[i]) / c[8] + c[9];
+    const float num = m1[i] / c[7] + m2[i] * c[6];
+    float u = num / d;
+    u = u + p[i] * c[10];
+    p[i] = p[i] - u * c[11];
+  }
+}
+
+static void test_ademamix(Isa isa, int64_t n, DType gdt, DType odt) {
+  Data d = make(n, gdt, 1024.0, static_cast<uint32_t>(n * 7 + static_cast<int>(gdt)));
+  std::vector<float> m1 = d.s, m2(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    m2[i] = 0.5f * d.s[i];
+    v[i] = d.s[i] * d.s[i];
+  }
+  std::vector<float> rp = d.p, r1 = m1, r2 = m2, rv = v;
+  std::vector<uint16_t> out16(n, 0xABCD);
+  for (int t = 1; t <= 3; ++t) {
+    const std::vector<double> c = ademamix_coeffs(t);
+    StepBuffers b = buffers(d, gdt, out16, odt).step();
+    b.states[0] = m1.data(); b.states[1] = m2.data(); b.states[2] = v.data();
+    const Isa ran = optimizer_step("ademamix", b, c.data(), 12, 1024.0, isa, n > 16384 ? 2 : 1);
+    CHECK(ran == isa, "ran %s, forced %s", isa_name(ran), isa_name(isa));
+    ademamix_recipe(c, 1.0f / 1024.0f, rp, d.gref, r1, r2, rv);
+  }
+  int bad = 0;
+  for (int64_t i = 0; i < n && bad < 3; ++i) {
+    const bool ok = same(d.p[i], rp[i]) && same(m1[i], r1[i]) && same(m2[i], r2[i]) &&
+                    same(v[i], rv[i]);
+    bad += !ok;
+    CHECK(ok, "%s ademamix n=%lld i=%lld: p %a/%a m1 %a/%a m2 %a/%a v %a/%a", isa_name(isa),
+          static_cast<long long>(n), static_cast<long long>(i), d.p[i], rp[i], m1[i], r1[i],
+          m2[i], r2[i], v[i], rv[i]);
+  }
+  check_out(isa, "ademamix", d.p, out16, odt);
+}
+
 static void test_found_inf(Isa isa) {
   std::vector<float> p(37, 1.0f), m(37, 0.5f), g(37, 3.0f);
   std::vector<uint16_t> out(37, 0x1234);
@@ -224,6 +330,7 @@ static void test_paths(Isa isa) {
         test_lion(isa, n, g, o);
         test_sgd(isa, n, g, o, /*nesterov=*/false, /*damp=*/0.1);
         test_sgd(isa, n, g, o, /*nesterov=*/true, /*damp=*/0.0);
+        test_ademamix(isa, n, g, o);
       }
     }
   }
@@ -255,6 +362,11 @@ static void test_errors() {
   expect_invalid([&] { OptimBuffers bb = b; bb.state = nullptr; SgdConfig c; c.momentum = 0.9;
                        sgd_step(bb, c); }, "null buffer", "state");
   expect_invalid([&] { sgd_step(b, SgdConfig{}, Isa::kAuto, -1); }, "threads", "num_threads");
+  const double c12[12] = {};
+  StepBuffers sb = b.step();
+  expect_invalid([&] { optimizer_step("adam", sb, c12, 12); }, "kind", "kind must be one of");
+  expect_invalid([&] { optimizer_step("ademamix", sb, c12, 11); }, "coeffs", "12 coefficients");
+  expect_invalid([&] { optimizer_step("ademamix", sb, c12, 12); }, "null m2", "exp_avg_slow");
   std::printf("errors ok\n");
 }
 
