@@ -1,4 +1,4 @@
-"""``python -m zkernels demo`` end to end: 2 gloo ranks through torch.distributed.run, a tiny
+"""``python -m zkernels demo`` end to end: 2 gloo ranks through zkernels.launch, a tiny
 GPT, every rung (data parallel, stages 1-3, CPU and NVMe offload); the JSON table shows equal
 fp32 losses, and traffic and memory in each place measured vs estimated; ``--rungs`` takes
 plan's names; ``--device-memory`` marks plan's choice; ``--plot`` draws it."""

@@ -1,7 +1,8 @@
 """``python -m zkernels demo``: train the small GPT on N ranks at every rung and compare.
 
-Launches ``python -m torch.distributed.run --nproc-per-node N -m zkernels.demo.worker`` (gloo
-on CPU, NCCL on GPU) on a free local port, then prints two tables: per rung (data parallel,
+Runs ``zkernels.demo.worker`` on N local ranks (gloo on CPU, NCCL on GPU) through
+:func:`zkernels.launch.run_ranks`, which reports a failing rank's traceback once with the
+command that reproduces it, then prints two tables: per rung (data parallel,
 stages 1-3, CPU and NVMe offload: ``rungs.py``) the loss after K steps (see [Note: what the
 demo's losses show] in report.py for how equal) and, with ``--eval-batches N``, the eval
 loss on N fixed batches after the last step, the median step time, bytes sent per step
@@ -15,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
+import shlex
 import sys
 import tempfile
 from typing import List, Optional
 
 from .._cli import byte_size, output_file, writable_folder
+from ..launch import RanksFailed, RanksTimedOut, run_ranks
 from .report import plot, render_table
 from .rungs import parse_rungs
 from .worker import WORKER_OPTS, model_config
@@ -127,20 +128,20 @@ def _device(choice: str, nproc: int) -> str:
         else "cpu"
 
 
-def run_workers(args, out_dir: str) -> dict:
-    """Run the ranks; return rank 0's results. Raises RuntimeError with the ranks' output."""
+def run_workers(args, out_dir: str, reproduce: str) -> dict:
+    """Run the ranks; return rank 0's results.
+
+    Raises:
+        RuntimeError: a rank failed (the first failure's traceback and ``reproduce``, the
+            command that runs the demo again) or the ranks did not finish in time.
+    """
     device = _device(args.device, args.nproc)
     if device == "cuda":
         import torch
         if args.nproc > torch.cuda.device_count():
             raise RuntimeError(f"--nproc {args.nproc} needs as many GPUs, this machine has "
                                f"{torch.cuda.device_count()} (use --device cpu for gloo)")
-    # --standalone: torchrun's c10d rendezvous binds a free local port itself (port 0), so no
-    # other process can take the port between our choosing it and torchrun binding it.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(args.nproc), "-m", "zkernels.demo.worker",
-           "--out", out_dir, "--device", device,
-           "--timeout-s", str(min(args.timeout_s, 300.0))]
+    cmd = ["--out", out_dir, "--device", device, "--timeout-s", str(min(args.timeout_s, 300.0))]
     for flag, _typ, _default, _doc in WORKER_OPTS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:   # None: the worker's own default (e.g. buckets sized "auto")
@@ -152,25 +153,23 @@ def run_workers(args, out_dir: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    # Own session: on timeout the whole launcher tree goes, never a stray rank.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True,
-                            start_new_session=True)
+    # One report when a rank fails: its traceback once and this command ([Note: one report
+    # per failure] in zkernels/launch.py).
     try:
-        stdout, _ = proc.communicate(timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(f"the demo's ranks did not finish within {args.timeout_s}s "
-                           "(--timeout-s)") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"the demo's ranks failed (exit {proc.returncode}); their output "
-                           f"is above.\n{stdout[-4000:]}")
+        run_ranks("zkernels.demo.worker:main", cmd, args.nproc, env=env,
+                  timeout_s=args.timeout_s, reproduce=reproduce)
+    except RanksTimedOut:
+        raise RuntimeError(f"the demo's ranks did not finish within {args.timeout_s:g}s "
+                           f"(--timeout-s)\nreproduce: {reproduce}") from None
+    except RanksFailed as exc:
+        raise RuntimeError(f"the demo's ranks failed: {exc}") from None
     path = os.path.join(out_dir, "results.json")
     with open(path) as f:
         return json.load(f)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     problem = check_args(args)
     if problem:
@@ -201,7 +200,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     with tempfile.TemporaryDirectory(prefix="zkernels-demo-") as out_dir:
         try:
-            results = run_workers(args, out_dir)
+            reproduce = shlex.join([sys.executable, "-m", "zkernels", "demo", *argv])
+            results = run_workers(args, out_dir,
+                                  f"cd {shlex.quote(os.getcwd())} && {reproduce}")
         except RuntimeError as exc:
             print(f"zkernels demo: error: {exc}", file=sys.stderr)
             return 1

@@ -1,4 +1,5 @@
-"""One rank of ``python -m zkernels demo`` (started by ``torch.distributed.run``).
+"""One rank of ``python -m zkernels demo`` (started by ``zkernels.launch.run_ranks``; torchrun
+works too).
 
 Trains the small GPT on every rung (data parallel = DDP + torch.optim.AdamW, then
 ``ZeroOptimizer`` stage 1, 2, 3 and the offload rungs: see ``rungs.py``) from the same seed on
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..bench.peak_tensors import TensorPeak
+from ..launch import failure_recorded, init_method
 from ..zero.planning.estimate import estimate_memory
 from ..zero.planning.phases import estimate_phases
 from ..zero.stats import KINDS
@@ -460,26 +462,11 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)    # ranks share the machine's cores
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=init_method(), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout_s))
     try:
-        tokens = load_corpus()
-        results, reference = [], None
-        rungs = parse_rungs(args.rungs)
-        offload_dir = args.offload_dir or os.path.join(args.out, "nvme")
-        for res, params in run_rungs(rungs, args, tokens, device, rank, world_size,
-                                     offload_dir):
-            # Every rung ends with full parameters on every rank: compare with the first.
-            reference = params if reference is None else reference
-            res["max_param_diff"] = (params - reference).abs().max().item()
-            results.append(res)
-        if rank == 0:
-            meta = dict(world_size=world_size, device=str(device), torch=torch.__version__,
-                        args=vars(args))
-            tmp = os.path.join(args.out, "results.json.tmp")
-            with open(tmp, "w") as f:
-                json.dump(dict(meta=meta, rungs=results), f)
-            os.replace(tmp, os.path.join(args.out, "results.json"))
-        dist.barrier()
+        with failure_recorded():    # stamped before the teardown below releases the peers
+            _run(args, device, rank, world_size)
     finally:
         # Nothing may hold the group when it is destroyed, or its gloo threads live into
         # interpreter teardown ([Note: process group teardown] in zkernels/comm/select.py):
@@ -487,6 +474,28 @@ def main(argv=None) -> int:
         gc.collect()
         dist.destroy_process_group()
     return 0
+
+
+def _run(args, device, rank: int, world_size: int) -> None:
+    """:func:`main` in the process group: every rung, and rank 0 writes the results."""
+    tokens = load_corpus()
+    results, reference = [], None
+    rungs = parse_rungs(args.rungs)
+    offload_dir = args.offload_dir or os.path.join(args.out, "nvme")
+    for res, params in run_rungs(rungs, args, tokens, device, rank, world_size,
+                                 offload_dir):
+        # Every rung ends with full parameters on every rank: compare with the first.
+        reference = params if reference is None else reference
+        res["max_param_diff"] = (params - reference).abs().max().item()
+        results.append(res)
+    if rank == 0:
+        meta = dict(world_size=world_size, device=str(device), torch=torch.__version__,
+                    args=vars(args))
+        tmp = os.path.join(args.out, "results.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(meta=meta, rungs=results), f)
+        os.replace(tmp, os.path.join(args.out, "results.json"))
+    dist.barrier()
 
 
 if __name__ == "__main__":
