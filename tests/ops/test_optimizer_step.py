@@ -195,3 +195,115 @@ def test_a_forced_backend_without_the_definition_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="adamw"):
         ops.optimizer_step("adamw", torch.zeros(n), torch.zeros(n), [torch.zeros(n)] * 2,
                            optimizers.ADAMW.coefficients(optimizers.ADAMW.resolve(), 1))
+
+
+# Every backend against the reference, bit for bit: (definition, hyperparameters, states
+# present). Lion and SGD have no low-bit form; AdEMAMix runs both.
+DEFINITIONS = {
+    "ademamix": (ADEMAMIX, H, 3),
+    "ademamix_plain": (ADEMAMIX, dict(), 3),
+    "lion": (optimizers.LION, dict(lr=1e-3, weight_decay=0.1), 1),
+    "sgd_nesterov": (optimizers.SGD, dict(lr=0.1, momentum=0.9, nesterov=True,
+                                          weight_decay=1e-2), 1),
+    "sgd_plain": (optimizers.SGD, dict(lr=0.1), 0),
+}
+# (param dtype, state form, grad dtype, grad scale, out dtype)
+FORMS = {
+    "f32": (torch.float32, torch.float32, torch.float32, None, None),
+    "f32_bf16grad_scaled_f16out": (torch.float32, torch.float32, torch.bfloat16, 1024.0,
+                                   torch.float16),
+    "bf16param_bf16state_tensorscale": (torch.bfloat16, torch.bfloat16, torch.float16,
+                                        "tensor", torch.float32),
+    "f16param_f32state_bf16out": (torch.float16, torch.float32, torch.bfloat16, None,
+                                  torch.bfloat16),
+    "f32param_bf16state_found_inf0": (torch.float32, torch.bfloat16, torch.bfloat16, 256.0,
+                                      torch.bfloat16),
+}
+N = 2 * 2048 + 5  # two full blocks and a tail
+
+
+def _case(defn, h, n_states, form, device, n=N):
+    pdt, sdt, _, _, odt = form
+    p = _data(n, 0).to(pdt).to(device)
+    states = [None] * len(defn.states)
+    for i in range(n_states):
+        states[i] = (_data(n, 10 + i).abs() * 1e-2).to(sdt).to(device)
+    out = None if odt is None else torch.full((n,), 9.0, dtype=odt, device=device)
+    return p, states, out
+
+
+def _supported(defn, form):
+    return form[1] == torch.float32 or "bf16" in defn.lowbit
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("name", list(DEFINITIONS))
+def test_every_backend_matches_the_reference_over_3_steps(impl, backend, device, name, form):
+    defn, hyper, n_states = DEFINITIONS[name]
+    form = FORMS[form]
+    if not _supported(defn, form):
+        pytest.skip(f"{defn.name} has no bf16 state form")
+    h = defn.resolve(**hyper)
+    p, states, out = _case(defn, h, n_states, form, device)
+    rp, rstates = p.clone(), [None if s is None else s.clone() for s in states]
+    rout = None if out is None else out.clone()
+    gdt, scale = form[2], form[3]
+    scale_arg = torch.tensor([512.0], device=device) if scale == "tensor" else scale
+    scale = 512.0 if scale == "tensor" else scale
+    fp32 = p.dtype == torch.float32 and form[1] == torch.float32
+    if backend == "cpp":
+        from zkernels.ops import _backend
+        if not _backend.has_optimizer("cpp", defn, fp32):
+            with pytest.raises(RuntimeError, match=defn.name):
+                impl("optimizer_step")(defn, p, _grad(1, N).to(gdt), states,
+                                       defn.coefficients(h, 1))
+            return
+    for t in range(1, 4):
+        grad = _grad(t, N, scale or 1.0).to(gdt).to(device)
+        c = defn.coefficients(h, t)
+        impl("optimizer_step")(defn.name if t == 2 else defn, p, grad, states, c,
+                               grad_scale=scale_arg, found_inf=torch.zeros(1, device=device),
+                               out=out)
+        reference.optimizer_step(defn, rp, grad, rstates, c, grad_scale=scale, out=rout)
+        assert_bits_equal(p, rp)
+        for s, r in zip(states, rstates):
+            if s is not None:
+                assert_bits_equal(s, r)
+        if out is not None:
+            assert_bits_equal(out, rout)
+
+
+@pytest.mark.parametrize("name", ["ademamix", "lion", "sgd_nesterov"])
+def test_found_inf_changes_nothing(impl, backend, device, name):
+    defn, hyper, n_states = DEFINITIONS[name]
+    h = defn.resolve(**hyper)
+    form = FORMS["f32_bf16grad_scaled_f16out"]
+    p, states, out = _case(defn, h, n_states, form, device, n=2049)
+    if backend == "cpp" and defn.name not in ("lion", "sgd"):
+        pytest.skip("no cpp AdEMAMix before native35's generic binding")
+    before = [t.clone() for t in [p, out, *states]]
+    grad = (_grad(1, 2049) * float("inf")).to(device)
+    impl("optimizer_step")(defn, p, grad, states, defn.coefficients(h, 1),
+                           grad_scale=torch.tensor([4.0], device=device),
+                           found_inf=torch.ones(1, device=device), out=out)
+    for a, b in zip([p, out, *states], before):
+        assert_bits_equal(a, b)
+
+
+def test_the_triton_comparison_catches_a_wrong_body(monkeypatch, device):
+    # AdEMAMix's body with beta1 where beta3 belongs: m2 goes wrong and the bits must differ.
+    pytest.importorskip("triton")
+    from zkernels import kernels
+    from zkernels.kernels import ademamix as body
+    from ._wrong_body import WRONG_ADEMAMIX
+
+    monkeypatch.setattr(body, "BODY", WRONG_ADEMAMIX)
+    h = ADEMAMIX.resolve(**H)
+    p, states, _ = _case(ADEMAMIX, h, 3, FORMS["f32"], device, n=2049)
+    rp, rstates = p.clone(), [s.clone() for s in states]
+    grad, c = _grad(1, 2049).to(device), ADEMAMIX.coefficients(h, 1)
+    kernels.optimizer_step(ADEMAMIX, p, grad, states, c)
+    reference.optimizer_step(ADEMAMIX, rp, grad, rstates, c)
+    assert_bits_equal(states[0], rstates[0])  # m1 is right
+    with pytest.raises(AssertionError):
+        assert_bits_equal(states[1], rstates[1])

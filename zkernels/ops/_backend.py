@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import optimizers
+
 log = logging.getLogger("zkernels.ops")
 
 BACKENDS = ("reference", "triton", "cpp")
@@ -54,9 +56,17 @@ def forced_backend() -> str:
     return os.environ.get("ZKERNELS_BACKEND", "").strip().lower()
 
 
+# The per-optimizer keyword ops, which run ``optimizer_step`` of their definition.
+KEYWORD_OPTIMIZERS = {"lion_step": "lion", "sgd_step": "sgd"}
+
+
 def choose(op: str, device: torch.device) -> str:
     """Name of the backend that runs ``op`` for tensors on ``device`` (reads
-    ``ZKERNELS_BACKEND`` now)."""
+    ``ZKERNELS_BACKEND`` now); ``lion_step``/``sgd_step``: that of their definition's
+    ``optimizer_step`` (fp32 states)."""
+    if op in KEYWORD_OPTIMIZERS:
+        return resolve_optimizer(optimizers.get(KEYWORD_OPTIMIZERS[op]), True, device,
+                                 forced_backend(), "ZKERNELS_BACKEND")
     return resolve_backend(op, device, forced_backend(), "ZKERNELS_BACKEND")
 
 
@@ -99,9 +109,23 @@ def has_optimizer(backend: str, defn, fp32: bool) -> bool:
     lists the name in ``OPTIMIZER_KINDS``); the cpp backend only for an fp32 parameter with
     fp32 states (``fp32``), what ``zkernels._cpu.optimizer_step`` takes."""
     mod = _module(backend) if available(backend) else None
-    return (mod is not None and hasattr(mod, "optimizer_step")
-            and defn.name in getattr(mod, "OPTIMIZER_KINDS", ())
-            and (fp32 or backend != "cpp"))
+    if mod is None or not (fp32 or backend != "cpp"):
+        return False
+    if backend == "cpp" and _legacy_cpu().supports(defn.name):
+        return True
+    return hasattr(mod, "optimizer_step") and defn.name in getattr(mod, "OPTIMIZER_KINDS", ())
+
+
+def _legacy_cpu() -> ModuleType:
+    return importlib.import_module("zkernels.ops._legacy_cpu")
+
+
+def optimizer_function(backend: str, defn) -> Callable:
+    """``backend``'s ``optimizer_step`` for ``defn`` (the transitional per-optimizer C++
+    bindings, ``_legacy_cpu.py``, until the generic one is built)."""
+    if backend == "cpp" and _legacy_cpu().supports(defn.name):
+        return _legacy_cpu().optimizer_step
+    return _module(backend).optimizer_step
 
 
 def resolve_optimizer(defn, fp32: bool, device: torch.device, forced: str, source: str) -> str:
@@ -120,4 +144,4 @@ def optimizer_implementation(defn, fp32: bool, device: torch.device) -> Callable
     ``ZKERNELS_BACKEND`` now)."""
     backend = resolve_optimizer(defn, fp32, device, forced_backend(), "ZKERNELS_BACKEND")
     _say_once(f"optimizer_step({defn.name})", device.type, backend)
-    return _module(backend).optimizer_step
+    return optimizer_function(backend, defn)

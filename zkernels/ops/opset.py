@@ -24,19 +24,17 @@ from .adamw_lowbit import _adamw_step_lowbit
 from .bucket import _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
-from .lion import _lion_step
-from .optimizer import _optimizer_step
+from .optimizer import _lion_step, _optimizer_step, _sgd_step
 from .quant import _dequantize, _dequantize_sum, _quantize
-from .sgd import _sgd_step
-from ._backend import (BACKENDS, _module, _say_once, forced_backend, resolve_backend,
-                       resolve_optimizer)
+from ._backend import (BACKENDS, _module, _say_once, forced_backend, optimizer_function,
+                       resolve_backend, resolve_optimizer)
 
 # The ops with a checked native fast path on CPU (see ops/_fast.py).
 _FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
              "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
-       "adamw_step", "adamw_step_lowbit", "lion_step", "sgd_step", "sum_squares", "quantize",
+       "adamw_step", "adamw_step_lowbit", "sum_squares", "quantize",
        "dequantize", "dequantize_sum")
 
 
@@ -114,10 +112,10 @@ class OpSet:
                                   exp_avg_scales, exp_avg_sq_scales, **kw)
 
     def lion_step(self, param, grad, exp_avg, **kw):
-        return _lion_step(self._resolve, param, grad, exp_avg, **kw)
+        return _lion_step(self._resolve_optimizer, param, grad, exp_avg, **kw)
 
     def sgd_step(self, param, grad, momentum_buffer, **kw):
-        return _sgd_step(self._resolve, param, grad, momentum_buffer, **kw)
+        return _sgd_step(self._resolve_optimizer, param, grad, momentum_buffer, **kw)
 
     def optimizer_backend(self, defn, fp32: bool = True) -> str:
         """The backend that runs ``optimizer_step`` for the definition ``defn`` (``fp32``: an
@@ -139,7 +137,7 @@ class OpSet:
         if fn is None:
             backend = self.optimizer_backend(defn, fp32)
             _say_once(f"optimizer_step({defn.name})", self.device_type, backend)
-            fn = self._optimizers[key] = _module(backend).optimizer_step
+            fn = self._optimizers[key] = optimizer_function(backend, defn)
         return fn
 
     def optimizer_step(self, defn, param, grad, states, coeffs, **kw):

@@ -93,3 +93,63 @@ def check_coefficients(defn: optimizers.ElementwiseOptimizer, coeffs) -> None:
     for i, c in enumerate(coeffs):
         if not isinstance(c, (int, float)) or isinstance(c, bool):
             raise ValueError(f"coeffs[{i}] ({names[i]}) must be a real number, got {c!r}")
+
+
+# The per-optimizer keyword forms of the op (kept for their callers: ZeRO's fused rule, the
+# bench, scripts): the definition's resolve checks the keywords, its coefficients form the
+# scalars, and the generic op runs the step.
+
+def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
+              beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
+              grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One fused Lion update over a flat shard: :func:`optimizer_step` of
+    :data:`zkernels.optimizers.LION`. See :func:`zkernels.reference.lion_step` for the
+    arguments."""
+    return _lion_step(optimizer_implementation, param, grad, exp_avg, lr=lr, beta1=beta1,
+                      beta2=beta2, weight_decay=weight_decay, grad_scale=grad_scale,
+                      found_inf=found_inf, out=out)
+
+
+def _lion_step(resolve: ResolveOptimizer, param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99,
+               weight_decay=0.0, grad_scale=None, found_inf=None, out=None) -> torch.Tensor:
+    h = optimizers.LION.resolve(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
+    return _optimizer_step(resolve, optimizers.LION, param, grad, [exp_avg],
+                           optimizers.LION.coefficients(h), grad_scale=grad_scale,
+                           found_inf=found_inf, out=out)
+
+
+def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
+             *, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+             weight_decay: float = 0.0, nesterov: bool = False, step: Scalar,
+             grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One fused SGD update over a flat shard: :func:`optimizer_step` of
+    :data:`zkernels.optimizers.SGD`. See :func:`zkernels.reference.sgd_step` for the
+    arguments; a tensor ``step`` is read on the host (its only use is whether it is 1)."""
+    return _sgd_step(optimizer_implementation, param, grad, momentum_buffer, lr=lr,
+                     momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                     nesterov=nesterov, step=step, grad_scale=grad_scale, found_inf=found_inf,
+                     out=out)
+
+
+def _sgd_step(resolve: ResolveOptimizer, param, grad, momentum_buffer, *, lr, momentum=0.0,
+              dampening=0.0, weight_decay=0.0, nesterov=False, step, grad_scale=None,
+              found_inf=None, out=None) -> torch.Tensor:
+    h = optimizers.SGD.resolve(lr=lr, momentum=momentum, dampening=dampening,
+                              weight_decay=weight_decay, nesterov=nesterov)
+    if h["momentum"] == 0.0 and momentum_buffer is not None:
+        raise ValueError("momentum_buffer must be None when momentum == 0 (it would never be "
+                         "read nor written)")
+    if h["momentum"] != 0.0 and momentum_buffer is None:
+        raise ValueError(f"momentum_buffer must be an fp32 tensor when momentum != 0 "
+                         f"(momentum={momentum})")
+    if isinstance(step, torch.Tensor):
+        _checks.tensor("step", step, dtypes=None, device=param.device, numel=1)
+    if isinstance(step, bool) or not isinstance(step, (int, float, torch.Tensor)) or \
+            not isinstance(step, torch.Tensor) and step < 1:
+        raise ValueError(f"step must be >= 1 (the step number after incrementing), got {step}")
+    t = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+    return _optimizer_step(resolve, optimizers.SGD, param, grad, [momentum_buffer],
+                           optimizers.SGD.coefficients(h, t), grad_scale=grad_scale,
+                           found_inf=found_inf, out=out)
