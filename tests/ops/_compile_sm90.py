@@ -14,10 +14,11 @@ from triton.compiler import ASTSource
 
 from zkernels.kernels._copy import _scaled_copy_kernel
 from zkernels.kernels.adamw import _adamw_step_kernel, _sum_squares_kernel
+from zkernels.kernels.adamw_lowbit import _adamw_lowbit_kernel
 from zkernels.kernels.cast import _cast_kernel, _unscale_and_check_kernel
-from zkernels.kernels.lion import _lion_step_kernel
+from zkernels.kernels import ademamix, lion, sgd
+from zkernels.kernels.optimizer import _optimizer_step_kernel
 from zkernels.kernels.quant import _dequantize_kernel, _quantize_kernel
-from zkernels.kernels.sgd import _sgd_step_kernel
 
 TABLE_SIG = {"meta": "*i64", "num_tensors": "i32", "num_blocks": "i32"}
 ADAMW_SCALARS = ("lr", "grad_scale", "decay", "weight_decay", "one_minus_beta1", "beta2",
@@ -85,31 +86,40 @@ NO_FMA = {
                             dict(DEQUANT_ALL, NUM_CHUNKS=1, SUM=False, ACCUMULATE=False),
                             False),
 }
-# Lion and SGD launch the same way (bit-exact with the reference on a GPU too).
-LION_SIG = {"param_ptr": "*fp32", "grad_ptr": "*bf16", "exp_avg_ptr": "*fp32",
-            "out_ptr": "*bf16", "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32",
-            "numel": "i32", **{k: "fp32" for k in ("grad_scale", "decay", "beta1",
-                                                   "one_minus_beta1", "beta2",
-                                                   "one_minus_beta2", "neg_lr")}}
-LION_ALL = dict(GRAD_SCALE=True, GRAD_SCALE_IS_TENSOR=True, HAS_FOUND_INF=True, HAS_OUT=True,
-                NATIVE_NAN=True, BLOCK=2048)
-SGD_SIG = {"param_ptr": "*fp32", "grad_ptr": "*bf16", "buf_ptr": "*fp32", "out_ptr": "*bf16",
-           "found_inf_ptr": "*fp32", "grad_scale_ptr": "*fp32", "step_ptr": "*i64",
-           "numel": "i32", "step": "i64", **{k: "fp32" for k in (
-               "grad_scale", "weight_decay", "momentum", "one_minus_dampening", "neg_lr")}}
-SGD_ALL = dict(GRAD_SCALE=True, GRAD_SCALE_IS_TENSOR=True, STEP_IS_TENSOR=True,
-               HAS_FOUND_INF=True, HAS_WD=True, HAS_MOMENTUM=True, NESTEROV=True, HAS_OUT=True,
-               NATIVE_NAN=True, BLOCK=2048)
+# The generic optimizer kernel (Lion, SGD, AdEMAMix bodies) launches the same way
+# (bit-exact with the reference on a GPU too).
+OPT_SIG = {"param_ptr": "*fp32", "grad_ptr": "*bf16", "s0_ptr": "*fp32", "s1_ptr": "*fp32",
+           "s2_ptr": "*fp32", "out_ptr": "*bf16", "found_inf_ptr": "*fp32",
+           "grad_scale_ptr": "*fp32", "numel": "i32", "grad_scale": "fp32",
+           **{f"c{i}": "fp32" for i in range(12)}}
+OPT_ALL = dict(HAS_S0=True, HAS_S1=True, HAS_S2=True, GRAD_SCALE=True,
+               GRAD_SCALE_IS_TENSOR=True, HAS_FOUND_INF=True, HAS_OUT=True, NATIVE_NAN=True,
+               BLOCK=2048)
+OPT_NONE = dict(OPT_ALL, GRAD_SCALE=False, GRAD_SCALE_IS_TENSOR=False, HAS_FOUND_INF=False,
+                HAS_OUT=False)
+ONE_STATE = dict(HAS_S1=False, HAS_S2=False)
+LOWBIT_SIG = {**ADAMW_SIG, "param_ptr": "*bf16", "m_ptr": "*bf16", "v_ptr": "*bf16",
+              "ms_ptr": "*fp32", "vs_ptr": "*fp32", "num_blocks": "i32"}
+LOWBIT_ALL = dict(ADAMW_ALL, INT8=False, BLOCK=256, ROWS=8)
 NO_FMA.update({
-    "lion_all_options": (_lion_step_kernel, LION_SIG, LION_ALL, True),
-    "lion_no_options": (_lion_step_kernel, {**LION_SIG, "grad_ptr": "*fp32"},
-                        dict(LION_ALL, GRAD_SCALE=False, GRAD_SCALE_IS_TENSOR=False,
-                             HAS_FOUND_INF=False, HAS_OUT=False), True),
-    "sgd_all_options": (_sgd_step_kernel, SGD_SIG, SGD_ALL, True),
-    "sgd_momentum_only": (_sgd_step_kernel, {**SGD_SIG, "grad_ptr": "*fp32"},
-                          dict(SGD_ALL, GRAD_SCALE=False, GRAD_SCALE_IS_TENSOR=False,
-                               STEP_IS_TENSOR=False, HAS_FOUND_INF=False, HAS_WD=False,
-                               NESTEROV=False, HAS_OUT=False), True),
+    "ademamix_all_options": (_optimizer_step_kernel, OPT_SIG,
+                             dict(OPT_ALL, BODY=ademamix.BODY), True),
+    "ademamix_bf16_state_bf16_param": (_optimizer_step_kernel,
+                                       {**OPT_SIG, "param_ptr": "*bf16", "s0_ptr": "*bf16",
+                                        "s1_ptr": "*bf16", "s2_ptr": "*bf16"},
+                                       dict(OPT_NONE, BODY=ademamix.BODY), True),
+    "lion_all_options": (_optimizer_step_kernel, OPT_SIG,
+                         dict(OPT_ALL, BODY=lion.BODY, **ONE_STATE), True),
+    "lion_no_options": (_optimizer_step_kernel, {**OPT_SIG, "grad_ptr": "*fp32"},
+                        dict(OPT_NONE, BODY=lion.BODY, **ONE_STATE), True),
+    "sgd_all_options": (_optimizer_step_kernel, OPT_SIG,
+                        dict(OPT_ALL, BODY=sgd.BODY, **ONE_STATE), True),
+    "adamw_lowbit_bf16_all_options": (_adamw_lowbit_kernel, LOWBIT_SIG, LOWBIT_ALL, False),
+    "adamw_lowbit_int8": (_adamw_lowbit_kernel,
+                          {**LOWBIT_SIG, "param_ptr": "*fp32", "m_ptr": "*i8", "v_ptr": "*u8"},
+                          dict(LOWBIT_ALL, INT8=True), False),
+    "sgd_no_momentum": (_optimizer_step_kernel, {**OPT_SIG, "grad_ptr": "*fp32"},
+                        dict(OPT_NONE, BODY=sgd.BODY, HAS_S0=False, **ONE_STATE), True),
 })
 CASES.update(NO_FMA)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from zkernels import optimizers  # noqa: E402
 from zkernels.kernels._tables import build_table  # noqa: E402
 
 
@@ -38,4 +39,9 @@ def test_triton_backend_runs_the_kernels(monkeypatch, op):
     monkeypatch.setenv("ZKERNELS_BACKEND", "triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert _backend.choose(op, device) == "triton"
-    assert _backend.implementation(op, device) is getattr(zkernels.kernels, op)
+    if op in _backend.KEYWORD_OPTIMIZERS:  # Lion and SGD run the generic optimizer_step
+        defn = optimizers.get(_backend.KEYWORD_OPTIMIZERS[op])
+        assert _backend.optimizer_implementation(defn, True, device) is \
+            zkernels.kernels.optimizer_step
+    else:
+        assert _backend.implementation(op, device) is getattr(zkernels.kernels, op)

@@ -85,3 +85,13 @@ def convert(x, DST: tl.constexpr, NATIVE_NAN: tl.constexpr):
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return round_to(x.to(tl.float32), DST, NATIVE_NAN)
+
+
+@triton.jit
+def widen(x):
+    """fp32/bf16/fp16 ``x`` as fp32, exactly: bf16 through its bits (the interpreter's bf16
+    upcast mangles subnormals; on a GPU this is the same shift the hardware does)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rounding import round_to
-from ._tables import build_table, native_nan, tl_dtype
+from ._step import load_step, step_args, step_gate, store_step
+from ._tables import build_table, tl_dtype
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -43,14 +43,11 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, offs
         mask = offs < numel
     else:
         mask = None
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-    p = tl.load(param_ptr + offs, mask=mask)
+    p, g = load_step(param_ptr, grad_ptr, offs, mask, grad_scale, GRAD_SCALE)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
     # The order of operations is torch.optim.AdamW's single-tensor path (see the reference).
     # IEEE divisions (``/`` compiles to an approximate one on GPUs), as PyTorch's kernels do.
-    if GRAD_SCALE:
-        g = tl.div_rn(g, grad_scale)
     if HAS_WD:
         if DECOUPLED:
             p = p * decay
@@ -64,11 +61,9 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, offs
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p + (-step_size) * tl.div_rn(m, denom)
-    tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if HAS_OUT:
-        tl.store(out_ptr + offs, round_to(p, out_ptr.dtype.element_ty, NATIVE_NAN), mask=mask)
+    store_step(param_ptr, out_ptr, offs, mask, p, HAS_OUT, NATIVE_NAN)
 
 
 @triton.jit(do_not_specialize=["numel"])  # no recompile per shard size
@@ -88,12 +83,8 @@ def _adamw_step_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr
     """
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
-    run = True
-    if HAS_FOUND_INF:
-        # An overflow step changes nothing; decided on the device so the host never waits.
-        run = tl.load(found_inf_ptr) == 0
-    if GRAD_SCALE_IS_TENSOR:
-        grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
+    run, grad_scale = step_gate(found_inf_ptr, grad_scale_ptr, grad_scale,
+                                GRAD_SCALE_IS_TENSOR, HAS_FOUND_INF)
     if STEP_IS_TENSOR:
         t = tl.load(step_ptr).to(tl.int64)
         beta1_f64 = tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)
@@ -146,23 +137,17 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         # Python floats, in fp64, exactly as the reference forms them.
         step_size = lr / (1.0 - beta1 ** float(step))
         bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** float(step))
-    gs_is_tensor = isinstance(grad_scale, torch.Tensor)
+    out_arg, found_inf_arg, gs_arg, gs, flags = step_args(param, grad_scale, found_inf, out)
     beta1_hi, beta1_lo = _split(beta1)
     beta2_hi, beta2_lo = _split(beta2)
-    dummy = param  # stands in for absent tensors; constexpr flags keep it unread
     _adamw_step_kernel[(triton.cdiv(numel, ADAMW_BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, out if out is not None else dummy,
-        found_inf.reshape(-1) if found_inf is not None else dummy,
-        grad_scale.reshape(-1) if gs_is_tensor else dummy,
-        step.reshape(-1) if step_is_tensor else dummy, numel, float(lr),
-        1.0 if gs_is_tensor or grad_scale is None else float(grad_scale),
+        param, grad, exp_avg, exp_avg_sq, out_arg, found_inf_arg, gs_arg,
+        step.reshape(-1) if step_is_tensor else param, numel, float(lr), gs,
         1.0 - lr * weight_decay, float(weight_decay), 1.0 - beta1, float(beta2), 1.0 - beta2,
         beta1_hi, beta1_lo, beta2_hi, beta2_lo, float(step_size), float(bias_correction2_sqrt),
-        float(eps), GRAD_SCALE=grad_scale is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor,
-        STEP_IS_TENSOR=step_is_tensor, HAS_FOUND_INF=found_inf is not None,
-        DECOUPLED=bool(decoupled), HAS_WD=weight_decay != 0.0,
-        LERP_SMALL_WEIGHT=abs(1.0 - beta1) < 0.5, HAS_OUT=out is not None,
-        NATIVE_NAN=native_nan(param.device), BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS)
+        float(eps), STEP_IS_TENSOR=step_is_tensor, DECOUPLED=bool(decoupled),
+        HAS_WD=weight_decay != 0.0, LERP_SMALL_WEIGHT=abs(1.0 - beta1) < 0.5,
+        BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS, **flags)
     return param
 
 

@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rounding import round_to
-from ._tables import native_nan
+from ._rounding import round_to, widen
+from ._step import load_step, step_args, step_gate, store_step
 from .adamw import _pow_int, _split
-from .quant import _rint, _scale, _top, _widen
+from .quant import _rint, _scale, _top
 
 Scalar = Union[float, int, torch.Tensor]
 TILE = 2048
@@ -65,13 +65,11 @@ def _decode(c, SHIFT: tl.constexpr, ONE: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, grad_scale, decay, weight_decay, one_minus_beta1, beta2,
-                one_minus_beta2, step_size, bias_correction2_sqrt, eps,
-                GRAD_SCALE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr,
-                LERP_SMALL_WEIGHT: tl.constexpr):
-    """``kernels/adamw.py``'s ``_adamw_block`` arithmetic on fp32 tiles: (p, m, v) updated."""
-    if GRAD_SCALE:
-        g = tl.div_rn(g, grad_scale)
+def _adamw_math(p, g, m, v, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
+                step_size, bias_correction2_sqrt, eps, DECOUPLED: tl.constexpr,
+                HAS_WD: tl.constexpr, LERP_SMALL_WEIGHT: tl.constexpr):
+    """``kernels/adamw.py``'s ``_adamw_block`` arithmetic on fp32 tiles (``g`` unscaled):
+    (p, m, v) updated."""
     if HAS_WD:
         if DECOUPLED:
             p = p * decay
@@ -101,11 +99,8 @@ def _adamw_lowbit_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < numel
-    run = True
-    if HAS_FOUND_INF:
-        run = tl.load(found_inf_ptr) == 0
-    if GRAD_SCALE_IS_TENSOR:
-        grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
+    run, grad_scale = step_gate(found_inf_ptr, grad_scale_ptr, grad_scale,
+                                GRAD_SCALE_IS_TENSOR, HAS_FOUND_INF)
     if STEP_IS_TENSOR:
         t = tl.load(step_ptr).to(tl.int64)
         beta1_f64 = tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)
@@ -113,9 +108,7 @@ def _adamw_lowbit_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_
         step_size = (tl.cast(lr, tl.float64) / (1.0 - _pow_int(beta1_f64, t))).to(tl.float32)
         bias_correction2_sqrt = tl.sqrt_rn((1.0 - _pow_int(beta2_f64, t)).to(tl.float32))
     if run:
-        PDT: tl.constexpr = param_ptr.dtype.element_ty
-        g = _widen(tl.load(grad_ptr + offs, mask=mask, other=0.0))
-        p = _widen(tl.load(param_ptr + offs, mask=mask, other=0.0))
+        p, g = load_step(param_ptr, grad_ptr, offs, mask, grad_scale, GRAD_SCALE)
         if INT8:
             row_ok = rows < num_blocks
             sm = tl.load(ms_ptr + rows, mask=row_ok, other=0.0)
@@ -127,12 +120,12 @@ def _adamw_lowbit_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_
             r = _decode(qv, _V_SHIFT, _V_ONE, _V_STEP) * sv[:, None]
             v = r * r
         else:
-            m = _widen(tl.load(m_ptr + offs, mask=mask, other=0.0))
-            v = _widen(tl.load(v_ptr + offs, mask=mask, other=0.0))
-        p, m, v = _adamw_math(p, g, m, v, grad_scale, decay, weight_decay, one_minus_beta1,
-                              beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
-                              GRAD_SCALE, DECOUPLED, HAS_WD, LERP_SMALL_WEIGHT)
-        tl.store(param_ptr + offs, round_to(p, PDT, NATIVE_NAN), mask=mask)
+            m = widen(tl.load(m_ptr + offs, mask=mask, other=0.0))
+            v = widen(tl.load(v_ptr + offs, mask=mask, other=0.0))
+        p, m, v = _adamw_math(p, g, m, v, decay, weight_decay, one_minus_beta1, beta2,
+                              one_minus_beta2, step_size, bias_correction2_sqrt, eps,
+                              DECOUPLED, HAS_WD, LERP_SMALL_WEIGHT)
+        store_step(param_ptr, out_ptr, offs, mask, p, HAS_OUT, NATIVE_NAN)
         if INT8:
             # Lanes past the end hold 0 so they never raise a block's absmax.
             m = tl.where(mask, m, 0.0)
@@ -151,9 +144,6 @@ def _adamw_lowbit_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_
         else:
             tl.store(m_ptr + offs, round_to(m, tl.bfloat16, NATIVE_NAN), mask=mask)
             tl.store(v_ptr + offs, round_to(v, tl.bfloat16, NATIVE_NAN), mask=mask)
-        if HAS_OUT:
-            tl.store(out_ptr + offs, round_to(p, out_ptr.dtype.element_ty, NATIVE_NAN),
-                     mask=mask)
 
 
 def adamw_step_lowbit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -183,24 +173,17 @@ def adamw_step_lowbit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     else:
         step_size = lr / (1.0 - beta1 ** float(step))
         bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** float(step))
-    gs_is_tensor = isinstance(grad_scale, torch.Tensor)
+    out_arg, found_inf_arg, gs_arg, gs, flags = step_args(param, grad_scale, found_inf, out)
     beta1_hi, beta1_lo = _split(beta1)
     beta2_hi, beta2_lo = _split(beta2)
     dummy = param
     _adamw_lowbit_kernel[(triton.cdiv(num_blocks, rows),)](
         param, grad, exp_avg, exp_avg_sq,
-        exp_avg_scales if int8 else dummy, exp_avg_sq_scales if int8 else dummy,
-        out if out is not None else dummy,
-        found_inf.reshape(-1) if found_inf is not None else dummy,
-        grad_scale.reshape(-1) if gs_is_tensor else dummy,
-        step.reshape(-1) if step_is_tensor else dummy, numel, num_blocks, float(lr),
-        1.0 if gs_is_tensor or grad_scale is None else float(grad_scale),
-        1.0 - lr * weight_decay, float(weight_decay), 1.0 - beta1, float(beta2), 1.0 - beta2,
+        exp_avg_scales if int8 else dummy, exp_avg_sq_scales if int8 else dummy, out_arg,
+        found_inf_arg, gs_arg, step.reshape(-1) if step_is_tensor else dummy, numel,
+        num_blocks, float(lr), gs, 1.0 - lr * weight_decay, float(weight_decay), 1.0 - beta1, float(beta2), 1.0 - beta2,
         beta1_hi, beta1_lo, beta2_hi, beta2_lo, float(step_size), float(bias_correction2_sqrt),
-        float(eps), INT8=int8, GRAD_SCALE=grad_scale is not None,
-        GRAD_SCALE_IS_TENSOR=gs_is_tensor, STEP_IS_TENSOR=step_is_tensor,
-        HAS_FOUND_INF=found_inf is not None, DECOUPLED=bool(decoupled),
-        HAS_WD=weight_decay != 0.0, LERP_SMALL_WEIGHT=abs(1.0 - beta1) < 0.5,
-        HAS_OUT=out is not None, NATIVE_NAN=native_nan(param.device), BLOCK=block, ROWS=rows,
-        num_warps=WARPS, enable_fp_fusion=False)
+        float(eps), INT8=int8, STEP_IS_TENSOR=step_is_tensor, DECOUPLED=bool(decoupled),
+        HAS_WD=weight_decay != 0.0, LERP_SMALL_WEIGHT=abs(1.0 - beta1) < 0.5, BLOCK=block,
+        ROWS=rows, num_warps=WARPS, enable_fp_fusion=False, **flags)
     return param

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._rounding import round_to
+from ._rounding import round_to, widen
 from ._tables import native_nan
 
 QMAX = {8: 127, 4: 7}
@@ -38,16 +38,6 @@ def _rint(y):
     where the fp32 ulp is 1, so the adder rounds to nearest even; its bits minus the magic's
     are that integer. Nothing can be folded: the sum is read as bits."""
     return (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-
-
-@triton.jit
-def _widen(x):
-    """fp32/bf16/fp16 ``x`` as fp32, exactly: bf16 through its bits (the interpreter's bf16
-    upcast mangles subnormals; on a GPU this is the same shift the hardware does)."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -85,7 +75,7 @@ def _quantize_kernel(x_ptr, q_ptr, scales_ptr, numel, num_blocks, BITS: tl.const
     if BITS == 8:
         offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = offs < numel
-        x = _widen(tl.load(x_ptr + offs, mask=mask, other=0.0))
+        x = widen(tl.load(x_ptr + offs, mask=mask, other=0.0))
         scale, ok, divisor = _scale(_top(x), QMAX)
         tl.store(q_ptr + offs, _codes(x, divisor, ok, QMAX).to(tl.int8), mask=mask)
     else:
@@ -93,8 +83,8 @@ def _quantize_kernel(x_ptr, q_ptr, scales_ptr, numel, num_blocks, BITS: tl.const
         even = rows[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
         mask_e = even < numel
         mask_o = even + 1 < numel
-        xe = _widen(tl.load(x_ptr + even, mask=mask_e, other=0.0))
-        xo = _widen(tl.load(x_ptr + even + 1, mask=mask_o, other=0.0))
+        xe = widen(tl.load(x_ptr + even, mask=mask_e, other=0.0))
+        xo = widen(tl.load(x_ptr + even + 1, mask=mask_o, other=0.0))
         scale, ok, divisor = _scale(tl.maximum(_top(xe), _top(xo)), QMAX)
         lo = _codes(xe, divisor, ok, QMAX) & 0xF
         hi = _codes(xo, divisor, ok, QMAX) & 0xF
@@ -137,7 +127,7 @@ def _dequantize_kernel(q_ptr, scales_ptr, out_ptr, numel, num_blocks, q_row, s_r
         if SUM:
             acc = acc * scale
             if ACCUMULATE:
-                acc = _widen(tl.load(out_ptr + offs, mask=mask, other=0.0)) + acc
+                acc = widen(tl.load(out_ptr + offs, mask=mask, other=0.0)) + acc
         tl.store(out_ptr + offs, round_to(acc, DST, NATIVE_NAN), mask=mask)
     else:
         even = rows[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
@@ -162,8 +152,8 @@ def _dequantize_kernel(q_ptr, scales_ptr, out_ptr, numel, num_blocks, q_row, s_r
             acc_e = acc_e * scale
             acc_o = acc_o * scale
             if ACCUMULATE:
-                acc_e = _widen(tl.load(out_ptr + even, mask=mask_e, other=0.0)) + acc_e
-                acc_o = _widen(tl.load(out_ptr + even + 1, mask=mask_o, other=0.0)) + acc_o
+                acc_e = widen(tl.load(out_ptr + even, mask=mask_e, other=0.0)) + acc_e
+                acc_o = widen(tl.load(out_ptr + even + 1, mask=mask_o, other=0.0)) + acc_o
         tl.store(out_ptr + even, round_to(acc_e, DST, NATIVE_NAN), mask=mask_e)
         tl.store(out_ptr + even + 1, round_to(acc_o, DST, NATIVE_NAN), mask=mask_o)
 

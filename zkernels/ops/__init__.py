@@ -7,12 +7,11 @@ from .adamw_lowbit import adamw_step_lowbit
 from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
-from .lion import lion_step
 from .opset import OpSet, for_device
+from .optimizer import lion_step, optimizer_step, sgd_step
 from .quant import dequantize, dequantize_sum, quantize
-from .sgd import sgd_step
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
            "unscale_and_check_", "adamw_step", "adamw_step_lowbit", "lion_step", "sgd_step",
-           "sum_squares", "quantize",
+           "optimizer_step", "sum_squares", "quantize",
            "dequantize", "dequantize_sum", "available", "choose", "OpSet", "for_device"]

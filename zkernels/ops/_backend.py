@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import optimizers
+
 log = logging.getLogger("zkernels.ops")
 
 BACKENDS = ("reference", "triton", "cpp")
@@ -54,28 +56,39 @@ def forced_backend() -> str:
     return os.environ.get("ZKERNELS_BACKEND", "").strip().lower()
 
 
+# The per-optimizer keyword ops, which run ``optimizer_step`` of their definition.
+KEYWORD_OPTIMIZERS = {"lion_step": "lion", "sgd_step": "sgd"}
+
+
 def choose(op: str, device: torch.device) -> str:
     """Name of the backend that runs ``op`` for tensors on ``device`` (reads
-    ``ZKERNELS_BACKEND`` now)."""
+    ``ZKERNELS_BACKEND`` now); ``lion_step``/``sgd_step``: that of their definition's
+    ``optimizer_step`` (fp32 states)."""
+    if op in KEYWORD_OPTIMIZERS:
+        return resolve_optimizer(optimizers.get(KEYWORD_OPTIMIZERS[op]), True, device,
+                                 forced_backend(), "ZKERNELS_BACKEND")
     return resolve_backend(op, device, forced_backend(), "ZKERNELS_BACKEND")
 
 
-def resolve_backend(op: str, device: torch.device, forced: str, source: str) -> str:
+def resolve_backend(op: str, device: torch.device, forced: str, source: str,
+                    has: Optional[Callable[[str], bool]] = None) -> str:
     """The backend for ``op`` on ``device``: ``forced`` (checked; ``source`` names where it came
-    from in errors, e.g. "ZKERNELS_BACKEND" or "ops_backend") or, when empty, the default."""
+    from in errors, e.g. "ZKERNELS_BACKEND" or "ops_backend") or, when empty, the default.
+    ``has(backend)`` says whether a backend implements it (default: the module has ``op``)."""
+    has = has or (lambda b: _has(b, op))
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"{source} must be one of {BACKENDS}, got {forced!r}")
         if forced == "triton" and device.type != "cuda" and \
                 os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
             raise RuntimeError(f"{source}=triton on CPU tensors needs TRITON_INTERPRET=1")
-        if forced != "reference" and not _has(forced, op):
+        if forced != "reference" and not has(forced):
             raise RuntimeError(f"{source}={forced} but that backend is not available "
                                f"for op {op!r} here")
         return forced
-    if device.type == "cuda" and _has("triton", op):
+    if device.type == "cuda" and has("triton"):
         return "triton"
-    if device.type == "cpu" and _has("cpp", op):
+    if device.type == "cpu" and has("cpp"):
         return "cpp"
     return "reference"
 
@@ -89,3 +102,46 @@ def implementation(op: str, device: torch.device) -> Callable:
     backend = choose(op, device)
     _say_once(op, device.type, backend)
     return getattr(_module(backend), op)
+
+
+def has_optimizer(backend: str, defn, fp32: bool) -> bool:
+    """Whether ``backend``'s ``optimizer_step`` implements the definition ``defn`` (its module
+    lists the name in ``OPTIMIZER_KINDS``); the cpp backend only for an fp32 parameter with
+    fp32 states (``fp32``), what ``zkernels._cpu.optimizer_step`` takes."""
+    mod = _module(backend) if available(backend) else None
+    if mod is None or not (fp32 or backend != "cpp"):
+        return False
+    if backend == "cpp" and _legacy_cpu().supports(defn.name):
+        return True
+    return hasattr(mod, "optimizer_step") and defn.name in getattr(mod, "OPTIMIZER_KINDS", ())
+
+
+def _legacy_cpu() -> ModuleType:
+    return importlib.import_module("zkernels.ops._legacy_cpu")
+
+
+def optimizer_function(backend: str, defn) -> Callable:
+    """``backend``'s ``optimizer_step`` for ``defn`` (the transitional per-optimizer C++
+    bindings, ``_legacy_cpu.py``, until the generic one is built)."""
+    if backend == "cpp" and _legacy_cpu().supports(defn.name):
+        return _legacy_cpu().optimizer_step
+    return _module(backend).optimizer_step
+
+
+def resolve_optimizer(defn, fp32: bool, device: torch.device, forced: str, source: str) -> str:
+    """The backend of ``optimizer_step`` for the definition ``defn`` (see
+    :func:`resolve_backend`; ``fp32``: the parameter and the states are fp32)."""
+    backend = resolve_backend(f"optimizer_step({defn.name})", device, forced, source,
+                              lambda b: has_optimizer(b, defn, fp32))
+    if backend == "reference" and not has_optimizer("reference", defn, fp32):
+        raise RuntimeError(f"optimizer_step has no {backend} implementation of "
+                           f"optimizer={defn.name!r} (its own ops run it)")
+    return backend
+
+
+def optimizer_implementation(defn, fp32: bool, device: torch.device) -> Callable:
+    """The ``optimizer_step`` implementing ``defn`` for tensors on ``device`` (reads
+    ``ZKERNELS_BACKEND`` now)."""
+    backend = resolve_optimizer(defn, fp32, device, forced_backend(), "ZKERNELS_BACKEND")
+    _say_once(f"optimizer_step({defn.name})", device.type, backend)
+    return optimizer_function(backend, defn)

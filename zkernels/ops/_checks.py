@@ -122,13 +122,15 @@ def _names(dtypes) -> str:
     return "(" + ", ".join(str(d) for d in dtypes) + ")"
 
 
-def step_buffers(param, grad, out, found_inf, grad_scale, step=None, **state):
-    """The checks every fused optimizer step shares: ``param`` 1-D contiguous fp32; ``grad``,
-    each state buffer (keyword name -> tensor, None skipped) and ``out`` on its device with its
-    numel (the state fp32); ``found_inf`` a 1-element fp32 flag; ``step``/``grad_scale``, when
-    tensors, one element on that device. Returns ``(numel, device)``."""
+def step_buffers(param, grad, out, found_inf, grad_scale, step=None,
+                 param_dtypes=(torch.float32,), **state):
+    """The checks every fused optimizer step shares: ``param`` 1-D contiguous, of a dtype in
+    ``param_dtypes`` (fp32); ``grad``, each state buffer (keyword name -> tensor, None skipped)
+    and ``out`` on its device with its numel (the state fp32); ``found_inf`` a 1-element fp32
+    flag; ``step``/``grad_scale``, when tensors, one element on that device. Returns
+    ``(numel, device)``."""
     fp32 = (torch.float32,)
-    tensor("param", param, dtypes=fp32, one_dim=True)
+    tensor("param", param, dtypes=param_dtypes, one_dim=True)
     n, dev = param.numel(), param.device
     tensor("grad", grad, device=dev, numel=n, one_dim=True)
     for name, buf in state.items():

@@ -17,23 +17,24 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from .. import optimizers
 from . import _fast
 from .adamw import _adamw_step, _sum_squares
 from .adamw_lowbit import _adamw_step_lowbit
 from .bucket import _bucket_pack, _bucket_unpack
 from .cast import _cast, _unscale_and_check_
 from .flatten import _flatten, _unflatten
-from .lion import _lion_step
+from .optimizer import _lion_step, _optimizer_step, _sgd_step
 from .quant import _dequantize, _dequantize_sum, _quantize
-from .sgd import _sgd_step
-from ._backend import BACKENDS, _module, _say_once, forced_backend, resolve_backend
+from ._backend import (BACKENDS, _module, _say_once, forced_backend, optimizer_function,
+                       resolve_backend, resolve_optimizer)
 
 # The ops with a checked native fast path on CPU (see ops/_fast.py).
 _FAST_OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
              "unscale_and_check_")
 
 OPS = ("flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast", "unscale_and_check_",
-       "adamw_step", "adamw_step_lowbit", "lion_step", "sgd_step", "sum_squares", "quantize",
+       "adamw_step", "adamw_step_lowbit", "sum_squares", "quantize",
        "dequantize", "dequantize_sum")
 
 
@@ -44,13 +45,19 @@ class OpSet:
     (op name -> backend name, read-only). Methods: the ops of ``zkernels.ops`` with the same
     arguments and checks (``flatten``, ``unflatten``, ``bucket_pack``, ``bucket_unpack``,
     ``cast``, ``unscale_and_check_``, ``adamw_step``, ``adamw_step_lowbit``, ``lion_step``,
-    ``sgd_step``, ``sum_squares``, ``quantize``, ``dequantize``, ``dequantize_sum``).
+    ``sgd_step``, ``sum_squares``, ``quantize``, ``dequantize``, ``dequantize_sum``), and
+    ``optimizer_step(defn, ...)``, whose backend is one entry per definition (and state form),
+    chosen at its first call under the choice this OpSet was built with
+    (:meth:`optimizer_backend`).
     """
 
     def __init__(self, device_type: str, backends: Mapping[str, str],
-                 unavailable: Optional[Mapping[str, Callable]] = None) -> None:
+                 unavailable: Optional[Mapping[str, Callable]] = None, *, forced: str = "",
+                 source: str = "ZKERNELS_BACKEND") -> None:
         self.device_type = device_type
         self.backends = MappingProxyType(dict(backends))
+        self._forced, self._source = forced, source
+        self._optimizers = {}  # (definition name, fp32) -> implementation
         self._fns = {op: getattr(_module(b), op) for op, b in backends.items()}
         self._fns.update(unavailable or {})
         # The copy ops bound to cpp on CPU first try its checked fast path (ops/_fast.py),
@@ -105,10 +112,36 @@ class OpSet:
                                   exp_avg_scales, exp_avg_sq_scales, **kw)
 
     def lion_step(self, param, grad, exp_avg, **kw):
-        return _lion_step(self._resolve, param, grad, exp_avg, **kw)
+        return _lion_step(self._resolve_optimizer, param, grad, exp_avg, **kw)
 
     def sgd_step(self, param, grad, momentum_buffer, **kw):
-        return _sgd_step(self._resolve, param, grad, momentum_buffer, **kw)
+        return _sgd_step(self._resolve_optimizer, param, grad, momentum_buffer, **kw)
+
+    def optimizer_backend(self, defn, fp32: bool = True) -> str:
+        """The backend that runs ``optimizer_step`` for the definition ``defn`` (``fp32``: an
+        fp32 parameter with fp32 states), under this OpSet's choice.
+
+        Raises:
+            RuntimeError: a forced backend that does not implement ``defn``.
+        """
+        defn = optimizers.get(defn)
+        return resolve_optimizer(defn, fp32, torch.device(self.device_type), self._forced,
+                                 self._source)
+
+    def _resolve_optimizer(self, defn, fp32: bool, device: torch.device) -> Callable:
+        if device.type != self.device_type:
+            raise ValueError(f"optimizer_step: tensors are on {device} but this OpSet was built "
+                             f"for {self.device_type} tensors")
+        key = (defn.name, fp32)
+        fn = self._optimizers.get(key)
+        if fn is None:
+            backend = self.optimizer_backend(defn, fp32)
+            _say_once(f"optimizer_step({defn.name})", self.device_type, backend)
+            fn = self._optimizers[key] = optimizer_function(backend, defn)
+        return fn
+
+    def optimizer_step(self, defn, param, grad, states, coeffs, **kw):
+        return _optimizer_step(self._resolve_optimizer, defn, param, grad, states, coeffs, **kw)
 
     def sum_squares(self, tensors):
         if not tensors:  # the public op's empty answer, on this OpSet's device
@@ -158,7 +191,7 @@ def for_device(device, backend: Optional[str] = None, *, arg_name: str = "backen
             unavailable[op] = _raiser(exc)
             continue
         _say_once(op, device.type, backends[op])
-    return OpSet(device.type, backends, unavailable)
+    return OpSet(device.type, backends, unavailable, forced=forced, source=source)
 
 
 def _raiser(exc: Exception) -> Callable:

@@ -10,10 +10,12 @@ from .bucket import bucket_pack, bucket_unpack
 from .cast import cast, unscale_and_check_
 from .flatten import flatten, unflatten
 from .lion import lion_step
+from .optimizer import OPTIMIZER_KINDS, optimizer_step
 from .quant import dequantize, dequantize_sum, quantize
 from .sgd import sgd_step
 
 __all__ = ["flatten", "unflatten", "bucket_pack", "bucket_unpack", "cast",
            "unscale_and_check_", "adamw_step", "adamw_step_lowbit", "lion_step", "sgd_step",
+           "optimizer_step", "OPTIMIZER_KINDS",
            "sum_squares", "quantize",
            "dequantize", "dequantize_sum"]

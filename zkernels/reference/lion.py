@@ -1,15 +1,14 @@
 """Reference Lion step over a flat fp32 shard."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..optimizers import LION
+from .optimizer import optimizer_step
+
 Scalar = Union[float, int, torch.Tensor]
-
-
-def _value(x: Scalar) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
@@ -39,15 +38,20 @@ def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *,
     Returns:
         ``param``.
     """
-    if found_inf is not None and _value(found_inf) != 0.0:
-        return param
-    g = grad.float()
-    if grad_scale is not None:
-        g = g / _value(grad_scale)
-    update = torch.sign(exp_avg * beta1 + g * (1.0 - beta1))
-    param.mul_(1.0 - lr * weight_decay)
-    param.add_(update * -lr)
-    exp_avg.mul_(beta2).add_(g * (1.0 - beta2))
-    if out is not None:
-        out.copy_(param)
-    return param
+    return optimizer_step(LION, param, grad, (exp_avg,),
+                          LION.coefficients(dict(lr=lr, betas=(beta1, beta2),
+                                                 weight_decay=weight_decay)),
+                          grad_scale=grad_scale, found_inf=found_inf, out=out)
+
+
+def elementwise(p: torch.Tensor, g: torch.Tensor, states: Sequence[Optional[torch.Tensor]],
+                c: Sequence[float]) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+    """The Lion math of :func:`lion_step` on fp32 ``p`` and unscaled fp32 ``g``, in place;
+    ``states`` = (exp_avg,), ``c`` = ``LION.coefficients(h)``. Returns ``(p, states)``."""
+    b1, omb1, b2, omb2, decay, neg_lr = c
+    (m,) = states
+    update = torch.sign(m * b1 + g * omb1)
+    p.mul_(decay)
+    p.add_(update * neg_lr)
+    m.mul_(b2).add_(g * omb2)
+    return p, [m]

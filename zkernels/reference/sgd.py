@@ -1,15 +1,14 @@
 """Reference SGD step (momentum, dampening, nesterov, weight decay) over a flat fp32 shard."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..optimizers import SGD
+from .optimizer import _value, optimizer_step
+
 Scalar = Union[float, int, torch.Tensor]
-
-
-def _value(x: Scalar) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
@@ -43,20 +42,27 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[
     Returns:
         ``param``.
     """
-    if found_inf is not None and _value(found_inf) != 0.0:
-        return param
-    g = grad.float()
-    if grad_scale is not None:
-        g = g / _value(grad_scale)
+    h = SGD.resolve(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                    nesterov=nesterov)
+    return optimizer_step(SGD, param, grad, (momentum_buffer if momentum != 0.0 else None,),
+                          SGD.coefficients(h, int(_value(step))), grad_scale=grad_scale,
+                          found_inf=found_inf, out=out)
+
+
+def elementwise(p: torch.Tensor, g: torch.Tensor, states: Sequence[Optional[torch.Tensor]],
+                c: Sequence[float]) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+    """The SGD math of :func:`sgd_step` on fp32 ``p`` and unscaled fp32 ``g``, in place;
+    ``states`` = (momentum_buffer or None,), ``c`` = ``SGD.coefficients(h, step)``. Returns
+    ``(p, states)``."""
+    weight_decay, momentum, one_minus_dampening, neg_lr, first, nesterov = c
+    (buf,) = states
     if weight_decay != 0.0:
-        g = g + param * weight_decay
-    if momentum != 0.0:
-        if _value(step) == 1:
-            momentum_buffer.copy_(g)
+        g = g + p * weight_decay
+    if buf is not None:
+        if first:
+            buf.copy_(g)
         else:
-            momentum_buffer.mul_(momentum).add_(g * (1.0 - dampening))
-        g = g + momentum_buffer * momentum if nesterov else momentum_buffer
-    param.add_(g * -lr)
-    if out is not None:
-        out.copy_(param)
-    return param
+            buf.mul_(momentum).add_(g * one_minus_dampening)
+        g = g + buf * momentum if nesterov else buf
+    p.add_(g * neg_lr)
+    return p, [buf]
