@@ -40,6 +40,7 @@ from typing import List, NamedTuple, Optional
 from ._cli import _UNITS, byte_size, output_file, param_count, parse_bytes, positive_int
 from .hf_params import (count_hf_config, gathered_from_hf_config, largest_unit_from_hf_config,
                         params_from_hf_config)
+from .optimizers import REGISTRY
 from .zero.planning.estimate import comm_seconds, estimate_memory, parse_dtype
 from .zero.planning.phases import PHASES, estimate_phases
 from .zero.planning.ladder import NoRungFitsError, choose_rung, ladder_rows, quantized_choices
@@ -364,13 +365,16 @@ def parse_args(argv):
     ap.add_argument("--unit", default="GB", choices=["GB", "GiB", "MB", "MiB", "KB", "KiB",
                                                      "B"])
     ap.add_argument("--optimizer", default="adamw", help="adamw (default: the fused AdamW, "
-                    "8 B/param of state) or a torch.optim element-wise class by name (sgd, "
-                    "adam, adagrad, rmsprop, ...): its state bytes per parameter; muon or "
+                    "8 B/param of state), a fused element-wise definition ("
+                    + ", ".join(n for n in REGISTRY if n != "adamw") + ": the bytes of its "
+                    "states) or a torch.optim element-wise class by name (adam, adagrad, "
+                    "rmsprop, ...): its state bytes per parameter; muon or "
                     "adafactor (whole matrices on owner ranks) also add the owners' exchanges "
                     "to comm (2·4·Ψ·(N-1)/N² per step)")
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="the fused AdamW's moments: fp32 (8 B/param), bf16 (4) or int8 "
-                    "blockwise (2 + 8 per block of 256)")
+                    "blockwise (2 + 8 per block of 256); a fused definition's states: the "
+                    "low-bit forms it lists (bf16: 2 B per state)")
     ap.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"],
                     help="the fused AdamW's master on the ZeRO rungs: fp32 (4 B/param) or "
                     "bf16 (with --param-dtype bf16: the weights themselves, 0 B/param; 2 with "

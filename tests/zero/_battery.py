@@ -48,6 +48,7 @@ from tests.zero._harness import (EPS, LR, chunk, clone_model, freeze_layers,
                                  world_mean, worst_param)
 from zkernels.reference.adamw_lowbit import (EXP_AVG_MANT_BITS, EXP_AVG_SQ_MANT_BITS,
                                              LowbitAdamW, decode_ratio)
+from zkernels.optimizers import AdEMAMix
 from zkernels.zero.planning.state_format import parse_state_dtype
 from zkernels.zero import LossScaleConfig, OffloadConfig
 
@@ -90,6 +91,13 @@ OPTIMS = {
 OPTIMS.update({
     "lion": ("lion", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=WD)),
     "sgd_fused": ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=WD)),
+    # AdEMAMix by name (the generic fused rule over its definition), against the authors'
+    # semantics in one process (zkernels.optimizers.AdEMAMix). beta3 = 0.99 and alpha = 5 make
+    # the slow EMA's term ~5% of the update from the first step, and both warm up, so that a
+    # wrong beta3 or alpha (the catches rows' faults) moves a step by ~1e-4, far beyond
+    # tol(float32).
+    "ademamix": ("ademamix", dict(lr=LR, betas=(0.9, 0.95, 0.99), alpha=5.0, beta3_warmup=3,
+                                  alpha_warmup=2, eps=EPS, weight_decay=WD)),
 })
 
 
@@ -116,7 +124,7 @@ class RefLion(torch.optim.Optimizer):
                 p.copy_(flat.view_as(p))
 
 
-ORACLES = {"lion": RefLion, "sgd": torch.optim.SGD}
+ORACLES = {"lion": RefLion, "sgd": torch.optim.SGD, "ademamix": AdEMAMix}
 # Whole-matrix classes ([Note: whole matrices on owners]): the class on the blocks' 2-D
 # matrices (the standard recipe: not the embeddings), the fused AdamW (torch.optim.AdamW in
 # the oracle) on the rest.
@@ -582,7 +590,12 @@ def master_fault(fault: Optional[str]):
 # A torch.optim row's fault: each piece's gradient shifted by one element inside the shard
 # (a wrong shard mapping: element i updated with element i+1's gradient).
 MAPPING_FAULT = "wrong_mapping"
-
+# An AdEMAMix row's faults: the ZeRO side runs another beta3 or alpha than the oracle (its
+# groups' values changed after construction; the rule reads them at every step).
+HPARAM_FAULTS = {
+    "wrong_beta3": lambda g: {"betas": (*g["betas"][:2], 0.999)},
+    "wrong_alpha": lambda g: {"alpha": g["alpha"] * 1.5},
+}
 
 
 def check_transfer_times(st: dict, wall_s: float) -> None:
@@ -705,6 +718,15 @@ ROWS = [
      TORCH_OPTIM_FULL),
     (R(1, steps=4, optim="sgd_fused"), ("parity",), TORCH_OPTIM_FULL),
     (R(2, steps=2, optim="lion"), (f"catches_{MAPPING_FAULT}",), TORCH_OPTIM_FULL),
+    # AdEMAMix (the generic fused rule): clipping, accumulation, offload, hybrid, bf16 compute
+    (R(2, steps=4, optim="ademamix"), ("parity",), TORCH_OPTIM),
+    (R(1, steps=4, optim="ademamix", micro=2), ("parity",), TORCH_OPTIM_FULL),
+    (R(3, offload="cpu", steps=3, optim="ademamix", clip=0.05), ("parity",), TORCH_OPTIM),
+    (R(3, offload="nvme", steps=3, optim="ademamix", micro=2), ("parity",), TORCH_OPTIM_FULL),
+    (R(3, shard_size=2, steps=3, optim="ademamix", clip=0.05), ("parity",), HYBRID),
+    (R(2, "bf16", shard_size=2, steps=3, optim="ademamix"), ("parity",), HYBRID),
+    (R(3, "bf16", steps=3, optim="ademamix", micro=2), ("parity",), TORCH_OPTIM_FULL),
+    *[(R(2, steps=2, optim="ademamix"), (f"catches_{f}",), TORCH_OPTIM) for f in HPARAM_FAULTS],
     # NVMe offload with a rule's state in files ([Note: rule state on NVMe]; the master in
     # host RAM): a torch class and the fused Lion
     (R(2, offload="nvme", nvme_master=False, steps=4, optim="adagrad", clip=0.05),

@@ -149,8 +149,11 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None, row=None):
     assert comm["total"] == comm["within_group"] + comm["across_groups"], comm
     mem = opt.stats()["memory_bytes"]
     fmt = opt.state_formats[0]   # (state: the row's state_dtype, one group)
-    assert mem["optimizer_states"] == sum(state_bytes(u.layout.shard_numel, fmt)
-                                          for u in opt.units), mem
+    spec = opt.optimizer_specs[0]   # (the fused AdamW's bytes, or the group's rule's per element)
+    per = spec.state_bytes("fp32" if fmt is None else fmt.name) if not spec.fused else None
+    assert mem["optimizer_states"] == sum(
+        state_bytes(u.layout.shard_numel, fmt) if per is None else per * u.layout.shard_numel
+        for u in opt.units), mem
     assert (fmt is None) == (state is None)
     assert mem["params"] == pb * (shard if stage == 3 else padded), mem
     assert mem["grads"] == (4 * padded if stage == 1 else 4 * shard), mem
@@ -163,7 +166,7 @@ def hybrid_traffic_memory(opt, ws, stage, offload, K, state=None, row=None):
         assert mem["total"] == sum(mem[k] for k in ("params", "grads", "master",
                                                      "optimizer_states")), mem
     kw = dict(offload=offload, state_dtype=state, param_dtype=opt.param_dtype,
-              master_dtype=mdt)
+              master_dtype=mdt, optimizer=spec)
     est = zk.estimate_memory(make_model(), ws, stage, shard_size=K, **kw)
     plain = zk.estimate_memory(make_model(), K, stage, **kw)
     for kind in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_states_bytes"):

@@ -121,6 +121,9 @@ def _parity(rank, ws, row, model, opt, ref, frozen_before, fault) -> dict:
             mstep = mx.step
             mx.step = lambda comm, meter, shards, *a: mstep(comm, meter,
                                                            [g.roll(1) for g in shards], *a)
+    if fault in _battery.HPARAM_FAULTS:
+        for g in opt.param_groups:
+            g.update(_battery.HPARAM_FAULTS[fault](g))
     if fault == _battery.SCALE_FAULT:
         opt.shard_update.place.step_ops = _battery.BrokenScale(opt.shard_update.place.step_ops)
     grad_factor = ws / (ws + 1) if fault == "wrong_mean" else 1.0

@@ -110,8 +110,11 @@ def test_bad_input_is_named(tmp_path):
         ZeroOptimizer(m, state_dtype="int8", state_block_size=100)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['state_dtype'\]"):
         ZeroOptimizer(m, param_groups=[{"params": m.parameters(), "state_dtype": "int2"}])
-    with pytest.raises(ValueError, match="applies to the fused AdamW only"):
+    with pytest.raises(ValueError, match=r"state_dtype='bf16' is not supported by "
+                                         r"optimizer='sgd': no low-bit SGD body"):
         ZeroOptimizer(m, optimizer="sgd", lr=0.1, state_dtype="bf16")
+    with pytest.raises(ValueError, match="applies to the fused AdamW only"):   # a torch class
+        ZeroOptimizer(m, optimizer=torch.optim.SGD, lr=0.1, state_dtype="bf16")
 
 
 @pytest.mark.parametrize("state", ["bf16", "int8"])

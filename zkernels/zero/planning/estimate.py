@@ -649,10 +649,15 @@ def estimate_memory(model_or_num_params: Union[torch.nn.Module, int, float], wor
             [spec]) if isinstance(model_or_num_params, torch.nn.Module)
             else balanced_exchange_bytes(c.n_psi, c.big_n) if cfg.stage else 0)
     if cfg.state.state_dtype is not None:   # low-bit moments (planning/state_format.py)
-        if not spec.fused:
+        fmt = StateFormat(cfg.state.state_dtype, cfg.state.block_size)
+        if spec.definition is not None:   # a fused element-wise rule's low-bit form
+            spec.definition.check_form(fmt.name, "estimate_memory: state_dtype")
+            c = replace(c, state_bytes=spec.state_bytes(fmt.name))
+        elif not spec.fused:
             raise ValueError(f"estimate_memory: state_dtype applies to the fused AdamW only "
                              f"(got optimizer {spec.name})")
-        c = replace(c, state_format=StateFormat(cfg.state.state_dtype, cfg.state.block_size))
+        else:
+            c = replace(c, state_format=fmt)
     kinds = dict(_states(c), buffers=_buffers(c), transient=_transient(c))
     device, host, disk = _offload_split(c, kinds)
     comm, across, h2d, disk_io = _traffic(c, disk)

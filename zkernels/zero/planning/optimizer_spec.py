@@ -11,9 +11,11 @@ A group's optimizer is one of two update rules, chosen at construction:
   are its parameters (views into the fp32 master shard), their gradients views of the
   (unscaled) gradient shard, and its state lives with the pieces (``state/torch_rule.py``).
 
-Names select a rule too: ``"adamw"``; ``"lion"`` and ``"sgd"``, the fused Lion and SGD ops
-(``zkernels.ops.lion_step`` / ``sgd_step``: reference, Triton, C++; [Note: fused Lion and SGD] in
-``state/fused_rule.py``); and the lower-case names of the other classes of :data:`ELEMENTWISE` and
+Names select a rule too: ``"adamw"``; the name of every other element-wise definition of
+``zkernels.optimizers.REGISTRY`` (``"lion"``, ``"sgd"``, ...), whose fused op
+(``zkernels.ops.optimizer_step``: reference, Triton, C++) runs on the shard ([Note: fused
+element-wise rules] in ``state/fused_rule.py``): its keywords, defaults, checks and state bytes
+are the definition's, so a new definition needs no edit here; and the lower-case names of the other classes of :data:`ELEMENTWISE` and
 :data:`MATRIX` (``"adagrad"``, ``"muon"``, ...), which run the torch class (``torch.optim.SGD``
 itself: pass the class). The matrix classes of :data:`MATRIX` (``torch.optim.Muon``,
 ``torch.optim.Adafactor``: Newton-Schulz and the row/column factors read the whole matrix) run on
@@ -34,7 +36,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ... import ops as _ops
+from ...optimizers import REGISTRY, ElementwiseOptimizer
 
 # Element-wise torch.optim classes and their fp32 state bytes per element (hyperparameters).
 _O = torch.optim
@@ -60,12 +62,9 @@ MATRIX: Dict[type, Callable[[dict], int]] = {
     _O.Muon: lambda h: 8,
     _O.Adafactor: lambda h: 4,
 }
-# The fused ops a name selects, with their hyperparameters' defaults (as torch's SGD; Lion's
-# as the Lion paper's).
-KERNELS: Dict[str, Dict[str, object]] = {
-    "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0),
-    "sgd": dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False),
-}
+# The fused element-wise rules a name selects: every definition but the fused AdamW (which
+# keeps its own rule, bytes and checkpoints).
+KERNELS: Dict[str, ElementwiseOptimizer] = {n: d for n, d in REGISTRY.items() if n != "adamw"}
 NAMES: Dict[str, type] = {c.__name__.lower(): c for c in (*ELEMENTWISE, *MATRIX)
                           if c.__name__.lower() not in KERNELS}
 ADAMW_STATE_BYTES = 8
@@ -82,11 +81,12 @@ class OptimizerSpec:
     """One param group's update rule (see [Note: optimizer rules]).
 
     Attributes:
-        name: ``"adamw"`` (the fused AdamW), ``"lion"`` / ``"sgd"`` (the fused ops) or the
-            torch class's name (``"SGD"``).
+        name: ``"adamw"`` (the fused AdamW), a definition's name (a fused element-wise rule:
+            ``"lion"``, ``"sgd"``, ...) or the torch class's name (``"SGD"``).
         cls: the torch class (None for the fused ops).
         defaults: the class's hyperparameters with the given keywords applied (what its
-            param groups carry); for the fused AdamW empty (the groups carry lr, betas, ...).
+            param groups carry; a definition's: resolved by it); for the fused AdamW empty
+            (the groups carry lr, betas, ...).
     """
 
     name: str
@@ -99,19 +99,21 @@ class OptimizerSpec:
         return self.cls is None and self.name == "adamw"
 
     @property
-    def kernel(self) -> Optional[str]:
-        """``"lion"`` or ``"sgd"`` where the group runs that fused op, else None."""
-        return self.name if self.cls is None and self.name in KERNELS else None
+    def definition(self) -> Optional[ElementwiseOptimizer]:
+        """The element-wise definition the group's fused rule runs (:data:`KERNELS`), else
+        None."""
+        return KERNELS.get(self.name) if self.cls is None else None
 
     @property
     def matrix(self) -> bool:
         """Whether the class updates whole parameters on an owner rank (:data:`MATRIX`)."""
         return self.cls in MATRIX
 
-    def state_bytes(self) -> int:
-        """fp32 state bytes per trainable element under the spec's hyperparameters."""
-        if self.kernel is not None:   # Lion's exp_avg; SGD's momentum buffer when it has one
-            return 4 if self.kernel == "lion" or self.defaults.get("momentum", 0) else 0
+    def state_bytes(self, form: str = "fp32") -> int:
+        """State bytes per trainable element under the spec's hyperparameters (``form``: a
+        definition's low-bit state form, "bf16"; the fused AdamW's and a class's: fp32)."""
+        if self.definition is not None:   # the definition's present states, in ``form``
+            return int(self.definition.state_bytes(self.defaults, form))
         if self.cls is None:
             return ADAMW_STATE_BYTES
         rule = ELEMENTWISE.get(self.cls) or MATRIX.get(self.cls)
@@ -127,7 +129,7 @@ def _class_of(optimizer, where: str):
             return key
         if key not in NAMES:
             raise ValueError(f"{where}optimizer={optimizer!r} is not a known name: expected "
-                             f"'adamw', 'lion', 'sgd' or one of {sorted(NAMES)}, or a "
+                             f"one of {sorted({'adamw', *KERNELS, *NAMES})}, or a "
                              f"torch.optim.Optimizer subclass")
         return NAMES[key]
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
@@ -176,28 +178,15 @@ def resolve_optimizer(optimizer, hparams: dict, elementwise: bool = False,
     return OptimizerSpec(cls.__name__, cls, defaults)
 
 
-
 def _kernel_spec(name: str, hparams: dict, where: str) -> OptimizerSpec:
-    """The fused Lion / SGD op's spec; its hyperparameters checked by the op on one element."""
-    defaults = KERNELS[name]
-    extra = sorted(set(hparams) - set(defaults))
+    """A fused element-wise rule's spec: its keywords, defaults and checks the definition's."""
+    defn = KERNELS[name]
+    extra = sorted(set(hparams) - set(defn.defaults))
     if extra:
         raise TypeError(f"{where}optimizer={name!r} (the fused op) takes "
-                        f"{', '.join(defaults)}; got unexpected keywords {extra}")
-    h = {**defaults, **hparams}
-    p, g = torch.zeros(1), torch.zeros(1)   # (the op's own checks: one element on the CPU)
+                        f"{', '.join(defn.defaults)}; got unexpected keywords {extra}")
     try:
-        if name == "lion":
-            b1, b2 = h["betas"]
-            _ops.lion_step(p, g, torch.zeros(1), lr=float(h["lr"]), beta1=float(b1),
-                           beta2=float(b2), weight_decay=float(h["weight_decay"]))
-        else:
-            _ops.sgd_step(p, g, torch.zeros(1) if h["momentum"] else None, lr=float(h["lr"]),
-                          momentum=float(h["momentum"]), dampening=float(h["dampening"]),
-                          weight_decay=float(h["weight_decay"]), nesterov=bool(h["nesterov"]),
-                          step=1)
-    except (ValueError, TypeError) as exc:
-        raise type(exc)(f"{where}optimizer={name!r}: {exc}") from exc
-    if name == "lion":
-        h["betas"] = tuple(h["betas"])
+        h = defn.resolve(**hparams)
+    except ValueError as exc:
+        raise ValueError(f"{where}optimizer={name!r}: {exc}") from exc
     return OptimizerSpec(name, None, h)

@@ -1,4 +1,5 @@
-"""The fused AdamW's state format per param group: fp32, bf16 or blockwise int8 moments.
+"""The state format per param group: fp32, bf16 or blockwise int8 moments (the fused AdamW),
+or a fused element-wise rule's low-bit form (those its definition lists: bf16 states).
 
 ``ZeroOptimizer(state_dtype=...)`` (and a param group's ``"state_dtype"`` key) are read here,
 once: :func:`split_group_formats` takes the key out of the groups (a torch class never sees it)
@@ -92,18 +93,22 @@ def group_formats(specs: Sequence, keys: Sequence, state_dtype, block_size: int
             ``StateConfig``).
 
     Raises:
-        ValueError: a low-bit format asked of a group that runs a torch class (named).
+        ValueError: a low-bit format asked of a group that runs a torch class, or a form the
+            group's definition does not have (named).
     """
     out = []
     for gi, spec in enumerate(specs):
         key = keys[gi] if gi < len(keys) else ...
         where = "state_dtype" if key is ... else f"param_groups[{gi}]['state_dtype']"
         dtype = state_dtype if key is ... else parse_state_dtype(key, where)
-        if dtype is not None and not spec.fused:
+        fmt = None if dtype is None else StateFormat(dtype, block_size)
+        if fmt is not None and spec.definition is not None:   # a fused element-wise rule:
+            spec.definition.check_form(fmt.name, where)        # the forms its definition has
+        elif fmt is not None and not spec.fused:
             raise ValueError(f"{where}={dtype!r} applies to the fused AdamW only; "
                              f"param_groups[{gi}] runs torch.optim.{spec.name}, whose state "
                              f"the class keeps in fp32 (give that group 'state_dtype': None)")
-        out.append(None if dtype is None else StateFormat(dtype, block_size))
+        out.append(fmt)
     return out
 
 

@@ -4,7 +4,7 @@ lives.
 See [Note: parameters and state] in ``units.py`` and [Note: state places] in ``places.py``.
 The engine allocates each unit's :class:`~zkernels.zero.state.shard_state.ShardState` from its
 injected place, dispatches the unit's update by rule (the fused AdamW, low-bit moments, a
-torch.optim class, the fused Lion/SGD, whole matrices on owners), runs one fused AdamW per
+torch.optim class, a fused element-wise definition, whole matrices on owners), runs one fused AdamW per
 sub-group the place yields, over the live parameters' ranges, with the place's OpSet, and
 writes the updated parameters where the unit's shard says: in place where it ``holds`` the
 step's memory, into its file where it is ``in_file``, else by the place's copy to the device.
@@ -34,7 +34,7 @@ from .torch_rule import TorchShardRule
 
 def fused_adamw(spec) -> bool:
     """A group of ``spec`` runs the fused AdamW (no rule: ``init_state``'s last branches)."""
-    return spec is None or spec.fused and spec.kernel is None and not spec.matrix
+    return spec is None or spec.fused and spec.definition is None and not spec.matrix
 
 
 def adamw_slot_moments(specs: Sequence, formats: Sequence) -> Tuple[int, int]:
@@ -173,8 +173,8 @@ class UpdateEngine:
                                            place.whole_store())
             self.matrix.add_unit(rec)
             rec.rule = MatrixUnitRule(self.matrix, unit.index)
-        elif spec is not None and spec.kernel is not None:   # fused Lion / SGD (fused_rule)
-            rec.rule = FusedShardRule(spec, master, pieces, place.step_ops)
+        elif spec is not None and spec.definition is not None:   # a fused element-wise rule
+            rec.rule = FusedShardRule(spec, master, pieces, place.step_ops, fmt)
         elif spec is not None and not spec.fused:   # the class allocates its own state
             rec.rule = TorchShardRule(spec, master, pieces)
         elif fmt is not None:

@@ -187,28 +187,31 @@ class NvmeFiles:
             raise OffloadIOError(f"no space left under offload_dir: {who} {need} bytes "
                                  f"{what}in {self.folder}, {st.f_bavail * st.f_frsize} are free")
 
-    def create_file(self, index: int, kind: str, numel: int) -> SwapFile:
-        """A new fp32 swap file of unit ``index`` beside the AdamW kinds (a rule's state key:
-        ``rule_swap.py``), counted by :meth:`disk_bytes` and :meth:`check_sizes` and removed
-        with the folder (its data written by the caller).
+    def create_file(self, index: int, kind: str, numel: int,
+                    dtype: torch.dtype = torch.float32) -> SwapFile:
+        """A new swap file (of ``dtype``) of unit ``index`` beside the AdamW kinds (a rule's
+        state key: ``rule_swap.py``), counted by :meth:`disk_bytes` and :meth:`check_sizes`
+        and removed with the folder (its data written by the caller).
 
         Raises:
             OffloadIOError: no space for it, or it cannot be created.
         """
-        self._check_space(round_up(numel * 4) + IO_ALIGN, f"unit {index}'s {kind} needs")
+        self._check_space(round_up(numel * dtype.itemsize) + IO_ALIGN,
+                          f"unit {index}'s {kind} needs")
         f = SwapFile.create(self._path(index, kind), numel, kind, index, self.rank,
-                            self.world_size, self.direct_io)
+                            self.world_size, self.direct_io, dtype)
         self._files.append({kind: f})
         return f
 
-    def open_file(self, index: int, kind: str, numel: int) -> SwapFile:
+    def open_file(self, index: int, kind: str, numel: int,
+                  dtype: torch.dtype = torch.float32) -> SwapFile:
         """Resuming: the kept file :meth:`create_file` made (checked, registered alike).
 
         Raises:
             OffloadIOError: missing, or of another unit, rank, kind or size.
         """
         f = SwapFile.open_existing(self._path(index, kind), numel, kind, index, self.rank,
-                                   self.world_size, self.direct_io)
+                                   self.world_size, self.direct_io, dtype)
         self._files.append({kind: f})
         return f
 

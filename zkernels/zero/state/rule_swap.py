@@ -1,10 +1,11 @@
-"""A rule's state in swap files (``offload="nvme"`` with a torch.optim class or the fused
-Lion / SGD): in host RAM only while its unit updates.
+"""A rule's state in swap files (``offload="nvme"`` with a torch.optim class or a fused
+element-wise rule): in host RAM only while its unit updates.
 
 [Note: rule state on NVMe]
 A :class:`~zkernels.zero.state.torch_rule.TorchShardRule` or
 :class:`~zkernels.zero.state.fused_rule.FusedShardRule` keeps its element-wise state as flat
-[shard_numel] fp32 buffers, one per state key (``rule.flat``). With NVMe offload
+[shard_numel] buffers, one per state key (``rule.flat``: fp32, or a fused rule's bf16 form,
+whose files are bf16). With NVMe offload
 :class:`SwappedRule` wraps the rule: each key's buffer is one swap file of the run's folder
 (``unit00003.rule-momentum_buffer.swap``, the format of ``swap.py``, registered with
 ``NvmeFiles`` so ``stats()`` counts it on disk, the size check before a step covers it and
@@ -99,7 +100,8 @@ class SwappedRule:
         if info["master"]:
             self.master_file = self.files.open_file(self.unit, "master", self.numel)
         for k in info["keys"]:
-            self.swaps[k] = self.files.open_file(self.unit, f"rule-{k}", self.numel)
+            self.swaps[k] = self.files.open_file(self.unit, f"rule-{k}", self.numel,
+                                                 self.rule.state_dtype)
         self._pending = list(info["pieces"])
 
     def _kept_states(self, flat: Dict[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
@@ -156,7 +158,7 @@ class SwappedRule:
             buf = aligned_empty(f.data_bytes)
             futs.append(self.files.io.read(f, buf, 0, f.data_bytes))
             self._bufs[k] = buf
-            flat[k] = buf.view(torch.float32)[:self.numel]
+            flat[k] = buf.view(f.dtype)[:self.numel]
         for fu in futs:
             fu.result()
         if self._master_buf is not None:
@@ -171,11 +173,12 @@ class SwappedRule:
         for k, t in flat.items():
             buf = self._bufs.get(k)
             if buf is None or buf.data_ptr() != t.data_ptr():   # a key the rule just made
-                buf = aligned_empty(round_up(self.numel * 4))
-                buf.view(torch.float32)[self.numel:].zero_()
-                buf.view(torch.float32)[:self.numel].copy_(t)
+                buf = aligned_empty(round_up(self.numel * t.element_size()))
+                buf.view(t.dtype)[self.numel:].zero_()
+                buf.view(t.dtype)[:self.numel].copy_(t)
             if k not in self.swaps:
-                self.swaps[k] = self.files.create_file(self.unit, f"rule-{k}", self.numel)
+                self.swaps[k] = self.files.create_file(self.unit, f"rule-{k}", self.numel,
+                                                       t.dtype)
             futs.append(self.files.io.write(self.swaps[k], buf, 0, self.swaps[k].data_bytes))
         if self._master_buf is not None:
             f = self.master_file

@@ -27,9 +27,10 @@ from ..planning.optimizer_spec import OptimizerSpec
 
 
 def load_piece(flat: Dict[str, torch.Tensor], master: torch.Tensor, key: str,
-               t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    """Copy a piece's element-wise state ``t`` into ``flat[key]`` (a [shard_numel] fp32 buffer
-    beside ``master``, made on first use) at ``start``; return the piece's view of it.
+               t: torch.Tensor, start: int, n: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Copy a piece's element-wise state ``t`` into ``flat[key]`` (a [shard_numel] buffer of
+    ``dtype`` beside ``master``, made on first use) at ``start``; return the piece's view of it.
 
     Raises:
         ValueError: ``t`` does not have the piece's ``n`` elements.
@@ -37,7 +38,7 @@ def load_piece(flat: Dict[str, torch.Tensor], master: torch.Tensor, key: str,
     if t.numel() != n:
         raise ValueError(f"state {key!r} has {t.numel()} elements, the piece {n}")
     if key not in flat:
-        flat[key] = torch.zeros_like(master)
+        flat[key] = torch.zeros_like(master, dtype=dtype)
     view = flat[key][start:start + n]
     view.copy_(t.reshape(-1))
     return view
@@ -50,6 +51,7 @@ class FlatStateRule:
 
     master: torch.Tensor
     flat: Dict[str, torch.Tensor]
+    state_dtype: torch.dtype = torch.float32   # the flat buffers' (a fused rule's bf16 form)
 
     def master_written(self) -> None:
         """The master was written from outside a step (nothing to do: the rule reads it)."""
