@@ -111,20 +111,11 @@ def has_optimizer(backend: str, defn, fp32: bool) -> bool:
     mod = _module(backend) if available(backend) else None
     if mod is None or not (fp32 or backend != "cpp"):
         return False
-    if backend == "cpp" and _legacy_cpu().supports(defn.name):
-        return True
     return hasattr(mod, "optimizer_step") and defn.name in getattr(mod, "OPTIMIZER_KINDS", ())
 
 
-def _legacy_cpu() -> ModuleType:
-    return importlib.import_module("zkernels.ops._legacy_cpu")
-
-
 def optimizer_function(backend: str, defn) -> Callable:
-    """``backend``'s ``optimizer_step`` for ``defn`` (the transitional per-optimizer C++
-    bindings, ``_legacy_cpu.py``, until the generic one is built)."""
-    if backend == "cpp" and _legacy_cpu().supports(defn.name):
-        return _legacy_cpu().optimizer_step
+    """``backend``'s ``optimizer_step`` for ``defn``."""
     return _module(backend).optimizer_step
 
 
