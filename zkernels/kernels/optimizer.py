@@ -11,7 +11,6 @@ returns rounded to nearest even in each buffer's dtype (the bf16 state form incl
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -101,11 +100,8 @@ def body(defn):
     Raises:
         ValueError: a definition without one here.
     """
-    name = optimizers.get(defn).name
-    if name not in OPTIMIZER_KINDS:
-        raise ValueError(f"zkernels.kernels has no generic step for optimizer={name!r} "
-                         f"(it has {OPTIMIZER_KINDS})")
-    return importlib.import_module(f"{__package__}.{name}").BODY
+    return optimizers.backend_math(defn, __package__, OPTIMIZER_KINDS, "BODY",
+                                   "zkernels.kernels")
 
 
 def optimizer_step(defn, param: torch.Tensor, grad: torch.Tensor,

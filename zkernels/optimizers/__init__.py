@@ -5,6 +5,8 @@ the planners, checkpoints and the config readers. The bottom layer (imports torc
 Attributes:
     REGISTRY: name -> :class:`ElementwiseOptimizer` ("adamw", "lion", "sgd", "ademamix").
 """
+import importlib
+
 from types import MappingProxyType
 
 from ._definition import ElementwiseOptimizer, HParam, StateSpec
@@ -30,5 +32,18 @@ def get(name_or_defn) -> ElementwiseOptimizer:
                      f"got {name_or_defn!r}")
 
 
-__all__ = ["ElementwiseOptimizer", "HParam", "StateSpec", "REGISTRY", "get", "ADAMW", "LION",
+def backend_math(defn, package: str, kinds, attr: str, where: str):
+    """A backend's per-element math for ``defn``: the attribute ``attr`` of the module
+    ``<package>.<name>`` (each backend keeps one module per optimizer it lists in ``kinds``).
+
+    Raises:
+        ValueError: ``where`` (the backend, for the message) has no step for ``defn``.
+    """
+    name = get(defn).name
+    if name not in kinds:
+        raise ValueError(f"{where} has no generic step for optimizer={name!r} (it has {kinds})")
+    return getattr(importlib.import_module(f"{package}.{name}"), attr)
+
+
+__all__ = ["ElementwiseOptimizer", "HParam", "StateSpec", "REGISTRY", "get", "backend_math", "ADAMW", "LION",
            "SGD", "ADEMAMIX", "AdEMAMix"]

@@ -15,7 +15,6 @@ it.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -39,11 +38,8 @@ def elementwise(defn):
     Raises:
         ValueError: a definition without one here.
     """
-    name = optimizers.get(defn).name
-    if name not in OPTIMIZER_KINDS:
-        raise ValueError(f"the reference has no generic step for optimizer={name!r} "
-                         f"(it has {OPTIMIZER_KINDS})")
-    return importlib.import_module(f"{__package__}.{name}").elementwise
+    return optimizers.backend_math(defn, __package__, OPTIMIZER_KINDS, "elementwise",
+                                   "the reference")
 
 
 def optimizer_step(defn, param: torch.Tensor, grad: torch.Tensor,
