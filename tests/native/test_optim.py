@@ -290,4 +290,5 @@ def test_public_ops_dispatch_to_cpp(native_C, monkeypatch):
     monkeypatch.delenv("ZKERNELS_BACKEND", raising=False)
     for op in ("lion_step", "sgd_step"):
         assert zkernels.ops.choose(op, torch.device("cpu")) == "cpp"
-        assert zkernels.ops.for_device("cpu").backends[op] == "cpp"
+    for name in ("lion", "sgd", "ademamix"):
+        assert zkernels.ops.for_device("cpu").optimizer_backend(name) == "cpp"

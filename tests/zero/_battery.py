@@ -726,7 +726,7 @@ ROWS = [
     (R(3, shard_size=2, steps=3, optim="ademamix", clip=0.05), ("parity",), HYBRID),
     (R(2, "bf16", shard_size=2, steps=3, optim="ademamix"), ("parity",), HYBRID),
     (R(3, "bf16", steps=3, optim="ademamix", micro=2), ("parity",), TORCH_OPTIM_FULL),
-    *[(R(2, steps=2, optim="ademamix"), (f"catches_{f}",), TORCH_OPTIM) for f in HPARAM_FAULTS],
+    (R(2, steps=2, optim="ademamix"), tuple(f"catches_{f}" for f in HPARAM_FAULTS), TORCH_OPTIM),
     # NVMe offload with a rule's state in files ([Note: rule state on NVMe]; the master in
     # host RAM): a torch class and the fused Lion
     (R(2, offload="nvme", nvme_master=False, steps=4, optim="adagrad", clip=0.05),
